@@ -1,0 +1,1 @@
+"""Multi-teacher on-policy distillation: model family, sampler, sharded training, OPD."""

@@ -1,0 +1,150 @@
+"""Meshes and logical→mesh sharding (mesh axes ``data``, ``fsdp``, ``tensor``).
+
+Parameters carry logical axis names (see ``opd.models.decoder``); a short rule
+table, kept in the experiment config, maps them to mesh axes. The helpers
+here fail loudly: a mesh that does not match the device count raises, a rule
+table that names an unknown mesh axis raises, a dimension that the mesh does
+not divide is replicated *and logged*, and ``check_sharded`` raises when a
+large parameter is left fully replicated on a multi-device mesh.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Iterable, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+log = logging.getLogger(__name__)
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical name -> mesh axis (or tuple of axes, or None for replicated).
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("length", None),
+    ("cache_length", None),
+    ("norm", None),
+    ("scalar", None),
+)
+
+
+def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all devices).
+
+  Raises ValueError naming the shape and the device count when they disagree.
+  """
+  shape = tuple(int(s) for s in shape)
+  if len(shape) != len(MESH_AXES):
+    raise ValueError(f"mesh shape {shape} must have {len(MESH_AXES)} entries for axes {MESH_AXES}")
+  if any(s <= 0 for s in shape):
+    raise ValueError(f"mesh shape {shape} must be positive")
+  devices = list(jax.devices() if devices is None else devices)
+  if math.prod(shape) != len(devices):
+    raise ValueError(
+        f"mesh shape {dict(zip(MESH_AXES, shape))} needs {math.prod(shape)} devices "
+        f"but {len(devices)} are available")
+  if jax.process_count() > 1 and len(devices) == jax.device_count():
+    # Multi-host: lay devices out so that each host's devices are contiguous.
+    from jax.experimental import mesh_utils
+    grid = mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
+  else:
+    grid = np.asarray(devices, dtype=object).reshape(shape)
+  return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def validate_rules(rules: Iterable[tuple[str, Any]]) -> tuple[tuple[str, Any], ...]:
+  """Checks a rule table: every target is None, a mesh axis, or a tuple of them."""
+  out = []
+  seen = set()
+  for item in rules:
+    if len(item) != 2:
+      raise ValueError(f"sharding rule {item!r} must be (logical_name, mesh_axes)")
+    name, target = item
+    if name in seen:
+      raise ValueError(f"sharding rules name logical axis {name!r} twice")
+    seen.add(name)
+    targets = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+    for t in targets:
+      if t not in MESH_AXES:
+        raise ValueError(f"sharding rule for {name!r} names mesh axis {t!r}; known: {MESH_AXES}")
+    out.append((name, target if isinstance(target, (str, type(None))) else tuple(target)))
+  return tuple(out)
+
+
+def _axis_size(mesh: Mesh, entry) -> int:
+  if entry is None:
+    return 1
+  names = (entry,) if isinstance(entry, str) else entry
+  return math.prod(mesh.shape[n] for n in names)
+
+
+def logical_to_sharding(logical_spec: P, shape: Sequence[int], mesh: Mesh, rules,
+                        name: str = "") -> NamedSharding:
+  """One array's NamedSharding; dimensions the mesh does not divide are replicated (logged)."""
+  mesh_spec = nn.logical_to_mesh_axes(logical_spec, rules)
+  entries = list(mesh_spec) + [None] * (len(shape) - len(mesh_spec))
+  for i, (dim, entry) in enumerate(zip(shape, entries)):
+    size = _axis_size(mesh, entry)
+    if size > 1 and dim % size:
+      log.warning("%s: dim %d of shape %s is not divisible by mesh axes %s (size %d); "
+                  "replicating that dim", name or "array", i, tuple(shape), entry, size)
+      entries[i] = None
+  return NamedSharding(mesh, P(*entries))
+
+
+def tree_shardings(logical_specs, abstract_tree, mesh: Mesh, rules):
+  """Maps a pytree of logical specs (and matching shapes) to NamedShardings."""
+  rules = validate_rules(rules)
+  paths_specs = jax.tree_util.tree_flatten_with_path(
+      logical_specs, is_leaf=lambda x: isinstance(x, P))[0]
+  leaves, treedef = jax.tree_util.tree_flatten(abstract_tree)
+  if len(paths_specs) != len(leaves):
+    raise ValueError(f"logical specs have {len(paths_specs)} leaves but the tree has {len(leaves)}")
+  out = [logical_to_sharding(spec, leaf.shape, mesh, rules, jax.tree_util.keystr(path))
+         for (path, spec), leaf in zip(paths_specs, leaves)]
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh: Mesh, rules=DEFAULT_RULES, ndim: int = 2) -> NamedSharding:
+  """Shards the leading (batch) dim over the mesh axes the rules give ``batch``."""
+  spec = nn.logical_to_mesh_axes(("batch",) + (None,) * (ndim - 1), validate_rules(rules))
+  return NamedSharding(mesh, spec)
+
+
+def check_sharded(tree, *, min_size: int = 2 ** 14, what: str = "params") -> list[str]:
+  """Raises if an array with >= ``min_size`` elements is fully replicated.
+
+  Only meaningful on a mesh with more than one device on its model axes
+  (``fsdp`` x ``tensor`` > 1); otherwise returns the list of replicated
+  names without raising. Returns the names of replicated small arrays.
+  """
+  offenders, small = [], []
+  model_axes = 1
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+      continue
+    model_axes = max(model_axes, sharding.mesh.shape.get("fsdp", 1) * sharding.mesh.shape.get("tensor", 1))
+    if sharding.is_fully_replicated:
+      (offenders if x.size >= min_size else small).append(f"{jax.tree_util.keystr(path)} {x.shape}")
+  if small:
+    log.info("%s left replicated (small): %s", what, ", ".join(small))
+  if offenders and model_axes > 1:
+    raise ValueError(
+        f"{len(offenders)} large {what} (>= {min_size} elements) are fully replicated on a "
+        f"mesh with fsdp*tensor={model_axes}: {offenders}. Check the logical axis rules.")
+  return small + offenders

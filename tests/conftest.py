@@ -1,0 +1,18 @@
+"""Test-wide set-up.
+
+Eight fake CPU devices are requested here, once, before anything imports jax,
+so that mesh tests can build (8,1,1), (2,2,2) and (1,4,2) meshes. Tests that
+need a single device use ``jax.devices()[:1]`` explicitly.
+"""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "")
+if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Keep each xdist worker to one intra-op thread pool of reasonable size.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import jax  # noqa: E402  (must come after XLA_FLAGS)
+
+jax.config.update("jax_default_matmul_precision", "highest")
