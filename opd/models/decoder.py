@@ -13,11 +13,13 @@ them to the mesh axes ``data``, ``fsdp``, ``tensor``.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from opd.models.config import ModelConfig
 
@@ -75,7 +77,23 @@ def default_positions(mask: Array) -> Array:
   return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def _param(module: nn.Module, name: str, init, shape, axes, dtype):
+def init_kind(name: str) -> str:
+  """How a parameter is initialised, from its name alone: "ones" for norm
+  scales, "zeros" for biases, "normal" (std 0.02) otherwise. ``init_params``
+  relies on this one rule to draw every normal parameter in a single op."""
+  if name == "scale":
+    return "ones"
+  if name.endswith("bias"):
+    return "zeros"
+  return "normal"
+
+
+_INITIALIZERS = {"ones": nn.initializers.ones, "zeros": nn.initializers.zeros,
+                 "normal": nn.initializers.normal(_INIT_STD)}
+
+
+def _param(module: nn.Module, name: str, shape, axes, dtype):
+  init = _INITIALIZERS[init_kind(name)]
   return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 
 
@@ -86,7 +104,7 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],), ("norm",),
+    scale = _param(self, "scale", (x.shape[-1],), ("norm",),
                    self.param_dtype)
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
@@ -120,20 +138,18 @@ class Attention(nn.Module):
     cfg = self.cfg
     dt, pdt = cfg.compute_dtype, cfg.storage_dtype
     D, H, K, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
-    init = nn.initializers.normal(_INIT_STD)
-    wq = _param(self, "q", init, (D, H, Dh), ("embed", "q_heads", "head_dim"), pdt)
-    wk = _param(self, "k", init, (D, K, Dh), ("embed", "kv_heads", "head_dim"), pdt)
-    wv = _param(self, "v", init, (D, K, Dh), ("embed", "kv_heads", "head_dim"), pdt)
-    wo = _param(self, "o", init, (H, Dh, D), ("q_heads", "head_dim", "embed"), pdt)
+    wq = _param(self, "q", (D, H, Dh), ("embed", "q_heads", "head_dim"), pdt)
+    wk = _param(self, "k", (D, K, Dh), ("embed", "kv_heads", "head_dim"), pdt)
+    wv = _param(self, "v", (D, K, Dh), ("embed", "kv_heads", "head_dim"), pdt)
+    wo = _param(self, "o", (H, Dh, D), ("q_heads", "head_dim", "embed"), pdt)
     x = x.astype(dt)
     q = jnp.einsum("BTD,DHE->BTHE", x, wq.astype(dt))
     k = jnp.einsum("BTD,DKE->BTKE", x, wk.astype(dt))
     v = jnp.einsum("BTD,DKE->BTKE", x, wv.astype(dt))
     if cfg.qkv_bias:
-      zeros = nn.initializers.zeros
-      q = q + _param(self, "q_bias", zeros, (H, Dh), ("q_heads", "head_dim"), pdt).astype(dt)
-      k = k + _param(self, "k_bias", zeros, (K, Dh), ("kv_heads", "head_dim"), pdt).astype(dt)
-      v = v + _param(self, "v_bias", zeros, (K, Dh), ("kv_heads", "head_dim"), pdt).astype(dt)
+      q = q + _param(self, "q_bias", (H, Dh), ("q_heads", "head_dim"), pdt).astype(dt)
+      k = k + _param(self, "k_bias", (K, Dh), ("kv_heads", "head_dim"), pdt).astype(dt)
+      v = v + _param(self, "v_bias", (K, Dh), ("kv_heads", "head_dim"), pdt).astype(dt)
     if cfg.qk_norm:
       q = RMSNorm(cfg.norm_eps, dt, pdt, name="q_norm")(q)
       k = RMSNorm(cfg.norm_eps, dt, pdt, name="k_norm")(k)
@@ -161,7 +177,7 @@ class Attention(nn.Module):
     out = jnp.einsum("BKGTS,BSKE->BTKGE", probs, v).reshape(B, T, H, Dh)
     out = jnp.einsum("BTHE,HED->BTD", out, wo.astype(dt))
     if cfg.o_bias:
-      out = out + _param(self, "o_bias", nn.initializers.zeros, (D,), ("embed",), pdt).astype(dt)
+      out = out + _param(self, "o_bias", (D,), ("embed",), pdt).astype(dt)
     return out, new_cache
 
 
@@ -172,10 +188,9 @@ class MLP(nn.Module):
   def __call__(self, x):
     cfg = self.cfg
     dt, pdt = cfg.compute_dtype, cfg.storage_dtype
-    init = nn.initializers.normal(_INIT_STD)
-    wg = _param(self, "gate", init, (cfg.d_model, cfg.d_ff), ("embed", "mlp"), pdt)
-    wu = _param(self, "up", init, (cfg.d_model, cfg.d_ff), ("embed", "mlp"), pdt)
-    wd = _param(self, "down", init, (cfg.d_ff, cfg.d_model), ("mlp", "embed"), pdt)
+    wg = _param(self, "gate", (cfg.d_model, cfg.d_ff), ("embed", "mlp"), pdt)
+    wu = _param(self, "up", (cfg.d_model, cfg.d_ff), ("embed", "mlp"), pdt)
+    wd = _param(self, "down", (cfg.d_ff, cfg.d_model), ("mlp", "embed"), pdt)
     x = x.astype(dt)
     h = jax.nn.silu(x @ wg.astype(dt)) * (x @ wu.astype(dt))
     h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
@@ -231,8 +246,7 @@ class Decoder(nn.Module):
         raise ValueError("positions must be given when decoding with a cache")
       positions = default_positions(mask)
 
-    embedding = _param(self, "embedding", nn.initializers.normal(_INIT_STD),
-                       (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pdt)
+    embedding = _param(self, "embedding", (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pdt)
     x = jnp.take(embedding, tokens, axis=0).astype(dt)
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
@@ -262,17 +276,16 @@ class Decoder(nn.Module):
       if cfg.tie_embeddings:
         head = embedding.T
       else:
-        head = _param(self, "lm_head", nn.initializers.normal(_INIT_STD),
-                      (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
+        head = _param(self, "lm_head", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
       logits = jnp.einsum("BTD,DV->BTV", hidden, head.astype(dt),
                           preferred_element_type=jnp.float32)
       logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
     values = None
     if cfg.scalar_head:
-      w = _param(self, "value_head", nn.initializers.normal(_INIT_STD), (cfg.d_model, 1),
+      w = _param(self, "value_head", (cfg.d_model, 1),
                  ("embed", "scalar"), pdt)
-      b = _param(self, "value_bias", nn.initializers.zeros, (1,), ("scalar",), pdt)
+      b = _param(self, "value_bias", (1,), ("scalar",), pdt)
       values = (jnp.einsum("BTD,DO->BTO", hidden, w.astype(dt),
                            preferred_element_type=jnp.float32) + b.astype(jnp.float32))[..., 0]
 
@@ -288,18 +301,57 @@ class Decoder(nn.Module):
 # Functional helpers: params in, arrays out.
 
 
-def init_params(cfg: ModelConfig, rng: Array, *, boxed: bool = False):
-  """Random parameters (unboxed plain arrays unless ``boxed``)."""
+# Above this many normal-initialised elements, draw per parameter: a flat
+# buffer would cost a second copy of the model, while the per-op XLA compile
+# time the flat draw saves (~0.5 s per distinct shape on CPU) no longer matters.
+_FLAT_INIT_MAX_ELEMENTS = 1 << 26
+
+
+def _abstract_boxed_params(cfg: ModelConfig):
   tokens = jnp.zeros((1, 2), jnp.int32)
-  variables = Decoder(cfg).init(rng, tokens, return_hidden=True)
-  params = variables["params"]
-  return params if boxed else nn.meta.unbox(params)
+  return jax.eval_shape(lambda: Decoder(cfg).init(jax.random.key(0), tokens,
+                                                  return_hidden=True))["params"]
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("boxed",))
+def init_params(cfg: ModelConfig, rng: Array, *, boxed: bool = False):
+  """Random parameters; jitted with ``cfg`` static.
+
+  Norm scales are ones, biases zeros, everything else N(0, 0.02²) (as
+  ``transformers``' default ``initializer_range``). All normal parameters of
+  a small model come from ONE ``random.normal`` draw, sliced: XLA on CPU
+  compiles each distinct random op separately (~0.5 s each), which made a
+  per-parameter init of a 2-layer model take ~13 s. Returns plain arrays, or
+  ``nn.LogicallyPartitioned`` boxes carrying logical axis names if ``boxed``.
+  """
+  abstract = _abstract_boxed_params(cfg)
+  is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_box)
+  kinds = [init_kind(path[-1].key) for path, _ in flat]
+  shapes = [(box.value if is_box(box) else box) for _, box in flat]
+  normal_sizes = [x.size for x, k in zip(shapes, kinds) if k == "normal"]
+  dtype = cfg.storage_dtype
+  if sum(normal_sizes) <= _FLAT_INIT_MAX_ELEMENTS:
+    buffer = jax.random.normal(rng, (sum(normal_sizes),), jnp.float32) * _INIT_STD
+    offsets = iter(np.cumsum([0] + normal_sizes[:-1]))
+    draw = lambda x, i: jax.lax.dynamic_slice_in_dim(buffer, next(offsets), x.size).reshape(x.shape)
+  else:
+    draw = lambda x, i: jax.random.normal(jax.random.fold_in(rng, i), x.shape, jnp.float32) * _INIT_STD
+  values = []
+  for i, (x, kind) in enumerate(zip(shapes, kinds)):
+    if kind == "normal":
+      v = draw(x, i)
+    else:
+      v = (jnp.ones if kind == "ones" else jnp.zeros)(x.shape, jnp.float32)
+    values.append(v.astype(dtype))
+  if boxed:
+    values = [box.replace_boxed(v) if is_box(box) else v for (_, box), v in zip(flat, values)]
+  return jax.tree_util.tree_unflatten(treedef, values)
 
 
 def param_logical_axes(cfg: ModelConfig):
   """Pytree (same structure as the params) of logical-axis ``PartitionSpec``s."""
-  abstract = jax.eval_shape(lambda r: init_params(cfg, r, boxed=True), jax.random.key(0))
-  return nn.get_partition_spec(abstract)
+  return nn.get_partition_spec(_abstract_boxed_params(cfg))
 
 
 def head_matrix(cfg: ModelConfig, params) -> Array:
@@ -309,9 +361,14 @@ def head_matrix(cfg: ModelConfig, params) -> Array:
   return params["lm_head"]
 
 
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("return_logits", "return_hidden"))
 def forward(cfg: ModelConfig, params, tokens, positions=None, mask=None, cache=None, *,
             return_logits=True, return_hidden=False) -> DecoderOutput:
-  """``Decoder(cfg).apply`` with the params dict; the usual entry point."""
+  """``Decoder(cfg).apply`` with the params dict; the usual entry point.
+
+  Jitted with ``cfg`` static (one compile per config and shape); calling it
+  inside another jitted function simply inlines it.
+  """
   return Decoder(cfg).apply({"params": params}, tokens, positions, mask, cache,
                             return_logits=return_logits, return_hidden=return_hidden)
 
