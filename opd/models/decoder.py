@@ -219,6 +219,7 @@ class Decoder(nn.Module):
   @nn.compact
   def __call__(self, tokens: Array, positions: Array | None = None,
                mask: Array | None = None, cache: KVCache | None = None, *,
+               segment_ids: Array | None = None,
                return_logits: bool = True, return_hidden: bool = False) -> DecoderOutput:
     """Runs the decoder.
 
@@ -232,6 +233,9 @@ class Decoder(nn.Module):
       cache: a ``KVCache``; the T new keys go to slots
         ``[cache.index, cache.index + T)`` and queries attend to every valid
         earlier slot.
+      segment_ids: ``[B, T]`` int, for packed rows: a query attends only to
+        keys of its own segment (pass per-document ``positions`` too).
+        Not supported together with ``cache``.
       return_logits / return_hidden: which of logits ``[B, T, V]`` (fp32) and
         last hidden states ``[B, T, D]`` to return.
     """
@@ -241,6 +245,8 @@ class Decoder(nn.Module):
     if mask is None:
       mask = jnp.ones((B, T), bool)
     mask = mask.astype(bool)
+    if segment_ids is not None and cache is not None:
+      raise ValueError("segment_ids (packed rows) cannot be combined with a KV cache")
     if positions is None:
       if cache is not None:
         raise ValueError("positions must be given when decoding with a cache")
@@ -253,6 +259,8 @@ class Decoder(nn.Module):
     if cache is None:
       causal = jnp.tril(jnp.ones((T, T), bool))
       key_mask = causal[None] & mask[:, None, :]  # [B, T, T]
+      if segment_ids is not None:
+        key_mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
       new_mask, index = None, None
     else:
       index = cache.index
@@ -363,14 +371,15 @@ def head_matrix(cfg: ModelConfig, params) -> Array:
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("return_logits", "return_hidden"))
 def forward(cfg: ModelConfig, params, tokens, positions=None, mask=None, cache=None, *,
-            return_logits=True, return_hidden=False) -> DecoderOutput:
+            segment_ids=None, return_logits=True, return_hidden=False) -> DecoderOutput:
   """``Decoder(cfg).apply`` with the params dict; the usual entry point.
 
   Jitted with ``cfg`` static (one compile per config and shape); calling it
   inside another jitted function simply inlines it.
   """
   return Decoder(cfg).apply({"params": params}, tokens, positions, mask, cache,
-                            return_logits=return_logits, return_hidden=return_hidden)
+                            segment_ids=segment_ids, return_logits=return_logits,
+                            return_hidden=return_hidden)
 
 
 def token_logprobs(logits: Array, targets: Array, temperature: float = 1.0) -> Array:

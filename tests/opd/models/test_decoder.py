@@ -174,3 +174,17 @@ def test_flat_init_matches_module_initialisers():
   assert len({float(v[0]) for v in normals}) == len(normals)  # no two params share a slice
   boxed = init_params(cfg, jax.random.key(3), boxed=True)
   assert nn.get_partition_spec(boxed) == param_logical_axes(cfg)
+
+
+def test_packed_segments_equal_separate_sequences(params):
+  """Two documents packed in one row with segment_ids and restarting
+  positions give the same logits as each document alone."""
+  a, b = _seq(4, 10), _seq(5, 11)
+  toks = jnp.asarray(np.concatenate([a, b]))[None]
+  seg = jnp.asarray([[1] * 4 + [2] * 5])
+  pos = jnp.asarray([list(range(4)) + list(range(5))])
+  packed = forward(CFG, params, toks, pos, segment_ids=seg).logits[0]
+  np.testing.assert_allclose(packed[:4], forward(CFG, params, jnp.asarray(a)[None]).logits[0], atol=1e-5)
+  np.testing.assert_allclose(packed[4:], forward(CFG, params, jnp.asarray(b)[None]).logits[0], atol=1e-5)
+  with pytest.raises(ValueError, match="segment_ids"):
+    forward(CFG, params, toks[:, :2], pos[:, :2], cache=init_cache(CFG, 1, 4), segment_ids=seg[:, :2])

@@ -1,0 +1,163 @@
+r"""Runs one experiment: ``python -m experiments.launch --config=FILE.py:ARG --workdir=DIR``.
+
+Flags:
+  --config=experiments/configs/NAME.py:tiny   the config file and its argument
+  --config.a.b=value                          overrides (unknown fields and
+                                              wrong types fail with the field named)
+  --workdir=DIR                               where the run writes everything
+  --jobs_module=pkg.mod                       (repeatable) modules imported
+                                              first; they may register extra jobs
+  --jax_distributed                           call jax.distributed.initialize() with
+                                              cluster auto-detection (Cloud TPU, SLURM)
+
+Without --jax_distributed, ``opd.distributed.initialize_from_env()`` joins a
+multi-process job described by ``OPD_COORDINATOR``, ``OPD_NUM_PROCESSES`` and
+``OPD_PROCESS_ID`` (and does nothing when they are unset).
+
+The launcher writes ``DIR/config.json`` (the resolved config), runs the job
+named by ``config.job`` (see ``experiments/jobs.py``) and writes the metrics
+it returns to ``DIR/final_metrics.json``. Both files are written by the main
+process only.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import pathlib
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from experiments import jobs
+from opd import config_utils
+
+CONFIG_FILE = "config.json"
+FINAL_METRICS_FILE = "final_metrics.json"
+
+
+def _final_metrics_json(metrics: Any, job: str) -> dict[str, Any]:
+  if not isinstance(metrics, Mapping):
+    raise ValueError(f"job {job!r} must return a dict of final metrics, got {type(metrics).__name__}")
+  out = {}
+  for key, value in metrics.items():
+    if hasattr(value, "item") and getattr(value, "size", 1) == 1:
+      value = value.item()  # numpy / jax scalars
+    try:
+      json.dumps(value)
+    except (TypeError, ValueError):
+      raise ValueError(f"job {job!r} returned final metric {key!r}={value!r}, "
+                       "which is not JSON-serialisable") from None
+    out[str(key)] = value
+  return out
+
+
+def launch(config, workdir: str | pathlib.Path, *, jobs_modules: Sequence[str] = ()) -> dict:
+  """Runs ``config.job`` in ``workdir`` and returns its final metrics.
+
+  Args:
+    config: the resolved ``ml_collections.ConfigDict``; it is locked before
+      the job sees it, so a misspelt new field raises instead of being added.
+    workdir: the run directory (created if missing).
+    jobs_modules: modules to import before looking up the job.
+
+  Returns:
+    The job's final metrics, as written to ``workdir/final_metrics.json``.
+  """
+  for module in jobs_modules:
+    importlib.import_module(module)
+  if "job" not in config:
+    raise ValueError(f"the config has no field 'job'; set config.job to one of "
+                     f"{sorted(jobs.known_jobs())}")
+  job = jobs.get_job(config.job)
+  from opd.metrics_writer import is_main_process  # imports jax, so only once needed
+  workdir = pathlib.Path(workdir)
+  main = is_main_process()
+  if main:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / CONFIG_FILE).write_text(
+        json.dumps(config_utils.config_to_dict(config), indent=2, sort_keys=True) + "\n")
+  config.lock()
+  metrics = _final_metrics_json(job(config, str(workdir)), config.job)
+  if main:
+    (workdir / FINAL_METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+  return metrics
+
+
+def _config_overrides(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+  """The ``--config`` spec and the ``--config.x=y`` overrides in ``argv``."""
+  spec, overrides = None, []
+  args = list(argv[1:])
+  for i, arg in enumerate(args):
+    if arg.startswith("--config="):
+      spec = arg[len("--config="):]
+    elif arg == "--config" and i + 1 < len(args):
+      spec = args[i + 1]
+    elif arg.startswith("--config.") and "=" in arg:
+      overrides.append(arg[len("--config."):])
+  return spec, overrides
+
+
+def explain_flag_error(argv: Sequence[str]) -> str | None:
+  """Re-checks ``--config.*`` overrides to name the bad field, or returns None."""
+  spec, overrides = _config_overrides(argv)
+  if spec is None or not overrides:
+    return None
+  try:
+    config_utils.apply_overrides(config_utils.load_config(spec), overrides)
+  except ValueError as e:
+    return str(e)
+  return None
+
+
+def parse_flags_or_exit(argv: Sequence[str]) -> list[str]:
+  """absl flag parsing whose errors name the config field at fault.
+
+  config_flags reports an unknown ``--config.foo=1`` as a bare
+  ``AttributeError: 'foo'`` traceback (ml-collections 1.1.0); this replays
+  the overrides through ``config_utils.apply_overrides`` to say which field
+  and value are wrong.
+  """
+  try:
+    return flags.FLAGS(list(argv))
+  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+    message = explain_flag_error(argv) or f"{type(e).__name__}: {e}"
+    print(f"FATAL Flags parsing error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _define_flags():
+  config = config_flags.DEFINE_config_file("config", None, "Config file, e.g. "
+                                           "experiments/configs/NAME.py:tiny", lock_config=True)
+  workdir = flags.DEFINE_string("workdir", None, "Run directory.", required=True)
+  modules = flags.DEFINE_multi_string("jobs_module", [], "Modules to import before dispatch "
+                                      "(they may call experiments.jobs.register).")
+  distributed = flags.DEFINE_bool("jax_distributed", False,
+                                  "Call jax.distributed.initialize() first (multi-host with "
+                                  "cluster auto-detection).")
+  return config, workdir, modules, distributed
+
+
+def main() -> None:
+  config, workdir, modules, distributed = _define_flags()
+  flags.mark_flags_as_required(["config"])
+
+  def run(argv):
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    if distributed.value:
+      import jax
+      jax.distributed.initialize()
+    else:
+      from opd import distributed as opd_distributed
+      opd_distributed.initialize_from_env()
+    metrics = launch(config.value, workdir.value, jobs_modules=modules.value)
+    print(json.dumps(metrics, sort_keys=True))
+
+  app.run(run, flags_parser=parse_flags_or_exit)
+
+
+if __name__ == "__main__":
+  main()
