@@ -1,0 +1,568 @@
+"""Hugging Face interop: Llama / Qwen2 / Qwen3 ``safetensors`` checkpoints (SPEC §2).
+
+``load_hf`` reads a checkpoint directory (``config.json`` plus either
+``model.safetensors`` or shards listed in ``model.safetensors.index.json``)
+into a ``ModelConfig`` and our param tree; ``save_hf`` writes the same layout
+so ``transformers.AutoModelForCausalLM.from_pretrained`` loads it. Only
+``safetensors`` and ``json`` are used here: neither torch nor transformers is
+a runtime dependency.
+
+Anything the decoder does not implement (RoPE scaling, sliding-window
+attention, MLP biases, activations other than SiLU, ...) raises a
+``ValueError`` naming the HF field and its value instead of silently
+producing a different model.
+
+Weight layout: HF ``nn.Linear`` stores ``[out, in]``, we store ``[in, out]``
+with heads split out, e.g. ``self_attn.q_proj.weight [H*Dh, D]`` ↔
+``attn/q [D, H, Dh]``, ``o_proj.weight [D, H*Dh]`` ↔ ``attn/o [H, Dh, D]``,
+``q_proj.bias [H*Dh]`` ↔ ``attn/q_bias [H, Dh]``, ``mlp.down_proj.weight
+[D, F]`` ↔ ``mlp/down [F, D]``, ``lm_head.weight [V, D]`` ↔ ``lm_head [D, V]``;
+``_tensor_specs`` is the full table.
+
+The value head (``scalar_head=True``) is our extension; ``transformers``
+ignores the two extra tensors (with a warning) when it loads such a
+checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from opd.models.config import ModelConfig
+
+ARCHS = ("llama", "qwen2", "qwen3")
+_HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "qwen3": "Qwen3ForCausalLM"}
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+# Non-parameter buffers some older checkpoints carry; safe to ignore.
+_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+# ---------------------------------------------------------------------------
+# Configs.
+
+
+def _rope_theta(hf: Mapping[str, Any]) -> float:
+  """RoPE base from the transformers-5 (``rope_parameters``) or older layout.
+
+  Precedence as in transformers: the legacy ``rope_scaling``, then
+  ``rope_parameters``, then a top-level ``rope_theta``, then 10000.
+  """
+  theta = hf.get("rope_theta", 10_000.0)
+  for field in ("rope_parameters", "rope_scaling"):
+    params = hf.get(field) or {}
+    if not isinstance(params, Mapping):
+      raise ValueError(f"HF config {field}={params!r} must be a dict or null")
+    if any(isinstance(v, Mapping) for v in params.values()):
+      raise ValueError(f"HF config {field}={params!r} is nested per layer type; "
+                       "only one global RoPE is supported")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+      raise ValueError(f"HF config {field} has rope_type={rope_type!r}; only 'default' RoPE "
+                       "is implemented")
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if factor not in (None, 1, 1.0):
+      raise ValueError(f"HF config partial_rotary_factor={factor!r} is not supported "
+                       "(must be 1.0)")
+    theta = params.get("rope_theta", theta)
+  return float(theta)
+
+
+def _arch_of(hf: Mapping[str, Any]) -> str:
+  arch = hf.get("model_type")
+  if arch is None:
+    names = hf.get("architectures") or []
+    by_class = {v: k for k, v in _HF_CLASS.items()}
+    arch = next((by_class[n] for n in names if n in by_class), None)
+    if arch is None:
+      raise ValueError(f"HF config has no model_type and architectures={names!r} names none "
+                       f"of {sorted(by_class)}")
+  if arch not in ARCHS:
+    raise ValueError(f"HF config model_type={arch!r} is not supported; supported: {ARCHS}")
+  return arch
+
+
+def _check_no_sliding_window(hf: Mapping[str, Any], n_layers: int) -> None:
+  layer_types = hf.get("layer_types")
+  if layer_types is not None:
+    bad = sorted({t for t in layer_types if t != "full_attention"})
+    if bad:
+      raise ValueError(f"HF config layer_types contains {bad}; only 'full_attention' is supported")
+  if hf.get("use_sliding_window", False) and hf.get("sliding_window") is not None:
+    # As transformers: layers i >= max_window_layers use the window.
+    if hf.get("max_window_layers", 28) < n_layers:
+      raise ValueError(
+          f"HF config use_sliding_window=True with sliding_window={hf['sliding_window']} and "
+          f"max_window_layers={hf.get('max_window_layers', 28)} < num_hidden_layers={n_layers}: "
+          "sliding-window attention is not supported")
+
+
+def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32",
+                   param_dtype: str | None = None) -> ModelConfig:
+  """Maps a HF ``config.json`` dict (Llama / Qwen2 / Qwen3) to a ``ModelConfig``.
+
+  Args:
+    hf: the parsed ``config.json``.
+    dtype: compute dtype of the returned config.
+    param_dtype: storage dtype; defaults to ``dtype``.
+
+  Raises:
+    ValueError: naming the HF field and value for anything the decoder does
+      not implement, or a missing required field.
+  """
+  arch = _arch_of(hf)
+  for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+               "intermediate_size"):
+    if name not in hf:
+      raise ValueError(f"HF config lacks required field {name!r}")
+  act = hf.get("hidden_act", "silu")
+  if act not in ("silu", "swish"):
+    raise ValueError(f"HF config hidden_act={act!r} is not supported (only silu)")
+  if hf.get("mlp_bias", False):
+    raise ValueError("HF config mlp_bias=True is not supported (the MLP has no biases)")
+  n_layers = hf["num_hidden_layers"]
+  _check_no_sliding_window(hf, n_layers)
+  theta = _rope_theta(hf)
+
+  D, H = hf["hidden_size"], hf["num_attention_heads"]
+  K = hf.get("num_key_value_heads") or H
+  head_dim = hf.get("head_dim")
+  if head_dim is not None and D % H == 0 and head_dim == D // H:
+    head_dim = None  # our default, so configs round-trip to the same dataclass
+  attention_bias = bool(hf.get("attention_bias", False))
+  if arch == "qwen2":
+    qkv_bias, o_bias, qk_norm = True, False, False
+  elif arch == "qwen3":
+    qkv_bias, o_bias, qk_norm = attention_bias, attention_bias, True
+  else:
+    qkv_bias, o_bias, qk_norm = attention_bias, attention_bias, False
+  return ModelConfig(
+      vocab_size=hf["vocab_size"], d_model=D, n_layers=n_layers, n_heads=H, n_kv_heads=K,
+      head_dim=head_dim, d_ff=hf["intermediate_size"], rope_theta=theta,
+      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qk_norm=qk_norm, qkv_bias=qkv_bias,
+      o_bias=o_bias, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      dtype=dtype, param_dtype=param_dtype or dtype)
+
+
+def infer_arch(cfg: ModelConfig) -> str:
+  """The HF architecture that can express ``cfg`` (qk_norm → qwen3, q/k/v-only bias → qwen2)."""
+  if cfg.qk_norm:
+    return "qwen3"
+  if cfg.qkv_bias and not cfg.o_bias:
+    return "qwen2"
+  return "llama"
+
+
+def _check_arch_fits(cfg: ModelConfig, arch: str) -> None:
+  if arch not in ARCHS:
+    raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
+  if arch == "qwen2":
+    if not cfg.qkv_bias or cfg.o_bias or cfg.qk_norm:
+      raise ValueError(f"arch='qwen2' needs qkv_bias=True, o_bias=False, qk_norm=False; got "
+                       f"{cfg.qkv_bias=}, {cfg.o_bias=}, {cfg.qk_norm=}")
+    return
+  if cfg.qkv_bias != cfg.o_bias:
+    raise ValueError(f"arch={arch!r} has one attention_bias flag for q/k/v and o; got "
+                     f"{cfg.qkv_bias=} and {cfg.o_bias=} (use arch='qwen2' for q/k/v-only bias)")
+  if arch == "qwen3" and not cfg.qk_norm:
+    raise ValueError("arch='qwen3' always applies q/k norm; got cfg.qk_norm=False")
+  if arch == "llama":
+    if cfg.qk_norm:
+      raise ValueError("arch='llama' has no q/k norm; got cfg.qk_norm=True (use arch='qwen3')")
+    if cfg.d_model % cfg.n_heads:
+      raise ValueError(f"arch='llama' requires d_model % n_heads == 0 (transformers checks it); "
+                       f"got {cfg.d_model=}, {cfg.n_heads=}")
+
+
+def config_to_hf(cfg: ModelConfig, arch: str | None = None, **overrides) -> dict[str, Any]:
+  """The HF ``config.json`` dict for ``cfg`` (``overrides`` set extra HF fields).
+
+  Args:
+    cfg: our config.
+    arch: "llama", "qwen2" or "qwen3"; ``None`` picks ``infer_arch(cfg)``.
+    **overrides: HF fields added or replaced verbatim, e.g.
+      ``max_position_embeddings`` or ``eos_token_id``.
+
+  Raises:
+    ValueError: if ``arch`` cannot express ``cfg`` (naming the field).
+  """
+  arch = arch or infer_arch(cfg)
+  _check_arch_fits(cfg, arch)
+  hf: dict[str, Any] = {
+      "architectures": [_HF_CLASS[arch]],
+      "model_type": arch,
+      "vocab_size": cfg.vocab_size,
+      "hidden_size": cfg.d_model,
+      "intermediate_size": cfg.d_ff,
+      "num_hidden_layers": cfg.n_layers,
+      "num_attention_heads": cfg.n_heads,
+      "num_key_value_heads": cfg.n_kv_heads,
+      "head_dim": cfg.resolved_head_dim,
+      "hidden_act": "silu",
+      "rms_norm_eps": cfg.norm_eps,
+      "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+      "tie_word_embeddings": cfg.tie_embeddings,
+      "max_position_embeddings": 32768,
+      "dtype": cfg.param_dtype,
+  }
+  if arch == "llama":
+    hf.update(attention_bias=cfg.o_bias, mlp_bias=False)
+  elif arch == "qwen3":
+    hf.update(attention_bias=cfg.o_bias, use_sliding_window=False, sliding_window=None)
+  else:
+    hf.update(use_sliding_window=False, sliding_window=None)
+  hf.update(overrides)
+  return hf
+
+
+def check_config_matches(expected: ModelConfig, found: ModelConfig, where: str) -> None:
+  """Raises naming the first architecture field where two configs differ."""
+  ignore = {"dtype", "param_dtype", "remat", "scalar_head"}
+  for f in dataclasses.fields(ModelConfig):
+    if f.name in ignore:
+      continue
+    a, b = getattr(expected, f.name), getattr(found, f.name)
+    if f.name == "head_dim":
+      a, b = expected.resolved_head_dim, found.resolved_head_dim
+    if a != b:
+      raise ValueError(f"checkpoint at {where} does not match the given config: "
+                       f"{f.name}={b!r} in the checkpoint, {a!r} in the config")
+
+
+# ---------------------------------------------------------------------------
+# Tensor mapping.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  hf_name: str
+  path: tuple[str, ...]
+  hf_shape: tuple[int, ...]
+  shape: tuple[int, ...]
+  transpose: bool  # HF [out, in] Linear weight
+  fields: str  # the config fields that set the shape, for error messages
+
+
+def _tensor_specs(cfg: ModelConfig) -> list[_Spec]:
+  """The full HF ↔ ours table for ``cfg``, in HF's save order."""
+  D, F, V = cfg.d_model, cfg.d_ff, cfg.vocab_size
+  H, K, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+  hd = "head_dim, d_model"
+  # (HF name, our path, HF shape, our shape, transpose, fields behind the shape)
+  layer = [("input_layernorm.weight", "attn_norm/scale", (D,), (D,), False, "d_model"),
+           ("post_attention_layernorm.weight", "mlp_norm/scale", (D,), (D,), False, "d_model"),
+           ("self_attn.q_proj.weight", "attn/q", (H * Dh, D), (D, H, Dh), True, "n_heads, " + hd),
+           ("self_attn.k_proj.weight", "attn/k", (K * Dh, D), (D, K, Dh), True,
+            "n_kv_heads, " + hd),
+           ("self_attn.v_proj.weight", "attn/v", (K * Dh, D), (D, K, Dh), True,
+            "n_kv_heads, " + hd),
+           ("self_attn.o_proj.weight", "attn/o", (D, H * Dh), (H, Dh, D), True, "n_heads, " + hd)]
+  if cfg.qkv_bias:
+    layer += [("self_attn.q_proj.bias", "attn/q_bias", (H * Dh,), (H, Dh), False,
+               "n_heads, head_dim"),
+              ("self_attn.k_proj.bias", "attn/k_bias", (K * Dh,), (K, Dh), False,
+               "n_kv_heads, head_dim"),
+              ("self_attn.v_proj.bias", "attn/v_bias", (K * Dh,), (K, Dh), False,
+               "n_kv_heads, head_dim")]
+  if cfg.o_bias:
+    layer.append(("self_attn.o_proj.bias", "attn/o_bias", (D,), (D,), False, "d_model"))
+  if cfg.qk_norm:
+    layer += [("self_attn.q_norm.weight", "attn/q_norm/scale", (Dh,), (Dh,), False, "head_dim"),
+              ("self_attn.k_norm.weight", "attn/k_norm/scale", (Dh,), (Dh,), False, "head_dim")]
+  layer += [("mlp.gate_proj.weight", "mlp/gate", (F, D), (D, F), True, "d_ff, d_model"),
+            ("mlp.up_proj.weight", "mlp/up", (F, D), (D, F), True, "d_ff, d_model"),
+            ("mlp.down_proj.weight", "mlp/down", (D, F), (F, D), True, "d_model, d_ff")]
+  rows = [("model.embed_tokens.weight", "embedding", (V, D), (V, D), False, "vocab_size, d_model")]
+  rows += [(f"model.layers.{i}.{name}", f"layers_{i}/{path}", *rest)
+           for i in range(cfg.n_layers) for name, path, *rest in layer]
+  rows.append(("model.norm.weight", "final_norm/scale", (D,), (D,), False, "d_model"))
+  if not cfg.tie_embeddings:
+    rows.append(("lm_head.weight", "lm_head", (V, D), (D, V), True, "vocab_size, d_model"))
+  if cfg.scalar_head:
+    rows += [("value_head.weight", "value_head", (1, D), (D, 1), True, "d_model"),
+             ("value_head.bias", "value_bias", (1,), (1,), False, "scalar_head")]
+  return [_Spec(name, tuple(path.split("/")), *rest) for name, path, *rest in rows]
+
+
+def _fields_values(cfg: ModelConfig, fields: str) -> str:
+  out = []
+  for name in fields.split(", "):
+    value = cfg.resolved_head_dim if name == "head_dim" else getattr(cfg, name)
+    out.append(f"{name}={value}")
+  return ", ".join(out)
+
+
+def params_to_hf(cfg: ModelConfig, params, dtype=None) -> dict[str, np.ndarray]:
+  """Our param tree → ``{hf_name: np.ndarray}`` in HF layout.
+
+  Raises:
+    ValueError: a param is missing or has the wrong shape (naming it).
+  """
+  specs = _tensor_specs(cfg)
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  have = {tuple(str(getattr(k, "key", k)) for k in path) for path, _ in flat}
+  extra = sorted("/".join(p) for p in have - {s.path for s in specs})
+  if extra:
+    raise ValueError(f"params hold {extra}, which the config does not describe (check "
+                     f"tie_embeddings={cfg.tie_embeddings}, scalar_head={cfg.scalar_head}, "
+                     "qkv_bias / o_bias / qk_norm / n_layers)")
+  out = {}
+  for s in specs:
+    node = params
+    for key in s.path:
+      if not isinstance(node, Mapping) or key not in node:
+        raise ValueError(f"params lack {'/'.join(s.path)} (needed for {s.hf_name})")
+      node = node[key]
+    x = np.asarray(node)
+    if x.shape != s.shape:
+      raise ValueError(f"params {'/'.join(s.path)} has shape {x.shape}, expected {s.shape} "
+                       f"from {_fields_values(cfg, s.fields)}")
+    if dtype is not None:
+      x = x.astype(jnp.dtype(dtype))
+    x = x.reshape(s.hf_shape[::-1]).T if s.transpose else x.reshape(s.hf_shape)
+    out[s.hf_name] = np.ascontiguousarray(x)
+  return out
+
+
+def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, Any], dtype=None):
+  """``{hf_name: array}`` → our param tree (jax arrays in ``dtype``).
+
+  ``tensors`` may be a lazy mapping (only ``keys()``, ``shape_of`` and
+  ``__getitem__`` are used), so large checkpoints are read one tensor at a time.
+
+  Raises:
+    ValueError: naming missing / unexpected tensors or a shape mismatch.
+  """
+  dtype = jnp.dtype(dtype or cfg.storage_dtype)
+  specs = _tensor_specs(cfg)
+  expected = {s.hf_name for s in specs}
+  names = set(tensors.keys())
+  unexpected = sorted(n for n in names - expected if not _IGNORED.fullmatch(n))
+  tied_head = cfg.tie_embeddings and "lm_head.weight" in unexpected
+  if tied_head:
+    unexpected.remove("lm_head.weight")
+  missing = sorted(expected - names)
+  if missing or unexpected:
+    hint = _layer_hint(cfg, names, missing, unexpected)
+    raise ValueError(f"checkpoint tensors do not match the config{hint}: "
+                     f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''} "
+                     f"({len(missing)}), unexpected {unexpected[:8]}"
+                     f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)})")
+  shape_of = getattr(tensors, "shape_of", lambda n: tuple(np.shape(tensors[n])))
+  for s in specs:
+    found = tuple(shape_of(s.hf_name))
+    if found != s.hf_shape:
+      raise ValueError(f"checkpoint tensor {s.hf_name} has shape {found}, expected "
+                       f"{s.hf_shape} from {_fields_values(cfg, s.fields)}")
+  params: dict[str, Any] = {}
+  for s in specs:
+    x = np.asarray(tensors[s.hf_name])
+    x = (x.T if s.transpose else x).reshape(s.shape)
+    node = params
+    for key in s.path[:-1]:
+      node = node.setdefault(key, {})
+    node[s.path[-1]] = jnp.asarray(x, dtype=dtype)
+  if tied_head:
+    head = np.asarray(tensors["lm_head.weight"])
+    if head.shape != (cfg.vocab_size, cfg.d_model) or not np.array_equal(
+        head, np.asarray(tensors["model.embed_tokens.weight"])):
+      raise ValueError("checkpoint has tie_word_embeddings=True but lm_head.weight differs "
+                       "from model.embed_tokens.weight; load it with tie_embeddings=False")
+  return params
+
+
+def _layer_hint(cfg: ModelConfig, names, missing, unexpected) -> str:
+  """Names the config field most likely behind a tensor-set mismatch."""
+  layer = re.compile(r"model\.layers\.(\d+)\.")
+  found = {int(m.group(1)) for n in names if (m := layer.match(n))}
+  if found and max(found) + 1 != cfg.n_layers:
+    return f" (the checkpoint has {max(found) + 1} layers, but n_layers={cfg.n_layers})"
+  flags = {"q_norm": "qk_norm", "q_proj.bias": "qkv_bias", "o_proj.bias": "o_bias",
+           "lm_head": "tie_embeddings", "value_head": "scalar_head"}
+  for needle, field in flags.items():
+    if any(needle in n for n in list(missing) + list(unexpected)):
+      return f" (check {field}={getattr(cfg, field)})"
+  return ""
+
+
+# ---------------------------------------------------------------------------
+# Files.
+
+
+class _Checkpoint:
+  """Lazy ``{name: np.ndarray}`` view over one or several safetensors files."""
+
+  def __init__(self, files: Mapping[str, str]):
+    self._file_of = dict(files)  # tensor name -> file path
+    self._handles: dict[str, Any] = {}
+
+  def _handle(self, path):
+    if path not in self._handles:
+      self._handles[path] = safe_open(path, framework="np")
+    return self._handles[path]
+
+  def keys(self):
+    return self._file_of.keys()
+
+  def close(self):
+    for handle in self._handles.values():
+      handle.__exit__(None, None, None)
+    self._handles.clear()
+
+  def shape_of(self, name):
+    return tuple(self._handle(self._file_of[name]).get_slice(name).get_shape())
+
+  def __getitem__(self, name):
+    return self._handle(self._file_of[name]).get_tensor(name)
+
+
+def _open_checkpoint(path: str) -> _Checkpoint:
+  single, index = os.path.join(path, _SINGLE_FILE), os.path.join(path, _INDEX_FILE)
+  if os.path.exists(index):
+    with open(index) as f:
+      weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, Mapping):
+      raise ValueError(f"{index} has no 'weight_map' dict")
+    files = {name: os.path.join(path, file) for name, file in weight_map.items()}
+    for file in sorted(set(files.values())):
+      if not os.path.exists(file):
+        raise ValueError(f"{index} lists shard {file}, which does not exist")
+    ckpt = _Checkpoint(files)
+    for name, file in files.items():  # the index must not lie about where a tensor is
+      if name not in ckpt._handle(file).keys():
+        raise ValueError(f"{index} maps {name} to {file}, which does not contain it")
+    return ckpt
+  if os.path.exists(single):
+    with safe_open(single, framework="np") as f:
+      names = list(f.keys())
+    return _Checkpoint({n: single for n in names})
+  raise ValueError(f"no {_SINGLE_FILE} or {_INDEX_FILE} in {path!r}")
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+  """The parsed ``config.json`` of a checkpoint directory."""
+  file = os.path.join(path, "config.json")
+  if not os.path.exists(file):
+    raise ValueError(f"no config.json in {path!r}")
+  with open(file) as f:
+    return json.load(f)
+
+
+def load_hf(path: str, *, dtype: str = "float32", compute_dtype: str | None = None,
+            config: ModelConfig | None = None):
+  """Loads a HF Llama / Qwen2 / Qwen3 checkpoint directory.
+
+  Args:
+    path: directory with ``config.json`` and ``model.safetensors`` or a
+      sharded ``model.safetensors.index.json``.
+    dtype: storage dtype of the returned params (``param_dtype``).
+    compute_dtype: the returned config's ``dtype``; defaults to ``dtype``.
+    config: the config the caller expects. When given, every architecture
+      field must agree with ``config.json`` (else ``ValueError`` naming the
+      field), and its ``scalar_head`` / dtypes / ``remat`` are kept.
+
+  Returns:
+    ``(cfg, params)``: a ``ModelConfig`` and our nested param dict.
+  """
+  hf = read_hf_config(path)
+  cfg = config_from_hf(hf, dtype=compute_dtype or dtype, param_dtype=dtype)
+  ckpt = _open_checkpoint(path)
+  if config is not None:
+    check_config_matches(config, cfg, path)
+    cfg = config.replace(param_dtype=dtype, dtype=compute_dtype or config.dtype)
+  elif "value_head.weight" in ckpt.keys():
+    cfg = cfg.replace(scalar_head=True)
+  try:
+    return cfg, params_from_hf(cfg, ckpt)
+  finally:
+    ckpt.close()
+
+
+def parse_size(size: int | str) -> int:
+  """``5_000_000``, ``"5MB"``, ``"4GiB"`` → bytes (HF convention: KB = 1000, KiB = 1024)."""
+  if isinstance(size, int) and not isinstance(size, bool):
+    value = size
+  elif isinstance(size, str):
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", size)
+    unit = m.group(2).upper() if m else None
+    if m is None or (unit or "B") not in _SIZE_UNITS:
+      raise ValueError(f"max_shard_size={size!r} is not a size like 5GB, 500MiB or an int")
+    value = int(float(m.group(1)) * _SIZE_UNITS[unit or "B"])
+  else:
+    raise ValueError(f"max_shard_size={size!r} must be an int or a string like '5GB'")
+  if value <= 0:
+    raise ValueError(f"max_shard_size={size!r} must be positive")
+  return value
+
+
+def save_hf(path: str, cfg: ModelConfig, params, *, arch: str | None = None,
+            max_shard_size: int | str = "5GB", dtype: str | None = None,
+            hf_overrides: Mapping[str, Any] | None = None) -> list[str]:
+  """Writes ``params`` as a HF checkpoint directory ``transformers`` can load.
+
+  Args:
+    path: output directory (created).
+    cfg, params: the model.
+    arch: "llama", "qwen2" or "qwen3"; ``None`` → ``infer_arch(cfg)``.
+    max_shard_size: bytes per file (int or "5GB"-style string). One file
+      → ``model.safetensors``; more → ``model-0000i-of-0000n.safetensors``
+      plus ``model.safetensors.index.json``. A tensor larger than the limit
+      gets a file of its own.
+    dtype: tensor dtype on disk; defaults to ``cfg.param_dtype``.
+    hf_overrides: extra ``config.json`` fields (e.g. ``eos_token_id``).
+
+  Returns:
+    The paths of the written weight files.
+  """
+  limit = parse_size(max_shard_size)
+  dtype = dtype or cfg.param_dtype
+  hf = config_to_hf(cfg, arch, **{**(hf_overrides or {}), "dtype": dtype})  # on-disk dtype
+  tensors = params_to_hf(cfg, params, dtype=jnp.dtype(dtype))
+  shards: list[dict[str, np.ndarray]] = [{}]
+  used = 0
+  for name, x in tensors.items():
+    if shards[-1] and used + x.nbytes > limit:
+      shards.append({})
+      used = 0
+    shards[-1][name] = x
+    used += x.nbytes
+  os.makedirs(path, exist_ok=True)
+  # A previous save's files would otherwise shadow or mix with this one's.
+  for stale in os.listdir(path):
+    if stale in (_SINGLE_FILE, _INDEX_FILE) or re.fullmatch(
+        r"model-\d+-of-\d+\.safetensors", stale):
+      os.remove(os.path.join(path, stale))
+  metadata = {"format": "pt"}  # transformers 4.x refuses files without it
+  written = []
+  if len(shards) == 1:
+    written.append(os.path.join(path, _SINGLE_FILE))
+    save_file(shards[0], written[0], metadata=metadata)
+  else:
+    n = len(shards)
+    width = max(5, int(math.log10(n)) + 1)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+      fname = f"model-{i + 1:0{width}d}-of-{n:0{width}d}.safetensors"
+      written.append(os.path.join(path, fname))
+      save_file(shard, written[-1], metadata=metadata)
+      weight_map.update({name: fname for name in shard})
+    index = {"metadata": {"total_size": sum(x.nbytes for x in tensors.values())},
+             "weight_map": weight_map}
+    with open(os.path.join(path, _INDEX_FILE), "w") as f:
+      json.dump(index, f, indent=2, sort_keys=True)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(hf, f, indent=2, sort_keys=True)
+  return written
