@@ -1,0 +1,84 @@
+"""The toy task suite (SPEC §9): five seeded domains with verifiers.
+
+``get_task(name)`` returns a ``Task`` for one of ``ALL_DOMAINS``;
+``mixture_corpus`` renders train-split examples of every domain as chat text
+for pre-training the tiny base model. See ``opd.tasks.base`` for the
+example/reward types, splits and safe scoring, and each domain module for
+its exact text formats. One easy (difficulty 1) example per domain, as
+prompt -> reference response:
+
+  math      "What is 8 - 4?" -> "Answer: 4"
+  code      "Write f(x) that returns x times 3 plus 2." -> "def f(x): return x*3+2"
+  instruct  "Write 2 words about a dog. Avoid 'brown'." -> "fast dog"
+  writing   "Write one sentence about the sand. Mention 'calm'." -> "The calm sand rests."
+  agent     "What is the age of the bee?" ->
+            '<tool_call>{"name": "lookup", "arguments": {"key": "bee"}}</tool_call>',
+            tool turn "10", then "Answer: 10"
+
+Every response may start with a ``<think>...</think>`` block.
+"""
+from __future__ import annotations
+
+from opd.tasks.agent_task import AgentEnv, AgentRewardConfig, AgentTask, Trajectory, rollout
+from opd.tasks.base import (DIFFICULTIES, SPLITS, TEST_FRACTION, Example, Reward, RewardStats,
+                            Task, VerifierFailureError, safe_verify, safe_verify_batch, split_of)
+from opd.tasks.chat import render_messages, render_segments
+from opd.tasks.code_task import CodeTask
+from opd.tasks.instruct_task import InstructTask
+from opd.tasks.math_task import MathTask
+from opd.tasks.writing_task import WritingTask
+
+ALL_DOMAINS = ("math", "code", "instruct", "agent", "writing")
+_TASKS = {"math": MathTask, "code": CodeTask, "instruct": InstructTask, "agent": AgentTask,
+          "writing": WritingTask}
+
+
+def get_task(name: str, **kwargs) -> Task:
+  """A fresh task of domain ``name``; ``kwargs`` go to its constructor
+  (``CodeTask(sandbox=..., workers=...)``, ``AgentTask(config=...)``)."""
+  if name not in _TASKS:
+    raise ValueError(f"unknown domain {name!r}; domains: {ALL_DOMAINS}")
+  return _TASKS[name](**kwargs)
+
+
+def mixture_corpus(n: int, seed: int = 0, *, domains: tuple[str, ...] = ALL_DOMAINS,
+                   difficulties: tuple[int, ...] = (1,), responses: bool = True) -> list[str]:
+  """``n`` rendered train-split conversations, domains interleaved round-robin.
+
+  Each text is ``render_messages(example.messages())`` (prompt plus reference
+  turns, no bos/eos), or only the prompt turn with ``responses=False`` (a
+  base that has seen the domains' language but not their solutions leaves
+  more headroom for the specialists). Only the train split is used, so
+  pre-training never sees a test prompt. Deterministic in ``seed``.
+
+  Raises:
+    ValueError: unknown domain or difficulty, empty ``domains``, n < 0.
+  """
+  if not isinstance(n, int) or n < 0:
+    raise ValueError(f"n must be a non-negative int, got {n!r}")
+  if not domains:
+    raise ValueError("domains must not be empty")
+  for d in difficulties:
+    if d not in DIFFICULTIES:
+      raise ValueError(f"difficulties must be drawn from {DIFFICULTIES}, got {difficulties!r}")
+  slots = [(dom, diff) for dom in domains for diff in difficulties]
+  counts = {slot: n // len(slots) + (i < n % len(slots)) for i, slot in enumerate(slots)}
+  pools = {}
+  for (dom, diff), count in counts.items():
+    task = get_task(dom)
+    pools[dom, diff] = [render_messages(e.messages() if responses else e.prompt_messages())
+                        for e in task.examples("train", count, seed=seed, difficulty=diff,
+                                               unique=False)]
+  out = []
+  for i in range(max(counts.values(), default=0)):
+    out += [pools[slot][i] for slot in slots if i < len(pools[slot])]
+  return out
+
+
+__all__ = [
+    "ALL_DOMAINS", "DIFFICULTIES", "SPLITS", "TEST_FRACTION", "AgentEnv", "AgentRewardConfig",
+    "AgentTask", "CodeTask", "Example", "InstructTask", "MathTask", "Reward", "RewardStats",
+    "Task", "Trajectory", "VerifierFailureError", "WritingTask", "get_task", "mixture_corpus",
+    "render_messages", "render_segments", "rollout", "safe_verify", "safe_verify_batch",
+    "split_of",
+]

@@ -1,0 +1,191 @@
+"""Code: write a short Python function, checked by running it in the sandbox.
+
+The language is Python, restricted to what a tiny model can learn: a single
+``def f(...): return <expression>`` line (any valid Python function is
+accepted; the top level may hold only function definitions). The prompt
+describes the function in words; the verifier runs the response together
+with a harness in ONE ``opd.sandbox`` run that calls ``f`` on every hidden
+input (embedded as a literal; results printed as one literal line) and compares the
+results with the hidden expected outputs, which the generator computed with
+its own Python callables, never from the reference text.
+
+Reward: the fraction of hidden tests passed (so near-misses such as a
+conditional with one right branch get partial credit). Format reward: 1 iff
+the response parses and defines ``f`` with the right number of parameters.
+
+Difficulty:
+  1. ``f(x)``: linear / modular / squared expressions of one integer
+     (``Write f(x) that returns x times 3 plus 2.`` -> ``def f(x): return x*3+2``).
+  2. ``f(x, y)`` arithmetic, min/max, and conditionals on parity or a threshold.
+  3. ``f(xs)`` over a list of integers: sums, counts, filters, maps, slices.
+"""
+from __future__ import annotations
+
+import ast
+import concurrent.futures
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from opd import parsers
+from opd.sandbox import Sandbox, SandboxLimits
+from opd.tasks.base import Draft, Example, Reward, Task, _check_batch, malformed
+
+N_TESTS = 6
+_RESULT_MARK = "@@RESULTS@@"
+# Appended after the response's definitions. The hidden inputs are embedded as
+# a Python literal and the results printed as one (read back with
+# ast.literal_eval): no imports, so the run stays fast. Each call is isolated:
+# an exception or a non-plain result fails that test only. Harness names start
+# with "_" and builtins are reached through `_b`, so the program's own
+# top-level definitions cannot shadow them.
+_HARNESS = """
+
+import builtins as _b
+def _plain(v, depth=0):
+  if depth > 20:
+    return False
+  if _b.type(v) in (_b.int, _b.bool, _b.str, _b.float) or v is None:
+    return True
+  return _b.type(v) is _b.list and _b.all(_plain(x, depth + 1) for x in v)
+_out = []
+for _args in {inputs!r}:
+  try:
+    _r = f(*_args)
+    _out.append(("ok", _r) if _plain(_r) and _b.len(_b.repr(_r)) < 10000 else ("error", "bad_result"))
+  except Exception as _e:
+    _out.append(("error", _b.type(_e).__name__))
+_b.print("\\n{mark}" + _b.repr(_out))
+"""
+
+
+class SandboxFailure(RuntimeError):
+  """The sandbox itself failed (not the program): an infrastructure error."""
+
+
+def _templates_1(a: int, b: int) -> list[tuple[str, str, Callable]]:
+  return [
+      (f"x plus {a}", f"x+{a}", lambda x: x + a),
+      (f"x minus {a}", f"x-{a}", lambda x: x - a),
+      (f"x times {a}", f"x*{a}", lambda x: x * a),
+      (f"x times {a} plus {b}", f"x*{a}+{b}", lambda x: x * a + b),
+      (f"x times {a} minus {b}", f"x*{a}-{b}", lambda x: x * a - b),
+      (f"x plus {a}, times {b}", f"(x+{a})*{b}", lambda x: (x + a) * b),
+      (f"x squared plus {a}", f"x*x+{a}", lambda x: x * x + a),
+      (f"x mod {a + 1}", f"x%{a + 1}", lambda x: x % (a + 1)),
+      (f"x divided by {a + 1}, rounded down", f"x//{a + 1}", lambda x: x // (a + 1)),
+  ]
+
+
+def _templates_2(a: int, b: int) -> list[tuple[str, str, Callable]]:
+  return [
+      ("x plus y", "x+y", lambda x, y: x + y),
+      ("x times y", "x*y", lambda x, y: x * y),
+      (f"x minus y times {a}", f"x-y*{a}", lambda x, y: x - y * a),
+      (f"x times {a} plus y", f"x*{a}+y", lambda x, y: x * a + y),
+      ("the larger of x and y", "max(x,y)", lambda x, y: max(x, y)),
+      ("the smaller of x and y", "min(x,y)", lambda x, y: min(x, y)),
+      (f"x times {a} if x is even, else x plus {b}", f"x*{a} if x%2==0 else x+{b}",
+       lambda x, y: x * a if x % 2 == 0 else x + b),
+      (f"x if x is above {a}, else y", f"x if x>{a} else y", lambda x, y: x if x > a else y),
+  ]
+
+
+def _templates_3(a: int, b: int) -> list[tuple[str, str, Callable]]:
+  return [
+      ("the sum of xs", "sum(xs)", sum),
+      (f"the sum of xs times {a}", f"sum(xs)*{a}", lambda xs: sum(xs) * a),
+      (f"the largest item of xs plus {a}", f"max(xs)+{a}", lambda xs: max(xs) + a),
+      (f"the count of items of xs above {a}", f"len([v for v in xs if v>{a}])",
+       lambda xs: len([v for v in xs if v > a])),
+      ("the sum of the even items of xs", "sum(v for v in xs if v%2==0)",
+       lambda xs: sum(v for v in xs if v % 2 == 0)),
+      (f"xs with each item times {a}", f"[v*{a} for v in xs]", lambda xs: [v * a for v in xs]),
+      (f"the first {b} items of xs", f"xs[:{b}]", lambda xs: xs[:b]),
+      ("xs reversed", "xs[::-1]", lambda xs: xs[::-1]),
+  ]
+
+
+_SIGNATURES = {1: "x", 2: "x, y", 3: "xs"}
+_TEMPLATES = {1: _templates_1, 2: _templates_2, 3: _templates_3}
+
+
+def _same(a: Any, b: Any) -> bool:
+  """Equality that also requires equal types (``True`` is not ``1``)."""
+  if type(a) is not type(b):
+    return False
+  if isinstance(a, list):
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+  return a == b
+
+
+class CodeTask(Task):
+  domain = "code"
+
+  def __init__(self, sandbox: Sandbox | None = None, *, workers: int = 2):
+    """Args: sandbox: runs the programs (default: ``Sandbox()`` created on first
+    use, "auto" isolation, 1 s CPU, 2 s wall); workers: parallel sandbox runs
+    in ``verify_batch``."""
+    if not isinstance(workers, int) or workers < 1:
+      raise ValueError(f"workers must be a positive int, got {workers!r}")
+    self._sandbox = sandbox
+    self.workers = workers
+
+  @property
+  def sandbox(self) -> Sandbox:
+    if self._sandbox is None:
+      self._sandbox = Sandbox(SandboxLimits(cpu_s=1.0, wall_s=2.0))
+    return self._sandbox
+
+  def draft(self, rng: random.Random, difficulty: int) -> Draft:
+    a, b = rng.randrange(1, 13), rng.randrange(1, 13)
+    desc, expr, fn = rng.choice(_TEMPLATES[difficulty](a, b))
+    sig = _SIGNATURES[difficulty]
+    verb = rng.choice(("Write f({sig}) that returns", "Define f({sig}) to return"))
+    prompt = f"{verb.format(sig=sig)} {desc}."
+    tests = []
+    for _ in range(N_TESTS):
+      if difficulty == 1:
+        args = [rng.randrange(-20, 21)]
+      elif difficulty == 2:
+        args = [rng.randrange(-20, 21), rng.randrange(-20, 21)]
+      else:
+        args = [[rng.randrange(-9, 10) for _ in range(rng.randrange(1, 7))]]
+      tests.append([args, fn(*args)])
+    reference = f"def f({sig}): return {expr}"
+    return Draft(prompt, (("assistant", reference),), {"n_args": len(sig.split(",")),
+                                                        "tests": tests})
+
+  def verify(self, example: Example, response: str) -> Reward:
+    self.check_example(example)
+    code = parsers.extract_python_function(response, "f", example.meta["n_args"])
+    if not code.ok:
+      return malformed(code.reason, passed=0.0)
+    tests = example.meta["tests"]
+    harness = _HARNESS.format(inputs=[args for args, _ in tests], mark=_RESULT_MARK)
+    result = self.sandbox.run_python(code.source + harness)
+    if result.infrastructure_error:
+      raise SandboxFailure(result.reason)
+    line = next((ln for ln in reversed(result.stdout.splitlines()) if ln.startswith(_RESULT_MARK)),
+                None)
+    if not result.ok or line is None:
+      return Reward(0.0, 1.0, {"passed": 0.0}, f"sandbox:{result.reason}")
+    try:
+      outputs = ast.literal_eval(line[len(_RESULT_MARK):])
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+      return Reward(0.0, 1.0, {"passed": 0.0}, "sandbox:unreadable_results")
+    if not isinstance(outputs, list) or len(outputs) != len(tests):
+      return Reward(0.0, 1.0, {"passed": 0.0}, "sandbox:unreadable_results")
+    passed = sum(isinstance(o, tuple) and len(o) == 2 and o[0] == "ok" and _same(o[1], expected)
+                 for o, (_, expected) in zip(outputs, tests))
+    frac = passed / len(tests)
+    reason = "ok" if passed == len(tests) else f"partial:{passed}/{len(tests)}"
+    return Reward(frac, 1.0, {"passed": frac}, reason)
+
+  def verify_batch(self, examples: Sequence[Example], responses: Sequence[str]) -> list[Reward]:
+    """Runs up to ``workers`` sandboxes at a time."""
+    _check_batch(examples, responses)
+    if self.workers == 1 or len(examples) <= 1:
+      return [self.verify(e, r) for e, r in zip(examples, responses)]
+    with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
+      return list(pool.map(self.verify, examples, responses))
