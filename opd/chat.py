@@ -154,6 +154,39 @@ def as_message(m, index: int = 0) -> Message:
   return dataclasses.replace(m, tool_calls=calls)
 
 
+def from_raw(messages: Sequence[Mapping[str, str]]) -> list[Message]:
+  """Structured messages from raw ``{"role", "content"}`` dicts whose
+  assistant content is model text (inline ``<think>``/``<tool_call>`` blocks),
+  as the task suite (``opd.tasks``) writes its references.
+
+  Raises ValueError when an assistant text does not parse cleanly or would
+  not render back to exactly the same string — a reference the model is
+  trained on must be byte-identical to what it would have to generate.
+  """
+  out = []
+  for i, m in enumerate(messages):
+    if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+      raise ValueError(f"messages[{i}] must be a mapping with 'role' and 'content', got {m!r:.80}")
+    if m["role"] != "assistant":
+      out.append(as_message(dict(m), i))
+      continue
+    raw = m["content"]
+    if not isinstance(raw, str):
+      raise ValueError(f"messages[{i}].content must be a str, got {type(raw).__name__}")
+    parsed = parse_completion(raw)
+    if parsed.errors or parsed.finished:
+      raise ValueError(f"messages[{i}].content does not parse as one assistant turn: "
+                       f"{list(parsed.errors) or ['contains a stop token']} in {raw!r:.120}")
+    message = parsed.to_message()
+    rendered = "".join(seg.text for seg in render_segments([message]))
+    expected = ASSISTANT + raw + END
+    if rendered != expected:
+      raise ValueError(f"messages[{i}].content does not round-trip through the chat format: "
+                       f"{raw!r:.120} renders as {rendered[len(ASSISTANT):-len(END)]!r:.120}")
+    out.append(message)
+  return out
+
+
 def _check_plain(text: str, where: str) -> str:
   for tok in SPECIAL_TOKENS:
     if tok in text:

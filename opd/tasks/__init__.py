@@ -19,10 +19,10 @@ Every response may start with a ``<think>...</think>`` block.
 """
 from __future__ import annotations
 
+from opd import chat
 from opd.tasks.agent_task import AgentEnv, AgentRewardConfig, AgentTask, Trajectory, rollout
 from opd.tasks.base import (DIFFICULTIES, SPLITS, TEST_FRACTION, Example, Reward, RewardStats,
                             Task, VerifierFailureError, safe_verify, safe_verify_batch, split_of)
-from opd.tasks.chat import render_messages, render_segments
 from opd.tasks.code_task import CodeTask
 from opd.tasks.instruct_task import InstructTask
 from opd.tasks.math_task import MathTask
@@ -31,6 +31,14 @@ from opd.tasks.writing_task import WritingTask
 ALL_DOMAINS = ("math", "code", "instruct", "agent", "writing")
 _TASKS = {"math": MathTask, "code": CodeTask, "instruct": InstructTask, "agent": AgentTask,
           "writing": WritingTask}
+
+
+def render_messages(messages, *, add_generation_prompt: bool = False) -> str:
+  """A task conversation (raw assistant text, see ``Example``) in the chat
+  format of ``opd.chat``; with ``add_generation_prompt`` it ends by opening an
+  assistant turn (mode "non-think", as the specialists are prompted)."""
+  return chat.render(chat.from_raw(messages), add_generation_prompt=add_generation_prompt,
+                     mode="non-think")
 
 
 def get_task(name: str, **kwargs) -> Task:
@@ -79,6 +87,6 @@ __all__ = [
     "ALL_DOMAINS", "DIFFICULTIES", "SPLITS", "TEST_FRACTION", "AgentEnv", "AgentRewardConfig",
     "AgentTask", "CodeTask", "Example", "InstructTask", "MathTask", "Reward", "RewardStats",
     "Task", "Trajectory", "VerifierFailureError", "WritingTask", "get_task", "mixture_corpus",
-    "render_messages", "render_segments", "rollout", "safe_verify", "safe_verify_batch",
+    "render_messages", "rollout", "safe_verify", "safe_verify_batch",
     "split_of",
 ]

@@ -1,13 +1,16 @@
 """Suite-wide properties: leak-free splits, determinism, safe scoring, rendering, corpus."""
 import random
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from opd import chat
+
 from opd.tasks import (ALL_DOMAINS, DIFFICULTIES, TEST_FRACTION, Reward, RewardStats,
                        VerifierFailureError, get_task, mixture_corpus, render_messages,
-                       render_segments, safe_verify, safe_verify_batch, split_of)
+                       safe_verify, safe_verify_batch, split_of)
 from opd.tasks.base import Draft, Task
 
 
@@ -152,14 +155,28 @@ def test_chat_rendering_and_loss_segments():
   text = render_messages(messages)
   assert text == ("<|user|>Q<|end|><|assistant|>call<|end|>"
                   "<|tool|><tool_result>7</tool_result><|end|><|assistant|>Answer: 7<|end|>")
-  segments = render_segments(messages)
-  assert "".join(t for t, _ in segments) == text
-  assert [t for t, trained in segments if trained] == ["call<|end|>", "Answer: 7<|end|>"]
+  chars, mask = chat.render_for_training(chat.from_raw(messages))
+  assert chars == text
+  edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(int), [0]])))
+  runs = [chars[a:b] for a, b in zip(edges[::2], edges[1::2])]
+  assert runs == ["call<|end|>", "Answer: 7<|end|>"]
   assert render_messages(messages[:1], add_generation_prompt=True) == "<|user|>Q<|end|><|assistant|>"
   with pytest.raises(ValueError, match="role"):
     render_messages([{"role": "robot", "content": "x"}])
   with pytest.raises(ValueError, match="content"):
     render_messages([{"role": "user"}])
+
+
+@pytest.mark.parametrize("domain", ALL_DOMAINS)
+def test_references_round_trip_through_the_chat_format(domain):
+  """Every reference renders (via opd.chat) to the plain concatenation of
+  its turns, so SFT trains exactly the text a policy would generate."""
+  for example in get_task(domain).examples("train", 20, seed=3, difficulty=2):
+    messages = example.messages()
+    plain = "".join(f"<|{m['role']}|>" + (f"<tool_result>{m['content']}</tool_result>"
+                                         if m["role"] == "tool" else m["content"]) + "<|end|>"
+                    for m in messages)
+    assert render_messages(messages) == plain
 
 
 def test_mixture_corpus():
