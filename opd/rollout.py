@@ -28,7 +28,6 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from opd import chat
 from opd import tasks as tasks_lib
 from opd.models import ModelConfig
 from opd.sampler import SamplingConfig, generate

@@ -14,7 +14,7 @@ Typical use::
     mesh = opd.sharding.make_mesh((1, 4, 2))
     optimizer = make_optimizer(OptimConfig(lr=3e-4, warmup_steps=100, decay_steps=10_000))
     state, shardings = init_train_state(model_cfg, optimizer, mesh, rules, rng=0)
-    step = make_train_step(next_token_loss(model_cfg), optimizer, mesh, shardings,
+    step = make_train_step(opd.objectives.next_token_loss(model_cfg), optimizer, mesh, shardings,
                            rules=rules, grad_accum_steps=4)
     state, metrics = step(state, shard_batch(host_batch, mesh, rules))
 
@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from opd import sharding as sharding_lib
 from opd.distributed import batch_shard_count, process_batch_rows, shard_batch  # noqa: F401
-from opd.models import ModelConfig, forward, init_params, token_logprobs
+from opd.models import ModelConfig, init_params
 
 Array = jax.Array
 PyTree = Any
@@ -516,35 +516,3 @@ def raise_if_nonfinite(metrics: Mapping[str, Any], step: int) -> None:
   loss = float(np.asarray(metrics["loss"]))
   raise NonFiniteError(step, bool(np.asarray(metrics["loss_finite"])),
                        bool(np.asarray(metrics["grads_finite"])), loss)
-
-
-# ---------------------------------------------------------------------------
-# A ready-made loss: next-token prediction (pre-training, SFT).
-
-
-def next_token_loss(cfg: ModelConfig) -> LossFn:
-  """Mean next-token cross-entropy over the weighted target tokens.
-
-  The batch is ``{"tokens": int [B, T+1]}`` plus optionally
-  ``"loss_mask": [B, T+1]`` (1 where the token is a target; position 0 is
-  never a target) and ``"mask": [B, T+1]`` (False at padding). Metrics:
-  ``tokens`` (the weight sum).
-  """
-  def loss_fn(params, batch, rng):
-    del rng
-    tokens = batch["tokens"]
-    if tokens.ndim != 2 or tokens.shape[1] < 2:
-      raise ValueError(f"batch['tokens'] must be [B, T+1] with T >= 1, got {tokens.shape=}")
-    attn_mask = batch.get("mask")
-    weights = batch.get("loss_mask")
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    out = forward(cfg, params, inputs, mask=None if attn_mask is None else attn_mask[:, :-1])
-    logp = token_logprobs(out.logits, targets)  # [B, T]
-    w = jnp.ones_like(logp) if weights is None else weights[:, 1:].astype(jnp.float32)
-    if attn_mask is not None:
-      w = w * attn_mask[:, 1:].astype(jnp.float32)
-    total = jnp.sum(w)
-    loss = -jnp.sum(logp * w) / jnp.maximum(total, 1.0)
-    return loss, {"tokens": total}
-
-  return loss_fn

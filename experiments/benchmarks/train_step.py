@@ -36,7 +36,8 @@ from experiments.benchmarks import common
 from opd import sharding
 from opd.models import ModelConfig
 from opd.train_step import (OptimConfig, abstract_train_state, init_train_state, make_optimizer,
-                            make_train_step, next_token_loss)
+                            make_train_step)
+from opd.objectives import next_token_loss
 
 
 def _parse(argv):

@@ -39,7 +39,8 @@ def train(args):
   from opd.models import ModelConfig
   from opd.train_loop import run
   from opd.train_step import (OptimConfig, abstract_train_state, init_train_state, make_optimizer,
-                              make_train_step, next_token_loss)
+                              make_train_step)
+  from opd.objectives import next_token_loss
 
   cfg = ModelConfig(**CFG_KW)
   optimizer = make_optimizer(OptimConfig(lr=3e-3, warmup_steps=2, decay_steps=8, schedule="cosine",

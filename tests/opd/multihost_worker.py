@@ -15,6 +15,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from opd import distributed  # noqa: E402  (must run before jax creates backends)
+from opd.objectives import next_token_loss
 
 
 def main():
@@ -32,7 +33,7 @@ def main():
   from opd import sharding
   from opd.models import ModelConfig
   from opd.train_step import (OptimConfig, init_train_state, make_optimizer, make_train_step,
-                              next_token_loss, process_batch_rows, shard_batch)
+                              process_batch_rows, shard_batch)
 
   if jax.device_count() != 4:
     raise SystemExit(f"expected 4 global devices, got {jax.device_count()}")

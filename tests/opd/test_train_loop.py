@@ -13,10 +13,10 @@ import pytest
 
 from opd import sharding
 from opd.checkpoints import CheckpointManager
+from opd.objectives import next_token_loss
 from opd.models import ModelConfig
 from opd.train_loop import NonFiniteError, run
-from opd.train_step import (OptimConfig, init_train_state, make_optimizer, make_train_step,
-                            next_token_loss)
+from opd.train_step import (OptimConfig, init_train_state, make_optimizer, make_train_step)
 
 CFG = ModelConfig(vocab_size=128, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=64)
 FAST = {"xla_backend_optimization_level": 0}

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from opd import sharding
+from opd.objectives import next_token_loss
 from opd.models import ModelConfig, init_params
 from opd.train_step import (NonFiniteError, OptimConfig, abstract_train_state,
                             init_train_state, make_optimizer, make_schedule, make_train_step,
-                            next_token_loss, process_batch_rows, raise_if_nonfinite, shard_batch)
+                            process_batch_rows, raise_if_nonfinite, shard_batch)
 
 CFG = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128)
 OPT_CFG = OptimConfig(lr=1e-3, warmup_steps=2, decay_steps=10, schedule="cosine",
