@@ -43,6 +43,19 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers
 
 log = logging.getLogger(__name__)
+
+
+class _QuietOrbax(logging.Filter):
+  """Drops Orbax's INFO/DEBUG records (a dozen lines per save, through absl's
+  logger); warnings and errors still pass. Set ``OPD_VERBOSE_ORBAX=1`` to
+  keep them."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
+
+
+if not os.environ.get("OPD_VERBOSE_ORBAX"):
+  logging.getLogger("absl").addFilter(_QuietOrbax())
 PyTree = Any
 
 _ITEMS = ("state", "data", "config")
@@ -325,3 +338,58 @@ class CheckpointManager:
       if saved[key] != shape:
         raise ValueError(f"checkpoint {path}: state.{'.'.join(key)} has shape {saved[key]} in "
                          f"the checkpoint but {shape} in the target")
+
+
+def load_params(directory: str | os.PathLike, model_cfg, *, step: int | None = None,
+                mesh=None, rules=None) -> PyTree:
+  """The model parameters of a training checkpoint (optimizer state skipped).
+
+  For starting one stage from another (SFT from the base, GRPO from SFT, a
+  teacher in OPD). The checkpoint's saved ``config["model"]`` must equal
+  ``model_cfg`` (a mismatch names the field and both values). Parameters are
+  placed with the logical shardings of ``mesh`` when one is given, else on
+  the default device.
+
+  Args:
+    directory: a ``CheckpointManager`` root (e.g. ``WORKDIR/checkpoints``).
+    model_cfg: the ``ModelConfig`` the parameters are for.
+    step: which checkpoint (default: the latest).
+    mesh, rules: target mesh and logical rules (``opd.sharding``).
+  """
+  from opd import sharding
+  from opd.models import init_params, param_logical_axes
+
+  mngr = CheckpointManager(directory, max_to_keep=None)
+  try:
+    step = mngr._resolve_step(step)
+    path = mngr.step_path(step)
+    saved = mngr.read_config(step).get("model")
+    if saved is None:
+      raise ValueError(f"checkpoint {path} has no 'model' entry in its config; cannot check "
+                       "that it matches the requested ModelConfig")
+    bad = _config_mismatches(saved, model_cfg.to_dict())
+    if bad:
+      detail = "; ".join(f"model.{name}: checkpoint has {have!r}, expected {want!r}"
+                         for name, have, want in bad)
+      raise ValueError(f"checkpoint {path} holds another architecture: {detail}")
+    shapes = jax.eval_shape(lambda k: init_params(model_cfg, k), jax.random.key(0))
+    if mesh is not None:
+      shardings = sharding.tree_shardings(param_logical_axes(model_cfg), shapes, mesh,
+                                          rules or sharding.DEFAULT_RULES)
+    else:
+      dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      shardings = jax.tree.map(lambda _: dev, shapes)
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, shardings)
+    target = {"params": abstract}
+    try:
+      out = mngr._mngr.restore(step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeRestore(
+              item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+              partial_restore=True)))
+    except Exception as e:
+      raise CheckpointCorruptError(
+          f"cannot restore params from checkpoint {path}: {type(e).__name__}: {e}") from e
+    return out.state["params"]
+  finally:
+    mngr.close()

@@ -296,7 +296,7 @@ def sft_dataset(examples: Sequence[Any], *, seq_len: int, batch_size: int, seed:
     too_long: defaults to ``"error"``: silently cutting an SFT example drops
       response tokens; choose ``"split"`` or ``"truncate"`` knowingly.
     (the remaining arguments are as in ``lm_dataset``; ``mode`` defaults to
-    ``"pad"`` because packed rows let examples attend to each other.)
+    ``"pad"``; ``"pack"`` is exact too when the model gets ``segment_ids``.)
 
   Returns:
     A ``grain.IterDataset`` of dicts with the keys in ``BATCH_KEYS``, each

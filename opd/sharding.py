@@ -41,14 +41,25 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
 def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all devices).
 
+  One entry may be -1: it takes the devices the others leave, e.g.
+  ``(-1, 1, 1)`` is data parallelism over every device.
+
   Raises ValueError naming the shape and the device count when they disagree.
   """
   shape = tuple(int(s) for s in shape)
   if len(shape) != len(MESH_AXES):
     raise ValueError(f"mesh shape {shape} must have {len(MESH_AXES)} entries for axes {MESH_AXES}")
-  if any(s <= 0 for s in shape):
-    raise ValueError(f"mesh shape {shape} must be positive")
   devices = list(jax.devices() if devices is None else devices)
+  if shape.count(-1) > 1:
+    raise ValueError(f"mesh shape {shape} may contain at most one -1")
+  if shape.count(-1) == 1:
+    rest = math.prod(s for s in shape if s != -1)
+    if rest <= 0 or len(devices) % rest:
+      raise ValueError(f"mesh shape {dict(zip(MESH_AXES, shape))}: the {len(devices)} devices "
+                       f"are not divisible by the fixed axes' product {rest}")
+    shape = tuple(len(devices) // rest if s == -1 else s for s in shape)
+  if any(s <= 0 for s in shape):
+    raise ValueError(f"mesh shape {shape} must be positive (or one -1)")
   if math.prod(shape) != len(devices):
     raise ValueError(
         f"mesh shape {dict(zip(MESH_AXES, shape))} needs {math.prod(shape)} devices "
@@ -142,7 +153,8 @@ def check_sharded(tree, *, min_size: int = 2 ** 14, what: str = "params") -> lis
     if sharding.is_fully_replicated:
       (offenders if x.size >= min_size else small).append(f"{jax.tree_util.keystr(path)} {x.shape}")
   if small:
-    log.info("%s left replicated (small): %s", what, ", ".join(small))
+    log.log(logging.INFO if model_axes > 1 else logging.DEBUG,
+            "%s left replicated (small): %s", what, ", ".join(small))
   if offenders and model_axes > 1:
     raise ValueError(
         f"{len(offenders)} large {what} (>= {min_size} elements) are fully replicated on a "

@@ -50,18 +50,22 @@ def get_task(name: str, **kwargs) -> Task:
 
 
 def mixture_corpus(n: int, seed: int = 0, *, domains: tuple[str, ...] = ALL_DOMAINS,
-                   difficulties: tuple[int, ...] = (1,), responses: bool = True) -> list[str]:
-  """``n`` rendered train-split conversations, domains interleaved round-robin.
+                   difficulties: tuple[int, ...] = (1,), responses: bool = True,
+                   split: str = "train") -> list[str]:
+  """``n`` rendered conversations of ``split``, domains interleaved round-robin.
 
   Each text is ``render_messages(example.messages())`` (prompt plus reference
   turns, no bos/eos), or only the prompt turn with ``responses=False`` (a
   base that has seen the domains' language but not their solutions leaves
-  more headroom for the specialists). Only the train split is used, so
-  pre-training never sees a test prompt. Deterministic in ``seed``.
+  more headroom for the specialists). Pre-training uses the train split (the
+  default) and never sees a test prompt; ``split="test"`` gives held-out
+  text for measuring it. Deterministic in ``seed``.
 
   Raises:
-    ValueError: unknown domain or difficulty, empty ``domains``, n < 0.
+    ValueError: unknown domain, difficulty or split, empty ``domains``, n < 0.
   """
+  if split not in SPLITS:
+    raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
   if not isinstance(n, int) or n < 0:
     raise ValueError(f"n must be a non-negative int, got {n!r}")
   if not domains:
@@ -75,7 +79,7 @@ def mixture_corpus(n: int, seed: int = 0, *, domains: tuple[str, ...] = ALL_DOMA
   for (dom, diff), count in counts.items():
     task = get_task(dom)
     pools[dom, diff] = [render_messages(e.messages() if responses else e.prompt_messages())
-                        for e in task.examples("train", count, seed=seed, difficulty=diff,
+                        for e in task.examples(split, count, seed=seed, difficulty=diff,
                                                unique=False)]
   out = []
   for i in range(max(counts.values(), default=0)):

@@ -1,0 +1,132 @@
+"""Config → objects wiring shared by the jobs (pretrain, sft, grpo, specialists).
+
+Jobs stay thin: they read their config group, call these helpers to get the
+mesh, optimizer, tokenizer and writers, and hand everything to library code
+in ``opd``. Nothing here holds training logic.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pathlib
+import time
+from typing import Any, Mapping
+
+import jax
+import ml_collections
+import numpy as np
+
+from opd import config_utils, sharding
+from opd.metrics_writer import MetricWriter, read_metrics
+from opd.models import ModelConfig
+from opd.tokenizers import ByteTokenizer, check_vocab
+from opd.train_step import OptimConfig
+
+log = logging.getLogger(__name__)
+
+
+def model_config(group, where: str = "config.model") -> ModelConfig:
+  return config_utils.to_model_config(group, where=where)
+
+
+def optim_config(group, where: str = "config.optim", **overrides) -> OptimConfig:
+  """``OptimConfig`` from a config group; unknown fields are named."""
+  d = dict(group.to_dict() if isinstance(group, ml_collections.ConfigDict) else group)
+  d.update(overrides)
+  known = {f.name for f in dataclasses.fields(OptimConfig)}
+  unknown = sorted(set(d) - known)
+  if unknown:
+    raise ValueError(f"{where} has unknown field(s) {unknown}; known: {sorted(known)}")
+  try:
+    return OptimConfig(**d)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{where}: {e}") from None
+
+
+def mesh_and_rules(config) -> tuple[Any, tuple]:
+  """The ``(data, fsdp, tensor)`` mesh of ``config.mesh`` and the rule table."""
+  rules = tuple(config.get("sharding_rules", None) or sharding.DEFAULT_RULES)
+  return sharding.make_mesh(tuple(config.mesh)), sharding.validate_rules(rules)
+
+
+def tokenizer_for(model_cfg: ModelConfig) -> ByteTokenizer:
+  """The byte tokenizer, checked against the model's vocabulary."""
+  tok = ByteTokenizer()
+  check_vocab(tok, model_cfg)
+  return tok
+
+
+def per_process_batch(global_batch: int, what: str = "config.train.batch_size") -> int:
+  n = jax.process_count()
+  if global_batch % n:
+    raise ValueError(f"{what}={global_batch} is not divisible by the {n} processes")
+  return global_batch // n
+
+
+class Logger:
+  """Writes step metrics every ``every`` steps (eval metrics always)."""
+
+  def __init__(self, writer: MetricWriter, every: int = 1):
+    self.writer, self.every = writer, max(1, int(every))
+    self.history: list[tuple[int, dict[str, float]]] = []
+
+  def __call__(self, step: int, metrics: Mapping[str, float]) -> None:
+    is_eval = any(k.startswith("eval/") for k in metrics)
+    self.history.append((step, dict(metrics)))
+    if is_eval or step % self.every == 0 or step == 1:
+      self.writer.write_scalars(step, metrics)
+
+
+def curve_summary(history, key: str = "loss", points: int = 6) -> list[dict[str, float]]:
+  """A few evenly spaced points of a metric curve, for a printed table."""
+  rows = [(s, m[key]) for s, m in history if key in m]
+  if not rows:
+    return []
+  idx = sorted({round(i) for i in np.linspace(0, len(rows) - 1, min(points, len(rows)))})
+  return [{"step": rows[i][0], key: rows[i][1]} for i in idx]
+
+
+def plot_curves(workdir: str | pathlib.Path, keys=("loss", "eval/loss"),
+                filename: str = "curves.png", title: str = "") -> pathlib.Path | None:
+  """Plots metrics from ``workdir/metrics.jsonl``; returns the PNG path."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  path = pathlib.Path(workdir)
+  if not (path / "metrics.jsonl").exists():
+    return None
+  rows = read_metrics(path)
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  plotted = False
+  for key in keys:
+    pts = [(r["step"], r[key]) for r in rows if key in r]
+    if pts:
+      ax.plot(*zip(*pts), label=key, marker="o" if len(pts) < 20 else None)
+      plotted = True
+  if not plotted:
+    plt.close(fig)
+    return None
+  ax.set_xlabel("step")
+  ax.legend()
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  out = path / filename
+  fig.savefig(out, dpi=100)
+  plt.close(fig)
+  return out
+
+
+class Timer:
+  def __init__(self):
+    self.start = time.perf_counter()
+
+  @property
+  def seconds(self) -> float:
+    return time.perf_counter() - self.start
+
+
+def write_json(path: str | pathlib.Path, obj) -> None:
+  if jax.process_index() == 0:
+    pathlib.Path(path).write_text(json.dumps(obj, indent=2, default=float))
