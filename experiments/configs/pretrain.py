@@ -6,7 +6,7 @@
       --workdir=workdirs/pretrain_tiny
 
 Reference machine (2 CPU cores): default ~3 min, tiny ~40 s (mostly compile).
-Expected result (default): held-out loss falls from ln(272) ≈ 5.6 to ≈ 1.0
+Expected result (default): held-out loss falls from ln(270) ≈ 5.6 to ≈ 1.0
 nats/byte; the prompts' templates are learned first, answers later.
 """
 import ml_collections
@@ -20,7 +20,7 @@ def get_config(arg=None):
   c.job = "pretrain"
   c.seed = 0
   c.model = ml_collections.ConfigDict(dict(
-      vocab_size=272, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=None,
+      vocab_size=270, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=None,
       d_ff=384, rope_theta=10_000.0, norm_eps=1e-6, qk_norm=True, qkv_bias=False,
       o_bias=False, tie_embeddings=True, scalar_head=False, dtype="float32",
       param_dtype="float32", remat=False))
