@@ -85,6 +85,11 @@ def sample(model_cfg: ModelConfig, params, tokenizer, prompts: Sequence[np.ndarr
   """
   if not prompts:
     return []
+  if model_cfg.vocab_size > tokenizer.vocab_size:
+    raise ValueError(
+        f"model vocab_size={model_cfg.vocab_size} exceeds the tokenizer's "
+        f"{tokenizer.vocab_size} ids: the sampler could emit ids the tokenizer cannot "
+        "decode; use vocab_size equal to the tokenizer's")
   if prompt_bucket < 1:
     raise ValueError(f"prompt_bucket must be >= 1, got {prompt_bucket!r}")
   B = batch_size or len(prompts)
@@ -116,12 +121,14 @@ def rollout(model_cfg: ModelConfig, params, tokenizer, examples: Sequence[Exampl
             sampling: SamplingConfig, *, stats: RewardStats | None = None,
             agent_config: AgentRewardConfig | None = None,
             task_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
-            prompt_bucket: int = 32, mesh=None, rules=None, verify: bool = True) -> list[Episode]:
+            prompt_bucket: int = 32, batch_size: int | None = None, mesh=None, rules=None,
+            verify: bool = True) -> list[Episode]:
   """One episode per example (repeat examples for groups), verified.
 
   Single-turn domains are sampled in one batch; agent examples run the
   multi-turn loop (``rollout_agent``). Verifier crashes score 0 with a
-  counted reason (``stats``), never raise.
+  counted reason (``stats``), never raise. ``batch_size`` fixes the number
+  of sampler rows (padded) so calls with fewer examples reuse the compile.
   """
   task_kwargs = dict(task_kwargs or {})
   single = [i for i, e in enumerate(examples) if e.domain != "agent"]
@@ -131,7 +138,7 @@ def rollout(model_cfg: ModelConfig, params, tokenizer, examples: Sequence[Exampl
   if single:
     prompts = [prompt_ids(tokenizer, examples[i]) for i in single]
     comps = sample(model_cfg, params, tokenizer, prompts, key_single, sampling,
-                   prompt_bucket=prompt_bucket, mesh=mesh, rules=rules)
+                   batch_size=batch_size, prompt_bucket=prompt_bucket, mesh=mesh, rules=rules)
     if verify:
       by_domain: dict[str, list[int]] = {}
       for j, i in enumerate(single):
@@ -149,7 +156,8 @@ def rollout(model_cfg: ModelConfig, params, tokenizer, examples: Sequence[Exampl
   if multi:
     agent_eps = rollout_agent(model_cfg, params, tokenizer, [examples[i] for i in multi],
                               key_multi, sampling, config=agent_config, stats=stats,
-                              prompt_bucket=prompt_bucket, mesh=mesh, rules=rules)
+                              prompt_bucket=prompt_bucket, batch_size=batch_size, mesh=mesh,
+                              rules=rules)
     for i, ep in zip(multi, agent_eps):
       episodes[i] = ep
   return episodes  # type: ignore[return-value]
@@ -163,8 +171,8 @@ def _as_key(rng):
 
 def rollout_agent(model_cfg: ModelConfig, params, tokenizer, examples: Sequence[Example], rng,
                   sampling: SamplingConfig, *, config: AgentRewardConfig | None = None,
-                  stats: RewardStats | None = None, prompt_bucket: int = 32, mesh=None,
-                  rules=None) -> list[Episode]:
+                  stats: RewardStats | None = None, prompt_bucket: int = 32,
+                  batch_size: int | None = None, mesh=None, rules=None) -> list[Episode]:
   """Batched multi-turn tool-use episodes (``opd.tasks.AgentEnv``).
 
   Each turn samples the next assistant turn for every unfinished episode,
@@ -187,7 +195,8 @@ def rollout_agent(model_cfg: ModelConfig, params, tokenizer, examples: Sequence[
     key, sub = jax.random.split(key)
     contexts = [np.concatenate([prompts[i]] + [p[0] for p in pieces[i]]) for i in active]
     comps = sample(model_cfg, params, tokenizer, contexts, sub, sampling,
-                   batch_size=len(examples), prompt_bucket=prompt_bucket, mesh=mesh, rules=rules)
+                   batch_size=batch_size or len(examples), prompt_bucket=prompt_bucket,
+                   mesh=mesh, rules=rules)
     still = []
     for i, c in zip(active, comps):
       pieces[i].append((c.ids, c.logprobs, True))

@@ -87,3 +87,10 @@ def test_batch_episodes_rejects_overlong():
                   np.ones(5, bool), np.zeros(5, np.float32), ["x"], False)
   with pytest.raises(ValueError, match="seq_len=8"):
     rl.batch_episodes([ep], seq_len=8, pad_id=0)
+
+
+def test_model_vocab_beyond_tokenizer_is_refused(params):
+  big = CFG.replace(vocab_size=TOK.vocab_size + 2)
+  ex = get_task("math").examples("train", 1)[0]
+  with pytest.raises(ValueError, match=f"vocab_size={TOK.vocab_size + 2} exceeds"):
+    rl.rollout(big, None, TOK, [ex], 0, rl.sampling_for_chat(TOK, max_new_tokens=4))
