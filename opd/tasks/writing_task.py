@@ -9,6 +9,7 @@ predict: ``rubric_score`` scores any response, ``preference`` compares two
 and ``rank`` orders several. Rubric components, each in [0, 1]:
 
   sentences   the requested number of sentences (linear penalty per miss);
+              a "sentence" needs at least ``MIN_SENTENCE_WORDS`` words;
   topic       distinct topic words used, out of ``2 * sentences`` wanted;
   mentions    the subject and the required words present;
   capitals    sentences that start with a capital letter;
@@ -16,6 +17,8 @@ and ``rank`` orders several. Rubric components, each in [0, 1]:
   variety     distinct / total content words (no repetition);
   length      1 inside [lo, hi] characters, falling linearly to 0 at 0 and 2 hi.
 
+The form components (capitals, ending, variety, length) count only when
+the text has at least one real sentence, so a string of junk scores 0.
 Score = weighted mean with ``RUBRIC_WEIGHTS``. Reward = score; format
 reward 1 iff the response is non-empty printable ASCII (after optional
 thinking), else reward 0.
@@ -41,10 +44,12 @@ _COUNT_WORDS = {1: "one", 2: "two", 3: "three"}
 _SENTENCE_RE = re.compile(r"[^.!?]+[.!?]*")
 _WORD_RE = re.compile(r"[A-Za-z]+")
 MAX_CHARS = 400
+MIN_SENTENCE_WORDS = 2
 
 
 def _sentences(text: str) -> list[str]:
-  return [s.strip() for s in _SENTENCE_RE.findall(text) if _WORD_RE.search(s)]
+  return [s.strip() for s in _SENTENCE_RE.findall(text)
+          if len(_WORD_RE.findall(s)) >= MIN_SENTENCE_WORDS]
 
 
 def rubric_score(meta: Mapping[str, Any], text: str) -> tuple[float, dict[str, float]]:
@@ -71,6 +76,9 @@ def rubric_score(meta: Mapping[str, Any], text: str) -> tuple[float, dict[str, f
       "variety": len(set(content)) / len(content) if content else 0.0,
       "length": 1.0 if lo <= n <= hi else (n / lo if n < lo else max(0.0, 2.0 - n / hi)),
   }
+  if not sentences:  # junk: no credit for the form of nothing
+    for name in ("capitals", "ending", "variety", "length"):
+      parts[name] = 0.0
   score = sum(RUBRIC_WEIGHTS[k_] * v for k_, v in parts.items()) / sum(RUBRIC_WEIGHTS.values())
   return score, parts
 

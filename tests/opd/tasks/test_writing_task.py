@@ -49,3 +49,15 @@ def test_malformed_writing_scores_zero():
     r = TASK.verify(EXAMPLE, bad)
     assert (r.reward, r.format) == (0.0, 0.0) and r.category == "malformed", bad
   assert TASK.score(EXAMPLE, "<think>short</think>The happy dog runs.") == 1.0
+
+
+@pytest.mark.parametrize("junk", ["eeeeeeeeeeeeeeee", "Ball!", "...", "x.y.z."])
+def test_junk_without_real_sentences_scores_zero(junk):
+  """No sentence of >= 2 words: no credit for form (topic words aside)."""
+  task = get_task("writing")
+  for ex in task.examples("test", 5, seed=4):
+    words = {w.lower() for w in junk.replace(".", " ").replace("!", " ").split()}
+    if words & set(ex.meta.get("mentions", ())) or ex.meta["topic"] in words:
+      continue
+    reward = task.verify(ex, junk)
+    assert reward.reward == 0.0 or set(k for k, v in reward.components.items() if v > 0) <= {"topic"}, reward
