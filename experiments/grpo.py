@@ -1,0 +1,76 @@
+"""Job ``grpo``: GRPO on task domains with the rule verifiers as rewards.
+
+Starts from ``config.init`` (usually an SFT checkpoint), which is also the
+frozen KL reference. Prompts are train-split examples of
+``config.data.domains``; rewards come from the task verifiers (agent: the
+layered reward of SPEC §8 with the weights in ``config.agent_reward``). See
+``opd.grpo.train_grpo`` for the metrics it logs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+
+import numpy as np
+
+from experiments import common
+from opd import grpo as grpo_lib
+from opd.checkpoints import load_params
+from opd.config_utils import config_to_dict
+from opd.grpo_loss import GRPOConfig
+from opd.metrics_writer import MetricWriter
+from opd.tasks import AgentRewardConfig
+
+from experiments.sft import domain_examples
+
+log = logging.getLogger(__name__)
+
+
+def grpo_config(group, where: str = "config.grpo") -> GRPOConfig:
+  d = dict(group.to_dict())
+  known = {f.name for f in dataclasses.fields(GRPOConfig)}
+  unknown = sorted(set(d) - known)
+  if unknown:
+    raise ValueError(f"{where} has unknown field(s) {unknown}; known: {sorted(known)}")
+  try:
+    return GRPOConfig(**d)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{where}: {e}") from None
+
+
+def agent_reward_config(group) -> AgentRewardConfig:
+  try:
+    return AgentRewardConfig(**group.to_dict())
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"config.agent_reward: {e}") from None
+
+
+def run(config, workdir: str) -> dict:
+  timer = common.Timer()
+  model_cfg = common.model_config(config.model)
+  tok = common.tokenizer_for(model_cfg)
+  mesh, rules = common.mesh_and_rules(config)
+  if not config.init:
+    raise ValueError("config.init must name a checkpoint directory to start GRPO from "
+                     "(e.g. an SFT run's WORKDIR/checkpoints)")
+  params = load_params(config.init, model_cfg, mesh=mesh, rules=rules)
+  cfg = grpo_config(config.grpo)
+  prompts = domain_examples(tuple(config.data.domains), "train", config.data.num_prompts,
+                            config.seed, tuple(config.data.difficulties))
+  workdir = pathlib.Path(workdir)
+  with MetricWriter(workdir) as writer:
+    out = grpo_lib.train_grpo(
+        model_cfg, params, params if cfg.kl_coef > 0 else None, prompts, cfg,
+        common.optim_config(config.optim), tokenizer=tok, steps=config.train.steps, mesh=mesh,
+        rules=rules, seed=config.seed, agent_config=agent_reward_config(config.agent_reward),
+        writer=writer, checkpoint_dir=workdir / "checkpoints",
+        save_every=config.train.save_every, keep_checkpoints=config.train.keep_checkpoints,
+        run_config={"experiment": config_to_dict(config)})
+  rewards = [m["reward/mean"] for m in out.history if "reward/mean" in m]
+  k = max(1, min(5, len(rewards) // 3))
+  plot = common.plot_curves(workdir, keys=("reward/mean",), title="GRPO reward",
+                            filename="reward.png")
+  return {"steps": config.train.steps, "updates": int(out.state.step), "reward_first": float(np.mean(rewards[:k])),
+          "reward_last": float(np.mean(rewards[-k:])), "wall_s": timer.seconds,
+          "plot": str(plot or "")}
