@@ -130,3 +130,21 @@ class Timer:
 def write_json(path: str | pathlib.Path, obj) -> None:
   if jax.process_index() == 0:
     pathlib.Path(path).write_text(json.dumps(obj, indent=2, default=float))
+
+
+def enable_compilation_cache(path: str | None = None) -> str | None:
+  """Turns on jax's persistent compilation cache (default ``~/.cache/opd/jax``).
+
+  Stages of one pipeline compile identical programs (same shapes, same
+  computation, new Python closures); with the cache the second stage loads
+  the executable instead of recompiling, and re-runs start warm. Set
+  ``OPD_JAX_CACHE=off`` to disable, or to a directory to move it.
+  """
+  import os
+  choice = path or os.environ.get("OPD_JAX_CACHE") or os.path.expanduser("~/.cache/opd/jax")
+  if choice == "off":
+    return None
+  jax.config.update("jax_compilation_cache_dir", choice)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return choice

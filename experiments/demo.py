@@ -23,7 +23,9 @@ FLAGS = flags.FLAGS
 def main(argv):
   del argv
   from experiments import launch
+  from experiments.common import enable_compilation_cache
   from opd import config_utils
+  enable_compilation_cache()
   config = config_utils.load_config(FLAGS.config)
   print(f"[demo] {FLAGS.config} → {FLAGS.workdir}  (job {config.job!r})", flush=True)
   metrics = launch.launch(config, pathlib.Path(FLAGS.workdir))

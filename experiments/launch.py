@@ -147,6 +147,8 @@ def main() -> None:
   def run(argv):
     if len(argv) > 1:
       raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    from experiments.common import enable_compilation_cache
+    enable_compilation_cache()
     if distributed.value:
       import jax
       jax.distributed.initialize()

@@ -13,9 +13,11 @@ from __future__ import annotations
 import logging
 import random
 
+import jax
+
 from experiments import common
 from opd import data as data_lib
-from opd import lm_trainer
+from opd import lm_trainer, rollout
 from opd import tasks as tasks_lib
 from opd.config_utils import config_to_dict
 from opd.metrics_writer import MetricWriter
@@ -40,6 +42,16 @@ def lm_batches(texts, tok, model_cfg, config, *, seed, num_epochs=None, batch_si
       batch_size=batch_size or common.per_process_batch(config.train.batch_size),
       seed=seed, mode=config.data.mode, num_epochs=num_epochs, bos_id=tok.bos_id,
       eos_id=tok.eos_id, pad_id=tok.pad_id, vocab_size=model_cfg.vocab_size)
+
+
+def sample_text(model_cfg, params, tok, seed: int, mesh, rules, n: int = 4) -> str:
+  """Greedy continuations of ``n`` held-out prompts, as markdown for TensorBoard."""
+  examples = [tasks_lib.get_task(d).examples("test", 1, seed=seed)[0]
+              for d in tasks_lib.ALL_DOMAINS[:n]]
+  sampling = rollout.sampling_for_chat(tok, max_new_tokens=48, temperature=0.0)
+  comps = rollout.sample(model_cfg, params, tok, [rollout.prompt_ids(tok, e) for e in examples],
+                         seed, sampling, mesh=mesh, rules=rules)
+  return "\n\n".join(f"**{e.domain}** `{e.prompt}` → `{c.text}`" for e, c in zip(examples, comps))
 
 
 def run(config, workdir: str) -> dict:
@@ -68,7 +80,13 @@ def run(config, workdir: str) -> dict:
                                        "experiment": config_to_dict(config)})
     final_eval = lm_trainer.evaluate_loss(lm_trainer.lm_loss(model_cfg), state.params,
                                           eval_batches, mesh, rules)
-    writer.write_scalars(int(state.step), {f"eval/{k}": v for k, v in final_eval.items()})
+    step = int(state.step)
+    writer.write_scalars(step, {f"eval/{k}": v for k, v in final_eval.items()})
+    writer.write_histograms(step, {"params/" + "/".join(str(getattr(k, "key", k)) for k in path): v
+                                   for path, v in jax.tree_util.tree_flatten_with_path(
+                                       jax.device_get(state.params))[0] if v.ndim >= 2})
+    writer.write_texts(step, {"samples": sample_text(model_cfg, state.params, tok, config.seed,
+                                                     mesh, rules)})
   train_losses = [m["loss"] for _, m in logger.history if "loss" in m]
   tail = train_losses[-10:] or [float("nan")]
   summary = common.curve_summary(logger.history, "loss")

@@ -32,35 +32,43 @@ def sft_pairs(examples: Sequence[tasks_lib.Example], tok) -> list[tuple[np.ndarr
 
 
 def domain_examples(domains: Sequence[str], split: str, n: int, seed: int,
-                    difficulties: Sequence[int]) -> list[tasks_lib.Example]:
-  """``n`` examples per domain, spread over ``difficulties``."""
+                    difficulties: Sequence[int], unique: bool = False) -> list[tasks_lib.Example]:
+  """``n`` examples per domain, spread over ``difficulties``; i.i.d. draws
+  (repeats allowed, as the problem space of an easy level can be small)
+  unless ``unique``."""
   out = []
   for d in domains:
     task = tasks_lib.get_task(d)
     per = [n // len(difficulties) + (i < n % len(difficulties)) for i in range(len(difficulties))]
     for diff, k in zip(difficulties, per):
-      out += task.examples(split, k, seed=seed, difficulty=diff)
+      out += task.examples(split, k, seed=seed, difficulty=diff, unique=unique)
   return out
 
 
-def sft_batches(pairs, tok, model_cfg, *, seq_len, batch_size, seed, num_epochs=None):
+def sft_batches(pairs, tok, model_cfg, *, seq_len, batch_size, seed, mode="pack",
+                num_epochs=None, drop_remainder=True):
+  """Padded or packed SFT batches; packing is exact (the model masks
+  attention by ``segment_ids``) and wastes far less compute on short chats."""
   return data_lib.sft_dataset(pairs, seq_len=seq_len, batch_size=batch_size, seed=seed,
-                              mode="pad", num_epochs=num_epochs, pad_id=tok.pad_id,
-                              vocab_size=model_cfg.vocab_size, too_long="truncate")
+                              mode=mode, num_epochs=num_epochs, pad_id=tok.pad_id,
+                              vocab_size=model_cfg.vocab_size, too_long="truncate",
+                              drop_remainder=drop_remainder)
 
 
 def train_sft(model_cfg, params, domains: Sequence[str], workdir: str | pathlib.Path, *,
               optim, loop: lm_trainer.LMTrainConfig, mesh, rules, seed: int, num_train: int,
               num_eval: int, difficulties: Sequence[int], seq_len: int, batch_size: int,
-              extra_eval=None, run_config=None):
+              mode: str = "pack", extra_eval=None, run_config=None):
   """SFT ``params`` on ``domains``; returns ``(state, logger)``."""
   tok = common.tokenizer_for(model_cfg)
   train = sft_pairs(domain_examples(domains, "train", num_train, seed, difficulties), tok)
-  held = sft_pairs(domain_examples(domains, "test", num_eval, seed + 1, difficulties), tok)
-  train_iter = iter(sft_batches(train, tok, model_cfg, seq_len=seq_len,
+  held = sft_pairs(domain_examples(domains, "test", num_eval, seed + 1, difficulties,
+                                   unique=True), tok)
+  train_iter = iter(sft_batches(train, tok, model_cfg, seq_len=seq_len, mode=mode,
                                 batch_size=common.per_process_batch(batch_size), seed=seed))
-  eval_batches = list(sft_batches(held, tok, model_cfg, seq_len=seq_len,
-                                  batch_size=min(batch_size, len(held)), seed=0, num_epochs=1))
+  eval_batches = list(sft_batches(held, tok, model_cfg, seq_len=seq_len, mode=mode,
+                                  batch_size=min(batch_size, len(held)), seed=0, num_epochs=1,
+                                  drop_remainder=False))
   with MetricWriter(workdir) as writer:
     logger = common.Logger(writer, every=max(1, loop.steps // 50))
     state = lm_trainer.train_lm(
@@ -86,7 +94,7 @@ def run(config, workdir: str) -> dict:
       model_cfg, params, tuple(config.data.domains), workdir, optim=common.optim_config(config.optim),
       loop=loop, mesh=mesh, rules=rules, seed=config.seed, num_train=config.data.num_train,
       num_eval=config.data.num_eval, difficulties=tuple(config.data.difficulties),
-      seq_len=config.train.seq_len, batch_size=config.train.batch_size,
+      seq_len=config.train.seq_len, batch_size=config.train.batch_size, mode=config.data.mode,
       run_config={"experiment": config_to_dict(config)})
   plot = common.plot_curves(workdir, keys=("loss", "eval/loss"), title="SFT loss")
   evals = [m for _, m in logger.history if "eval/loss" in m]

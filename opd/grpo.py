@@ -154,6 +154,16 @@ def _draw(stream: Iterator, n: int, problem: Callable[[Any], str | None],
 # Batches.
 
 
+def training_length(episodes: Sequence[Episode], cfg: GRPOConfig) -> int:
+  """Row length of a step's training arrays: the longest episode (prompt +
+  response − 1 targets) rounded up to ``cfg.length_bucket``, capped at
+  ``cfg.seq_len``."""
+  if not cfg.length_bucket:
+    return cfg.seq_len
+  longest = max(len(ep.prompt_ids) + len(ep.response_ids) - 1 for ep in episodes)
+  return min(cfg.seq_len, cfg.length_bucket * -(-longest // cfg.length_bucket))
+
+
 def _fit(ep: Episode, seq_len: int) -> tuple[Episode, bool]:
   """Cuts an episode's response so it fits ``seq_len`` (only multi-turn ones can overflow)."""
   room = seq_len + 1 - len(ep.prompt_ids)
@@ -383,7 +393,8 @@ def train_grpo(model_cfg: ModelConfig, params, ref_params, prompts: Sequence[Exa
       adv = group_advantages(rewards, scale_by_std=cfg.scale_advantages_by_std,
                              eps=cfg.advantage_eps)
       fitted = [_fit(ep, cfg.seq_len) for ep in episodes]
-      host = rollout_lib.batch_episodes([f[0] for f in fitted], seq_len=cfg.seq_len,
+      host = rollout_lib.batch_episodes([f[0] for f in fitted],
+                                        seq_len=training_length([f[0] for f in fitted], cfg),
                                         pad_id=tokenizer.pad_id)
       host["advantages"] = adv.reshape(-1)
       batch = shard_batch(host, mesh, rules)

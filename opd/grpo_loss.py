@@ -96,8 +96,12 @@ class GRPOConfig:
       normaliser.
     updates_per_batch: mu, optimizer steps on one rollout batch (the ratio
       moves away from 1 from the second on).
-    seq_len: L of the training arrays; a prompt must leave room for a full
+    seq_len: L, the longest training row; a prompt must leave room for a full
       turn (``len(prompt) + N - 1 <= L``), longer agent episodes are cut.
+    length_bucket: each step's arrays are padded only to its longest episode
+      rounded up to a multiple of this (at most ``seq_len``), so short
+      responses do not pay for ``seq_len`` and only a few shapes compile;
+      0 always pads to ``seq_len``.
     max_error_fraction: a step whose share of verifier errors and malformed
       prompts exceeds this stops the run (``VerifierFailureError``).
     num_text_samples: rollouts written to TensorBoard as text (0 = none).
@@ -116,6 +120,7 @@ class GRPOConfig:
   max_new_tokens: int = 64
   updates_per_batch: int = 1
   seq_len: int = 256
+  length_bucket: int = 32
   max_error_fraction: float = 0.1
   num_text_samples: int = 4
 
@@ -125,7 +130,7 @@ class GRPOConfig:
 
     for name, lo in (("group_size", 2), ("prompts_per_step", 1), ("top_k", 0),
                      ("max_new_tokens", 1), ("updates_per_batch", 1), ("seq_len", 2),
-                     ("num_text_samples", 0)):
+                     ("length_bucket", 0), ("num_text_samples", 0)):
       if not _is_int(getattr(self, name)) or getattr(self, name) < lo:
         bad(name, f"an int >= {lo}")
     checks = {

@@ -140,15 +140,23 @@ def rollout(model_cfg: ModelConfig, params, tokenizer, examples: Sequence[Exampl
     comps = sample(model_cfg, params, tokenizer, prompts, key_single, sampling,
                    batch_size=batch_size, prompt_bucket=prompt_bucket, mesh=mesh, rules=rules)
     if verify:
-      by_domain: dict[str, list[int]] = {}
+      # A group of samples often repeats itself: verify each distinct
+      # (example, response) once (code responses each cost a sandbox run).
+      by_domain: dict[str, dict[tuple[str, str], int]] = {}
       for j, i in enumerate(single):
-        by_domain.setdefault(examples[i].domain, []).append(j)
-      rewards: dict[int, Reward] = {}
-      for domain, js in by_domain.items():
+        by_domain.setdefault(examples[i].domain, {}).setdefault(
+            (examples[i].id, comps[j].text), j)
+      verified: dict[tuple[str, str], Reward] = {}
+      for domain, firsts in by_domain.items():
         task = tasks_lib.get_task(domain, **task_kwargs.get(domain, {}))
+        js = list(firsts.values())
         got = tasks_lib.safe_verify_batch(task, [examples[single[j]] for j in js],
-                                          [comps[j].text for j in js], stats=stats)
-        rewards.update(zip(js, got))
+                                          [comps[j].text for j in js])
+        verified.update(zip(firsts, got))
+      rewards = {j: verified[examples[i].id, comps[j].text] for j, i in enumerate(single)}
+      if stats is not None:
+        for j in range(len(single)):
+          stats.add(rewards[j])
     for j, (i, c) in enumerate(zip(single, comps)):
       episodes[i] = Episode(examples[i], prompts[j], c.ids, np.ones(len(c.ids), bool),
                             c.logprobs, [c.text], not c.finished,

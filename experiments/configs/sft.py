@@ -27,12 +27,12 @@ def get_config(arg=None):
   c.mesh = base.mesh
   c.sharding_rules = base.sharding_rules
   c.optim = ml_collections.ConfigDict(dict(
-      lr=1e-3, warmup_steps=10, decay_steps=140, schedule="cosine", end_lr_ratio=0.1,
+      lr=1e-3, warmup_steps=10, decay_steps=70, schedule="cosine", end_lr_ratio=0.1,
       weight_decay=0.0, b1=0.9, b2=0.95, eps=1e-8, clip_norm=1.0, grad_accum_steps=1))
   c.train = ml_collections.ConfigDict(dict(
-      steps=150, batch_size=32, seq_len=160, eval_every=50, save_every=150, keep_checkpoints=1))
+      steps=80, batch_size=16, seq_len=256, eval_every=40, save_every=80, keep_checkpoints=1))
   c.data = ml_collections.ConfigDict(dict(
-      domains=("math",), num_train=2000, num_eval=64, difficulties=(1,)))
+      domains=("math",), num_train=4000, num_eval=48, difficulties=(1,), mode="pack"))
   if arg["tiny"]:
     c.optim.update(warmup_steps=1, decay_steps=4)
     c.train.update(steps=5, batch_size=8, seq_len=160, eval_every=5, save_every=5)

@@ -17,7 +17,7 @@ import pytest
 from opd import config_utils
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "configs"
-SMOKE_TESTED = {"pretrain", "sft"}
+SMOKE_TESTED = {"pretrain", "sft", "grpo", "specialists"}
 
 
 def _load(name, arg="tiny"):
@@ -58,16 +58,58 @@ def test_pretrain_tiny(pretrained):
   assert pathlib.Path(metrics["plot"]).is_file()
   rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert any("eval/loss" in r for r in rows) and any("loss" in r for r in rows)
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  events = EventAccumulator(str(workdir), size_guidance={"histograms": 0, "tensors": 0})
+  events.Reload()
+  tags = events.Tags()
+  assert "loss" in tags["scalars"] and "eval/loss" in tags["scalars"]
+  assert any(t.startswith("params/") for t in tags["histograms"])
+  assert "samples" in tags["tensors"]
 
 
-def test_sft_tiny_from_pretrained(pretrained, tmp_path):
+@pytest.fixture(scope="module")
+def fine_tuned(pretrained, tmp_path_factory):
   base_dir, _ = pretrained
-  cfg = _load("sft")
-  metrics = _launch("sft", tmp_path, f"--config.init={base_dir / 'checkpoints'}",
+  workdir = tmp_path_factory.mktemp("sft")
+  metrics = _launch("sft", workdir, f"--config.init={base_dir / 'checkpoints'}",
                     "--config.data.domains=('agent', 'code')")
+  return workdir, metrics
+
+
+def test_sft_tiny_from_pretrained(fine_tuned):
+  workdir, metrics = fine_tuned
+  cfg = _load("sft")
   assert metrics["steps"] == cfg.train.steps
   assert math.isfinite(metrics["eval_loss"]) and metrics["eval_loss"] > 0
+  assert (workdir / "checkpoints" / str(cfg.train.steps)).is_dir()
+
+
+def test_grpo_tiny_from_sft(fine_tuned, tmp_path):
+  sft_dir, _ = fine_tuned
+  cfg = _load("grpo")
+  metrics = _launch("grpo", tmp_path, f"--config.init={sft_dir / 'checkpoints'}",
+                    "--config.data.domains=('agent', 'math')")
+  assert metrics["steps"] == cfg.train.steps
+  assert 0.0 <= metrics["reward_first"] <= 1.0 and 0.0 <= metrics["reward_last"] <= 1.0
+  rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert {"reward/mean", "train/kl", "train/entropy", "groups/zero_std_fraction",
+          "response/truncation_rate"} <= set().union(*rows)
   assert (tmp_path / "checkpoints" / str(cfg.train.steps)).is_dir()
+
+
+def test_specialists_tiny(tmp_path):
+  """The whole pipeline: every stage's run directory, the table and the heatmap."""
+  cfg = _load("specialists")
+  metrics = _launch("specialists", tmp_path)
+  for d in cfg.domains:
+    for stage in ("sft", "grpo"):
+      assert (tmp_path / d / stage / "final_metrics.json").is_file(), (d, stage)
+  assert (tmp_path / "base" / "final_metrics.json").is_file()
+  assert pathlib.Path(metrics["heatmap"]).is_file()
+  report = pathlib.Path(metrics["report"]).read_text()
+  for d in cfg.domains:
+    assert f"| {d} |" in report
+    assert 0.0 <= metrics[f"specialist/{d}"] <= 100.0
 
 
 def test_sft_without_init_names_the_field(tmp_path):

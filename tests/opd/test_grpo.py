@@ -252,3 +252,19 @@ def test_train_grpo_validates_arguments(mesh, params):
   with pytest.raises(ValueError, match="steps must be an int >= 0"):
     train_grpo(CFG, params, params, bandit_prompts(4), GRPO, OPTIM, tokenizer=TOK, steps=-1,
                mesh=mesh)
+
+
+def test_training_length_buckets_to_the_longest_episode():
+  from opd.grpo import GRPOConfig, training_length
+  from opd.rollout import Episode
+  ex = get_task("math").examples("train", 1)[0]
+
+  def ep(p, r):
+    return Episode(ex, np.zeros(p, np.int32), np.zeros(r, np.int32), np.ones(r, bool),
+                   np.zeros(r, np.float32), ["x"], False)
+
+  cfg = GRPOConfig(seq_len=192, max_new_tokens=48, length_bucket=32)
+  assert training_length([ep(40, 10), ep(50, 20)], cfg) == 96    # 69 targets -> 96
+  assert training_length([ep(60, 5)], cfg) == 64                  # 64 targets exactly
+  assert training_length([ep(150, 48)], cfg) == 192               # capped at seq_len
+  assert training_length([ep(40, 10)], cfg.replace(length_bucket=0)) == 192

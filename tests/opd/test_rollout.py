@@ -94,3 +94,27 @@ def test_model_vocab_beyond_tokenizer_is_refused(params):
   ex = get_task("math").examples("train", 1)[0]
   with pytest.raises(ValueError, match=f"vocab_size={TOK.vocab_size + 2} exceeds"):
     rl.rollout(big, None, TOK, [ex], 0, rl.sampling_for_chat(TOK, max_new_tokens=4))
+
+
+def test_identical_responses_are_verified_once(monkeypatch):
+  """Duplicates in a group share one verifier call but each is counted."""
+  from opd import tasks as tasks_lib
+  ex = get_task("code").examples("train", 2, seed=1)
+  group = [ex[0]] * 3 + [ex[1]] * 2
+
+  def fake_sample(model_cfg, params, tokenizer, prompts, rng, sampling, **kw):
+    texts = [ex[0].reference_text, ex[0].reference_text, "def f(x): return 0", "bad", "bad"]
+    return [rl.Completion(np.asarray(TOK.encode(t + "<|end|>"), np.int32),
+                          np.zeros(len(TOK.encode(t)) + 1, np.float32), True, t) for t in texts]
+
+  calls = []
+  real = tasks_lib.safe_verify_batch
+  monkeypatch.setattr(rl, "sample", fake_sample)
+  monkeypatch.setattr(tasks_lib, "safe_verify_batch",
+                      lambda task, exs, rs, **kw: calls.append(len(rs)) or real(task, exs, rs, **kw))
+  stats = tasks_lib.RewardStats()
+  eps = rl.rollout(CFG, None, TOK, group, 0, rl.sampling_for_chat(TOK, max_new_tokens=40),
+                   stats=stats)
+  assert calls == [3]  # (ex0, ref), (ex0, wrong), (ex1, bad)
+  assert [e.reward.reward for e in eps[:2]] == [1.0, 1.0] and eps[2].reward.reward < 1.0
+  assert eps[3].reward == eps[4].reward and stats.total == 5
