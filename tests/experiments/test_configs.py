@@ -110,6 +110,32 @@ def test_specialists_tiny(tmp_path):
   for d in cfg.domains:
     assert f"| {d} |" in report
     assert 0.0 <= metrics[f"specialist/{d}"] <= 100.0
+  # Per-domain GRPO learning rates reach the stage configs (0: shared value).
+  for d in cfg.domains:
+    stage = json.loads((tmp_path / d / "grpo" / "config.json").read_text())
+    want = cfg.per_domain[d].grpo_lr or cfg.grpo_optim.lr
+    assert stage["optim"]["lr"] == pytest.approx(want), d
+  assert cfg.per_domain.math.grpo_lr != cfg.grpo_optim.lr  # the override is exercised
+
+
+@pytest.mark.parametrize("field,value,pattern", [
+    ("per_domain.poetry", {"sft_steps": 3}, r"per_domain.poetry: unknown domain 'poetry'"),
+    ("per_domain.math.grpo_lr", -1e-4, r"per_domain.math.grpo_lr=-0.0001"),
+    ("per_domain.code.sft_steps", -3, r"per_domain.code.sft_steps=-3"),
+])
+def test_specialists_bad_per_domain_names_the_field(tmp_path, field, value, pattern):
+  import ml_collections
+  from experiments import specialists
+  cfg = _load("specialists")
+  *parents, leaf = field.split(".")
+  group = cfg
+  for name in parents:
+    group = group[name]
+  with cfg.unlocked():
+    group[leaf] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
+  with pytest.raises(ValueError, match=pattern):
+    specialists.run(cfg, str(tmp_path))
+  assert not (tmp_path / "base").exists()  # refused before any work
 
 
 def test_sft_without_init_names_the_field(tmp_path):
