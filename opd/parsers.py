@@ -27,6 +27,7 @@ import ast
 import dataclasses
 import json
 import re
+import warnings
 from fractions import Fraction
 from typing import Any
 
@@ -281,7 +282,11 @@ def extract_python_function(text: Any, name: str = "f", n_args: int | None = Non
   if not source.strip():
     return ParsedCode(None, False, "empty")
   try:
-    tree = ast.parse(source)
+    with warnings.catch_warnings():
+      # Model-written code like ``1if x else 2`` parses with a SyntaxWarning
+      # printed to stderr; it is the model's problem, not the user's log's.
+      warnings.simplefilter("ignore", SyntaxWarning)
+      tree = ast.parse(source)
   except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
     return ParsedCode(None, False, "syntax_error")
   target = None
