@@ -110,22 +110,8 @@ def _stats_fn(temperature: float, block_v: int):
   """The custom_vjp statistics function for one static configuration."""
   static = dict(inv_tau=1.0 / temperature, block_v=block_v)
 
-  @jax.custom_vjp
-  def stats(h_s, w_s, h_k, w_k):
-    return _forward(h_s, w_s, h_k, w_k, **static)
-
-  def fwd(h_s, w_s, h_k, w_k):
-    out = _forward(h_s, w_s, h_k, w_k, **static)
-    return out, (h_s, w_s, h_k, w_k, out)
-
-  def bwd(res, g):
-    h_s, w_s, h_k, w_k, out = res
-    coef = tile_math.coef_from_cotangents(out, g)
-    dh, dw = _backward(h_s, w_s, h_k, w_k, coef, **static)
-    return dh, dw, None, None  # teachers get no gradient
-
-  stats.defvjp(fwd, bwd)
-  return jax.jit(stats)
+  return tile_math.stats_with_vjp(functools.partial(_forward, **static),
+                                  functools.partial(_backward, **static))
 
 
 def vocab_stats_chunked(h_s: jax.Array, w_s: jax.Array, h_k: Sequence[jax.Array],

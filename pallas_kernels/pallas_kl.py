@@ -146,21 +146,8 @@ def _stats_fn(temperature: float, bs: BlockSizes, interpret: bool):
   """custom_vjp statistics function for one static configuration."""
   static = dict(inv_tau=1.0 / temperature, bs=bs, interpret=interpret)
 
-  @jax.custom_vjp
-  def stats(h_s, w_s, h_k, w_k):
-    return _forward(h_s, w_s, h_k, w_k, **static)
-
-  def fwd(h_s, w_s, h_k, w_k):
-    out = _forward(h_s, w_s, h_k, w_k, **static)
-    return out, (h_s, w_s, h_k, w_k, out)
-
-  def bwd(res, g):
-    h_s, w_s, h_k, w_k, out = res
-    dh, dw = _backward(h_s, w_s, h_k, w_k, tile_math.coef_from_cotangents(out, g), **static)
-    return dh, dw, None, None  # teachers get no gradient
-
-  stats.defvjp(fwd, bwd)
-  return jax.jit(stats)
+  return tile_math.stats_with_vjp(functools.partial(_forward, **static),
+                                  functools.partial(_backward, **static))
 
 
 def vocab_stats_pallas(h_s: jax.Array, w_s: jax.Array, h_k: Sequence[jax.Array],

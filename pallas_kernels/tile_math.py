@@ -225,6 +225,31 @@ class Coef(NamedTuple):
   e_k: tuple
 
 
+def stats_with_vjp(forward, backward):
+  """The jitted ``custom_vjp`` statistics function shared by every path.
+
+  ``forward(h_s, w_s, h_k, w_k) -> Stats`` computes the per-token statistics;
+  ``backward(h_s, w_s, h_k, w_k, coef) -> (dh_s, dw_s)`` recomputes the tiles
+  from the saved inputs and the per-token coefficients of
+  ``coef_from_cotangents``. Teachers get no gradient.
+  """
+  @jax.custom_vjp
+  def stats(h_s, w_s, h_k, w_k):
+    return forward(h_s, w_s, h_k, w_k)
+
+  def fwd(h_s, w_s, h_k, w_k):
+    out = forward(h_s, w_s, h_k, w_k)
+    return out, (h_s, w_s, h_k, w_k, out)
+
+  def bwd(res, g):
+    h_s, w_s, h_k, w_k, out = res
+    dh, dw = backward(h_s, w_s, h_k, w_k, coef_from_cotangents(out, g))
+    return dh, dw, None, None
+
+  stats.defvjp(fwd, bwd)
+  return jax.jit(stats)
+
+
 def coef_from_cotangents(stats: Stats, g: Stats) -> Coef:
   """Builds the :class:`Coef` columns from stats and their cotangents ([T], [T,K])."""
   col = lambda a: a[:, None].astype(jnp.float32)

@@ -27,6 +27,8 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from opd import parsers
+
 DIFFICULTIES = (1, 2, 3)
 SPLITS = ("train", "test")
 TEST_FRACTION = 0.2
@@ -122,6 +124,16 @@ class Reward:
 def malformed(reason: str, **components: float) -> Reward:
   """Reward 0 and format 0 for a response that does not parse."""
   return Reward(0.0, 0.0, components, f"malformed:{reason}")
+
+
+def response_body(response: Any) -> str | Reward:
+  """The answer after any thinking block, stripped; a malformed ``Reward``
+  when the thinking block is broken or nothing is left."""
+  split = parsers.split_thinking(response)
+  if not split.ok:
+    return malformed(split.reason)
+  body = split.body.strip()
+  return body if body else malformed("empty")
 
 
 @dataclasses.dataclass(frozen=True)

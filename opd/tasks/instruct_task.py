@@ -21,8 +21,7 @@ import math
 import random
 import re
 
-from opd import parsers
-from opd.tasks.base import Draft, Example, Reward, Task, malformed
+from opd.tasks.base import Draft, Example, Reward, Task, malformed, response_body
 from opd.tasks.vocab import TOPICS, topic_words
 
 _WORD_RE = re.compile(r"[A-Za-z]+")
@@ -128,12 +127,9 @@ class InstructTask(Task):
 
   def verify(self, example: Example, response: str) -> Reward:
     self.check_example(example)
-    split = parsers.split_thinking(response)
-    if not split.ok:
-      return malformed(split.reason)
-    body = split.body.strip()
-    if not body:
-      return malformed("empty")
+    body = response_body(response)
+    if isinstance(body, Reward):
+      return body
     if "\n" in body or len(body) > MAX_CHARS or not (body.isascii() and body.isprintable()):
       return malformed("not_one_printable_line")
     constraints = example.meta["constraints"]

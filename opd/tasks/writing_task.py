@@ -33,8 +33,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from opd import parsers
-from opd.tasks.base import Draft, Example, Reward, Task, malformed
+from opd.tasks.base import Draft, Example, Reward, Task, malformed, response_body
 from opd.tasks.vocab import TOPICS, topic_words
 
 RUBRIC_WEIGHTS = {"sentences": 2.0, "topic": 2.0, "mentions": 2.0, "capitals": 1.0,
@@ -118,12 +117,9 @@ class WritingTask(Task):
     return Draft(prompt, (("assistant", text),), meta)
 
   def _body(self, response: Any) -> str | Reward:
-    split = parsers.split_thinking(response)
-    if not split.ok:
-      return malformed(split.reason)
-    body = split.body.strip()
-    if not body:
-      return malformed("empty")
+    body = response_body(response)
+    if isinstance(body, Reward):
+      return body
     if len(body) > MAX_CHARS or not body.isascii() or not body.replace("\n", " ").isprintable():
       return malformed("not_printable_text")
     return body
