@@ -28,6 +28,7 @@ from experiments import sft as sft_job
 from opd import evaluation as ev
 from opd.checkpoints import load_params
 from opd.config_utils import config_to_dict
+from opd.tasks import ALL_DOMAINS
 
 log = logging.getLogger(__name__)
 
@@ -78,21 +79,19 @@ def _run_stage(name: str, fn, cfg, workdir: pathlib.Path) -> dict:
   return metrics
 
 
+PER_DOMAIN_FIELDS = ("sft_steps", "grpo_steps", "grpo_lr")  # 0 means the shared value
+
+
 def _check_per_domain(config) -> None:
-  """``config.per_domain``: known domains, step counts >= 0, learning rates >= 0."""
-  if "per_domain" not in config:
-    return
-  from opd.tasks import ALL_DOMAINS
-  for d, group in config.per_domain.items():
+  """``config.per_domain``: known domains and fields, values >= 0 (ml-collections
+  already refuses a float for the int step counts)."""
+  for d, group in config.get("per_domain", {}).items():
     if d not in ALL_DOMAINS:
       raise ValueError(f"per_domain.{d}: unknown domain {d!r}; domains are {ALL_DOMAINS}")
     for name, value in group.items():
-      kind = float if name.endswith("_lr") else int
-      ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and (kind is float or float(value).is_integer()) and value >= 0)
-      if name not in ("sft_steps", "grpo_steps", "grpo_lr") or not ok:
-        raise ValueError(f"per_domain.{d}.{name}={value!r}: expected sft_steps/grpo_steps "
-                         f"(int >= 0) or grpo_lr (float >= 0; 0 means the shared value)")
+      if name not in PER_DOMAIN_FIELDS or value < 0:
+        raise ValueError(f"per_domain.{d}.{name}={value!r}: expected one of "
+                         f"{PER_DOMAIN_FIELDS}, >= 0 (0 means the shared value)")
 
 
 def run(config, workdir: str) -> dict:
@@ -119,7 +118,7 @@ def run(config, workdir: str) -> dict:
         _stage_config(config, "sft", init=str(base_dir / "checkpoints"), optim=sft_optim,
                       train=sft_train, data=_copy(config.sft.data, domains=(d,))), sft_dir)
     grpo_train, _ = _steps(config.grpo_train, None, config, d, "grpo_steps")
-    grpo_lr = config.per_domain.get(d, {}).get("grpo_lr") if "per_domain" in config else None
+    grpo_lr = config.get("per_domain", {}).get(d, {}).get("grpo_lr")
     grpo_optim = _copy(config.grpo_optim, lr=grpo_lr) if grpo_lr else config.grpo_optim
     stage_metrics[f"grpo_{d}"] = _run_stage(
         f"{d}: GRPO", grpo_job.run,
