@@ -27,7 +27,7 @@ from experiments import pretrain as pretrain_job
 from experiments import sft as sft_job
 from opd import evaluation as ev
 from opd.checkpoints import load_params
-from opd.config_utils import config_to_dict
+from opd.config_utils import config_mismatches, config_to_dict
 from opd.tasks import ALL_DOMAINS
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,21 @@ def _steps(train, optim, config, domain: str, field: str):
 
 
 def _run_stage(name: str, fn, cfg, workdir: pathlib.Path) -> dict:
-  """Runs one stage unless it already finished; returns its final metrics."""
+  """Runs one stage unless it already finished; returns its final metrics.
+
+  A stage directory left by an earlier run (finished or interrupted) is
+  reused only when its ``config.json`` matches this run's stage config;
+  otherwise a ``ValueError`` names the differing fields and nothing is
+  touched (a changed config must not silently reuse stale results).
+  """
+  saved_path = workdir / "config.json"
+  if saved_path.exists():
+    bad = config_mismatches(json.loads(saved_path.read_text()), config_to_dict(cfg))
+    if bad:
+      detail = "; ".join(f"{k}: was {have!r}, now {want!r}" for k, have, want in bad[:5])
+      more = f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""
+      raise ValueError(f"{workdir} holds the '{name}' stage of a run with another config "
+                       f"({detail}{more}); use a new --workdir or delete that directory")
   done = workdir / FINAL
   if done.exists():
     print(f"[specialists] {name}: done earlier ({done})", flush=True)

@@ -42,6 +42,8 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers
 
+from opd.config_utils import config_mismatches
+
 log = logging.getLogger(__name__)
 
 
@@ -97,23 +99,6 @@ def _json_or_raise(value, name: str) -> dict:
     return json.loads(json.dumps(dict(value)))
   except (TypeError, ValueError) as e:
     raise ValueError(f"{name} is not JSON-serialisable: {e}") from e
-
-
-def _config_mismatches(saved, expected, prefix=""):
-  """Dotted paths where ``expected`` (a nested mapping) differs from ``saved``."""
-  out = []
-  for key, want in expected.items():
-    name = f"{prefix}{key}"
-    if not isinstance(saved, Mapping) or key not in saved:
-      out.append((name, "<missing>", want))
-      continue
-    have = saved[key]
-    if isinstance(want, Mapping) and isinstance(have, Mapping):
-      out.extend(_config_mismatches(have, want, name + "."))
-    elif have != want and not (isinstance(have, list) and isinstance(want, tuple)
-                               and have == list(want)):
-      out.append((name, have, want))
-  return out
 
 
 def _path_key(entry) -> str:
@@ -287,7 +272,7 @@ class CheckpointManager:
     path = self.step_path(step)
     config = self.read_config(step)
     if expected_config is not None:
-      bad = _config_mismatches(config, expected_config)
+      bad = config_mismatches(config, expected_config)
       if bad:
         detail = "; ".join(f"{name}: checkpoint has {have!r}, expected {want!r}"
                            for name, have, want in bad)
@@ -367,7 +352,7 @@ def load_params(directory: str | os.PathLike, model_cfg, *, step: int | None = N
     if saved is None:
       raise ValueError(f"checkpoint {path} has no 'model' entry in its config; cannot check "
                        "that it matches the requested ModelConfig")
-    bad = _config_mismatches(saved, model_cfg.to_dict())
+    bad = config_mismatches(saved, model_cfg.to_dict())
     if bad:
       detail = "; ".join(f"model.{name}: checkpoint has {have!r}, expected {want!r}"
                          for name, have, want in bad)

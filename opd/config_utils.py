@@ -274,3 +274,22 @@ def to_model_config(model: Mapping[str, Any] | ml_collections.ConfigDict,
 def config_to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """A JSON-ready nested dict (tuples become lists, other objects ``repr``)."""
   return json.loads(json.dumps(config.to_dict(), default=repr))
+
+
+def config_mismatches(saved, expected, prefix: str = "") -> list[tuple[str, Any, Any]]:
+  """``(dotted path, saved value, expected value)`` wherever ``expected`` (a
+  nested mapping) differs from ``saved``; a list equals the tuple it was saved
+  from (JSON has no tuples)."""
+  out = []
+  for key, want in expected.items():
+    name = f"{prefix}{key}"
+    if not isinstance(saved, Mapping) or key not in saved:
+      out.append((name, "<missing>", want))
+      continue
+    have = saved[key]
+    if isinstance(want, Mapping) and isinstance(have, Mapping):
+      out.extend(config_mismatches(have, want, name + "."))
+    elif have != want and not (isinstance(have, list) and isinstance(want, tuple)
+                               and have == list(want)):
+      out.append((name, have, want))
+  return out

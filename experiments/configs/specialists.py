@@ -9,7 +9,8 @@ Reference machine (2 CPU cores): default ≈ 15 min; tiny ≈ 3 min (compiles).
 Expected result (default): see the results section of the README and
 docs/LOG.md — each specialist beats the base on its own domain by ≥ 20
 points of greedy reward@1, and GRPO improves on SFT for most domains.
-Re-running the command skips finished stages and resumes interrupted ones.
+Re-running the command skips finished stages and resumes interrupted ones; a
+stage directory written under another config is refused (fields named).
 """
 import ml_collections
 
