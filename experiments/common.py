@@ -30,18 +30,24 @@ def model_config(group, where: str = "config.model") -> ModelConfig:
   return config_utils.to_model_config(group, where=where)
 
 
-def optim_config(group, where: str = "config.optim", **overrides) -> OptimConfig:
-  """``OptimConfig`` from a config group; unknown fields are named."""
+def dataclass_from_group(cls, group, where: str, **overrides):
+  """``cls(**group)`` for a config group; unknown fields and invalid values
+  raise a ``ValueError`` that names ``where``."""
   d = dict(group.to_dict() if isinstance(group, ml_collections.ConfigDict) else group)
   d.update(overrides)
-  known = {f.name for f in dataclasses.fields(OptimConfig)}
+  known = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(d) - known)
   if unknown:
     raise ValueError(f"{where} has unknown field(s) {unknown}; known: {sorted(known)}")
   try:
-    return OptimConfig(**d)
+    return cls(**d)
   except (TypeError, ValueError) as e:
     raise ValueError(f"{where}: {e}") from None
+
+
+def optim_config(group, where: str = "config.optim", **overrides) -> OptimConfig:
+  """``OptimConfig`` from a config group; unknown fields are named."""
+  return dataclass_from_group(OptimConfig, group, where, **overrides)
 
 
 def mesh_and_rules(config) -> tuple[Any, tuple]:

@@ -8,7 +8,6 @@ layered reward of SPEC §8 with the weights in ``config.agent_reward``). See
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import pathlib
 
@@ -28,22 +27,11 @@ log = logging.getLogger(__name__)
 
 
 def grpo_config(group, where: str = "config.grpo") -> GRPOConfig:
-  d = dict(group.to_dict())
-  known = {f.name for f in dataclasses.fields(GRPOConfig)}
-  unknown = sorted(set(d) - known)
-  if unknown:
-    raise ValueError(f"{where} has unknown field(s) {unknown}; known: {sorted(known)}")
-  try:
-    return GRPOConfig(**d)
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"{where}: {e}") from None
+  return common.dataclass_from_group(GRPOConfig, group, where)
 
 
-def agent_reward_config(group) -> AgentRewardConfig:
-  try:
-    return AgentRewardConfig(**group.to_dict())
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"config.agent_reward: {e}") from None
+def agent_reward_config(group, where: str = "config.agent_reward") -> AgentRewardConfig:
+  return common.dataclass_from_group(AgentRewardConfig, group, where)
 
 
 def run(config, workdir: str) -> dict:

@@ -142,3 +142,22 @@ def test_sft_without_init_names_the_field(tmp_path):
   from experiments import launch
   with pytest.raises(ValueError, match="config.init must name a checkpoint directory"):
     launch.launch(_load("sft"), tmp_path)
+
+
+@pytest.mark.parametrize("group,field,value,pattern", [
+    ("grpo", "bogus", 1, r"config.grpo has unknown field\(s\) \['bogus'\]"),
+    ("grpo", "group_size", 0, r"config.grpo: .*group_size"),
+    ("agent_reward", "format", -0.3,
+     r"config.agent_reward: AgentRewardConfig.format must be a finite number >= 0, got -0.3"),
+    ("agent_reward", "tool_use", 0.1, r"config.agent_reward has unknown field\(s\) \['tool_use'\]"),
+    ("optim", "lr_peak", 1e-3, r"config.optim has unknown field\(s\) \['lr_peak'\]"),
+])
+def test_job_config_groups_name_the_field(group, field, value, pattern):
+  """Config groups become dataclasses through one helper that names the group."""
+  from experiments import common
+  from experiments import grpo as grpo_job
+  build = {"grpo": grpo_job.grpo_config, "agent_reward": grpo_job.agent_reward_config,
+           "optim": common.optim_config}[group]
+  values = dict(_load("grpo")[group].to_dict(), **{field: value})
+  with pytest.raises(ValueError, match=pattern):
+    build(values)
