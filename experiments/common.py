@@ -17,11 +17,12 @@ import jax
 import ml_collections
 import numpy as np
 
-from opd import config_utils, sharding
-from opd.metrics_writer import MetricWriter, read_metrics
+from opd.config import overrides as config_utils
+from opd.parallel import sharding
+from opd.training.metrics_writer import MetricWriter, read_metrics
 from opd.models import ModelConfig
-from opd.tokenizers import ByteTokenizer, check_vocab
-from opd.train_step import OptimConfig
+from opd.text.tokenizers import ByteTokenizer, check_vocab
+from opd.training.train_step import OptimConfig
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ def main(argv):
   del argv
   from experiments import launch
   from experiments.common import enable_compilation_cache
-  from opd import config_utils
+  from opd.config import overrides as config_utils
   enable_compilation_cache()
   config = config_utils.load_config(FLAGS.config)
   print(f"[demo] {FLAGS.config} → {FLAGS.workdir}  (job {config.job!r})", flush=True)

@@ -4,7 +4,7 @@ Starts from ``config.init`` (usually an SFT checkpoint), which is also the
 frozen KL reference. Prompts are train-split examples of
 ``config.data.domains``; rewards come from the task verifiers (agent: the
 layered reward of SPEC §8 with the weights in ``config.agent_reward``). See
-``opd.grpo.train_grpo`` for the metrics it logs.
+``opd.rl.grpo.train_grpo`` for the metrics it logs.
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import pathlib
 import numpy as np
 
 from experiments import common
-from opd import grpo as grpo_lib
-from opd.checkpoints import load_params
-from opd.config_utils import config_to_dict
-from opd.grpo_loss import GRPOConfig
-from opd.metrics_writer import MetricWriter
+from opd.rl import grpo as grpo_lib
+from opd.training.checkpoints import load_params
+from opd.config.overrides import config_to_dict
+from opd.rl.loss import GRPOConfig
+from opd.training.metrics_writer import MetricWriter
 from opd.tasks import AgentRewardConfig
 
 from experiments.sft import domain_examples

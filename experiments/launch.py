@@ -10,7 +10,7 @@ Flags:
   --jax_distributed                           call jax.distributed.initialize() with
                                               cluster auto-detection (Cloud TPU, SLURM)
 
-Without --jax_distributed, ``opd.distributed.initialize_from_env()`` joins a
+Without --jax_distributed, ``opd.parallel.distributed.initialize_from_env()`` joins a
 multi-process job described by ``OPD_COORDINATOR``, ``OPD_NUM_PROCESSES`` and
 ``OPD_PROCESS_ID`` (and does nothing when they are unset).
 
@@ -32,7 +32,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from experiments import jobs
-from opd import config_utils
+from opd.config import overrides as config_utils
 
 CONFIG_FILE = "config.json"
 FINAL_METRICS_FILE = "final_metrics.json"
@@ -72,7 +72,7 @@ def launch(config, workdir: str | pathlib.Path, *, jobs_modules: Sequence[str] =
     raise ValueError(f"the config has no field 'job'; set config.job to one of "
                      f"{sorted(jobs.known_jobs())}")
   job = jobs.get_job(config.job)
-  from opd.metrics_writer import is_main_process  # imports jax, so only once needed
+  from opd.training.metrics_writer import is_main_process  # imports jax, so only once needed
   workdir = pathlib.Path(workdir)
   main = is_main_process()
   if main:
@@ -153,7 +153,7 @@ def main() -> None:
       import jax
       jax.distributed.initialize()
     else:
-      from opd import distributed as opd_distributed
+      from opd.parallel import distributed as opd_distributed
       opd_distributed.initialize_from_env()
     metrics = launch(config.value, workdir.value, jobs_modules=modules.value)
     print(json.dumps(metrics, sort_keys=True))

@@ -3,7 +3,7 @@
 The corpus is ``opd.tasks.mixture_corpus`` — train-split conversations of
 all five domains, each with its reference response with probability
 ``config.data.response_fraction`` and as the bare prompt otherwise — fed by
-``opd.data.lm_dataset`` (grain). The held-out loss is measured on test-split
+``opd.training.data.lm_dataset`` (grain). The held-out loss is measured on test-split
 text. Writes checkpoints, TensorBoard events, ``metrics.jsonl``,
 ``curves.png`` and returns the final metrics. See
 ``experiments/configs/pretrain.py``.
@@ -16,11 +16,12 @@ import random
 import jax
 
 from experiments import common
-from opd import data as data_lib
-from opd import lm_trainer, rollout
+from opd.training import data as data_lib
+from opd import rollout
+from opd.training import lm_trainer
 from opd import tasks as tasks_lib
-from opd.config_utils import config_to_dict
-from opd.metrics_writer import MetricWriter
+from opd.config.overrides import config_to_dict
+from opd.training.metrics_writer import MetricWriter
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Job ``sft``: supervised fine-tuning of a model on one or more task domains.
 
 Each training example is a task's reference conversation rendered by
-``opd.chat`` with the loss masked to the assistant's tokens
+``opd.text.chat`` with the loss masked to the assistant's tokens
 (``render_for_training``); agent examples keep their tool turns as
 (untrained) context. Starts from ``config.init`` (a checkpoint directory,
 usually the base model's) and writes checkpoints, metrics and curves.
@@ -15,13 +15,13 @@ from typing import Sequence
 import numpy as np
 
 from experiments import common
-from opd import chat
-from opd import data as data_lib
-from opd import lm_trainer
+from opd.text import chat
+from opd.training import data as data_lib
+from opd.training import lm_trainer
 from opd import tasks as tasks_lib
-from opd.checkpoints import load_params
-from opd.config_utils import config_to_dict
-from opd.metrics_writer import MetricWriter
+from opd.training.checkpoints import load_params
+from opd.config.overrides import config_to_dict
+from opd.training.metrics_writer import MetricWriter
 
 log = logging.getLogger(__name__)
 

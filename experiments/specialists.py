@@ -25,9 +25,9 @@ from experiments import common
 from experiments import grpo as grpo_job
 from experiments import pretrain as pretrain_job
 from experiments import sft as sft_job
-from opd import evaluation as ev
-from opd.checkpoints import load_params
-from opd.config_utils import config_mismatches, config_to_dict
+from opd.eval import evaluation as ev
+from opd.training.checkpoints import load_params
+from opd.config.overrides import config_mismatches, config_to_dict
 from opd.tasks import ALL_DOMAINS
 
 log = logging.getLogger(__name__)

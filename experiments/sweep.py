@@ -30,8 +30,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from experiments.launch import FINAL_METRICS_FILE
-from opd import config_utils
-from opd import metrics_writer
+from opd.config import overrides as config_utils
+from opd.training import metrics_writer
 
 SUMMARY = "sweep_summary"
 MAX_PLOTTED = 6

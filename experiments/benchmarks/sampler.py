@@ -1,8 +1,8 @@
-"""Decode throughput of ``opd.sampler.generate`` (KV cache) vs full recomputation.
+"""Decode throughput of ``opd.rollout.sampler.generate`` (KV cache) vs full recomputation.
 
 Both sides are single jitted programs that decode greedily in lockstep:
 
-* ``kv_cache``: ``opd.sampler.generate`` — one prefill, then one-token steps
+* ``kv_cache``: ``opd.rollout.sampler.generate`` — one prefill, then one-token steps
   against a ``[B, P + N]`` KV cache.
 * ``recompute``: the no-cache baseline — each step runs the decoder over the
   whole padded ``[B, P + N]`` buffer (causal mask, unwritten tail masked
@@ -28,7 +28,7 @@ import numpy as np
 
 from experiments.benchmarks import common
 from opd.models import ModelConfig, forward, head_matrix, init_params
-from opd.sampler import SamplingConfig, generate, left_align
+from opd.rollout.sampler import SamplingConfig, generate, left_align
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "new_tokens"))

@@ -5,7 +5,7 @@ Rows:
 * ``matmul``: the baseline, a large square fp32 ``jnp.dot`` (N x N x N,
   2 N^3 FLOPs). A sweep over a few N picks the fastest size (XLA:CPU is
   markedly slower at some sizes than at others).
-* ``train_step``: ``opd.train_step.make_train_step`` with the next-token loss
+* ``train_step``: ``opd.training.train_step.make_train_step`` with the next-token loss
   and AdamW on a one-device mesh, fp32 compute. FLOPs are counted
   explicitly: ``3 * ModelConfig.flops_per_token(T) * B * T`` (forward matmuls
   including attention scores and the LM head, backward = 2x forward; the
@@ -33,11 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.benchmarks import common
-from opd import sharding
+from opd.parallel import sharding
 from opd.models import ModelConfig
-from opd.train_step import (OptimConfig, abstract_train_state, init_train_state, make_optimizer,
+from opd.training.train_step import (OptimConfig, abstract_train_state, init_train_state, make_optimizer,
                             make_train_step)
-from opd.objectives import next_token_loss
+from opd.training.objectives import next_token_loss
 
 
 def _parse(argv):

@@ -13,7 +13,7 @@ rises over the run; ``reward.png`` plots it.
 import ml_collections
 
 from experiments.configs import pretrain
-from opd import config_utils
+from opd.config import overrides as config_utils
 
 
 def get_config(arg=None):

@@ -11,7 +11,8 @@ nats/byte; the prompts' templates are learned first, answers later.
 """
 import ml_collections
 
-from opd import config_utils, sharding
+from opd.config import overrides as config_utils
+from opd.parallel import sharding
 
 
 def get_config(arg=None):

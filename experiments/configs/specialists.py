@@ -17,7 +17,7 @@ import ml_collections
 from experiments.configs import grpo as grpo_config
 from experiments.configs import pretrain as pretrain_config
 from experiments.configs import sft as sft_config
-from opd import config_utils
+from opd.config import overrides as config_utils
 from opd.tasks import ALL_DOMAINS
 
 

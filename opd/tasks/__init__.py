@@ -19,7 +19,7 @@ Every response may start with a ``<think>...</think>`` block.
 """
 from __future__ import annotations
 
-from opd import chat
+from opd.text import chat
 from opd.tasks.agent_task import AgentEnv, AgentRewardConfig, AgentTask, Trajectory, rollout
 from opd.tasks.base import (DIFFICULTIES, SPLITS, TEST_FRACTION, Example, Reward, RewardStats,
                             Task, VerifierFailureError, safe_verify, safe_verify_batch, split_of)
@@ -35,10 +35,17 @@ _TASKS = {"math": MathTask, "code": CodeTask, "instruct": InstructTask, "agent":
 
 def render_messages(messages, *, add_generation_prompt: bool = False) -> str:
   """A task conversation (raw assistant text, see ``Example``) in the chat
-  format of ``opd.chat``; with ``add_generation_prompt`` it ends by opening an
+  format of ``opd.text.chat``; with ``add_generation_prompt`` it ends by opening an
   assistant turn (mode "non-think", as the specialists are prompted)."""
   return chat.render(chat.from_raw(messages), add_generation_prompt=add_generation_prompt,
                      mode="non-think")
+
+
+def is_multi_turn(domain: str) -> bool:
+  """Whether ``domain``'s episodes run in an environment loop (``Task.multi_turn``)."""
+  if domain not in _TASKS:
+    raise ValueError(f"unknown domain {domain!r}; domains: {ALL_DOMAINS}")
+  return _TASKS[domain].multi_turn
 
 
 def get_task(name: str, **kwargs) -> Task:

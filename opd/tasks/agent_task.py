@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
 
-from opd import parsers
+from opd.text import parsers
 from opd.tasks.base import Draft, Example, Reward, Task, malformed
 from opd.tasks.tools import ToolError, run_tool
 from opd.tasks.vocab import ATTRIBUTES, ENTITIES
@@ -261,6 +261,7 @@ def assistant_turns(response: Any) -> list[str] | None:
 
 class AgentTask(Task):
   domain = "agent"
+  multi_turn = True
 
   def __init__(self, config: AgentRewardConfig | None = None):
     self.config = AgentRewardConfig() if config is None else config

@@ -27,7 +27,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from opd import parsers
+from opd.text import parsers
 
 DIFFICULTIES = (1, 2, 3)
 SPLITS = ("train", "test")
@@ -148,6 +148,10 @@ class Task(abc.ABC):
   """A domain: seeded generator plus verifier."""
 
   domain: str = ""
+  # A multi-turn task's episodes interleave policy turns with environment
+  # turns (tool results); rollout runs them through the task's environment
+  # loop instead of one sampler call.
+  multi_turn: bool = False
 
   def examples(self, split: str, n: int, *, seed: int = 0, difficulty: int = 1,
                unique: bool = True) -> list[Example]:

@@ -4,7 +4,7 @@ The language is Python, restricted to what a tiny model can learn: a single
 ``def f(...): return <expression>`` line (any valid Python function is
 accepted; the top level may hold only function definitions). The prompt
 describes the function in words; the verifier runs the response together
-with a harness in ONE ``opd.sandbox`` run that calls ``f`` on every hidden
+with a harness in ONE ``opd.tasks.sandbox.api`` run that calls ``f`` on every hidden
 input (embedded as a literal; results printed as one literal line) and compares the
 results with the hidden expected outputs, which the generator computed with
 its own Python callables, never from the reference text.
@@ -27,8 +27,8 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from opd import parsers
-from opd.sandbox import Sandbox, SandboxLimits
+from opd.text import parsers
+from opd.tasks.sandbox.api import Sandbox, SandboxLimits
 from opd.tasks.base import Draft, Example, Reward, Task, _check_batch, malformed
 
 N_TESTS = 6

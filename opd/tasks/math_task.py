@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 from fractions import Fraction
 
-from opd import parsers
+from opd.text import parsers
 from opd.tasks.base import Draft, Example, Reward, Task, malformed
 from opd.tasks.vocab import NAMES, OBJECTS
 

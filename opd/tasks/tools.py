@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
-from opd import parsers
+from opd.text import parsers
 
 MAX_EXPRESSION_CHARS = 64
 MAX_DEPTH = 16

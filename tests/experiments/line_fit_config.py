@@ -5,7 +5,7 @@
 """
 import ml_collections
 
-from opd import config_utils
+from opd.config import overrides as config_utils
 
 
 def get_config(arg=None):

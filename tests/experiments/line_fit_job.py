@@ -6,7 +6,7 @@ Importing this module registers it as job ``line_fit`` (launch it with
 import numpy as np
 
 from experiments import jobs
-from opd.metrics_writer import MetricWriter
+from opd.training.metrics_writer import MetricWriter
 
 
 def make_data(config):

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from opd import config_utils
+from opd.config import overrides as config_utils
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "configs"
 SMOKE_TESTED = {"pretrain", "sft", "grpo", "specialists"}

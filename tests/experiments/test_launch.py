@@ -14,7 +14,7 @@ import pytest
 
 import line_fit_job
 from experiments import jobs, launch
-from opd import config_utils
+from opd.config import overrides as config_utils
 
 HERE = pathlib.Path(__file__).parent
 CONFIG = str(HERE / "line_fit_config.py")

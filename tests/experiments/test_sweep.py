@@ -9,7 +9,7 @@ import pytest
 
 import line_fit_job
 from experiments import sweep
-from opd import config_utils
+from opd.config import overrides as config_utils
 
 HERE = pathlib.Path(__file__).parent
 CONFIG = f"{HERE / 'line_fit_config.py'}:steps=30"

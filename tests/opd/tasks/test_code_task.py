@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from opd.sandbox import Sandbox, SandboxLimits, SandboxResult
+from opd.tasks.sandbox.api import Sandbox, SandboxLimits, SandboxResult
 from opd.tasks import RewardStats, get_task, safe_verify
 from opd.tasks.code_task import SandboxFailure
 

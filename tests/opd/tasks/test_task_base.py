@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opd import chat
+from opd.text import chat
 
 from opd.tasks import (ALL_DOMAINS, DIFFICULTIES, TEST_FRACTION, Reward, RewardStats,
                        VerifierFailureError, get_task, mixture_corpus, render_messages,
@@ -169,7 +169,7 @@ def test_chat_rendering_and_loss_segments():
 
 @pytest.mark.parametrize("domain", ALL_DOMAINS)
 def test_references_round_trip_through_the_chat_format(domain):
-  """Every reference renders (via opd.chat) to the plain concatenation of
+  """Every reference renders (via opd.text.chat) to the plain concatenation of
   its turns, so SFT trains exactly the text a policy would generate."""
   for example in get_task(domain).examples("train", 20, seed=3, difficulty=2):
     messages = example.messages()

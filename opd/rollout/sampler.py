@@ -1,0 +1,382 @@
+"""Batched autoregressive sampling with the decoder's explicit KV cache.
+
+``generate`` runs one jitted program per (shapes, model config, sampling
+config): a prefill over the whole prompt batch, then a ``lax.while_loop`` of
+one-token decode steps that exits as soon as every row has ended. Prompts may
+be left- or right-padded (or have holes); rows are first compacted to left
+padding so that all rows decode in lockstep and share the cache write index,
+and RoPE positions are ``cumsum(mask) - 1`` so padding never shifts them.
+
+Sampling follows the usual order (as ``transformers``' logits warpers):
+temperature, then top-k, then top-p on the top-k-renormalised distribution.
+``temperature == 0`` is greedy (argmax).
+
+Reported log-probabilities are those of the *untruncated* tempered
+distribution, ``log_softmax(logits / T)[token]`` (``T = 1`` for greedy); see
+``generate`` for why.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from opd.parallel import sharding as shd
+from opd.models import ModelConfig, forward, head_matrix, init_cache
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How to sample; hashable, so it is a static argument of the jitted sampler.
+
+  Attributes:
+    max_new_tokens: N, decode steps at most (also the width of every output).
+    temperature: T >= 0; 0 means greedy (argmax).
+    top_k: keep the k most likely tokens (0 = off). Ignored when greedy.
+    top_p: nucleus mass in (0, 1]; keep the smallest set of most likely
+      tokens whose probability reaches ``top_p`` (1.0 = off). Ignored when
+      greedy.
+    eos_ids: token ids that end a row (kept in the output, mask True).
+    stop_ids: further ids that end a row exactly as EOS does (e.g. the chat
+      template's ``<|end|>``); kept separate so configs can name both.
+    pad_id: written into ``tokens`` after a row has ended.
+    return_hidden: also return the last hidden state each token was sampled
+      from (``SampleOutput.hidden``).
+  """
+  max_new_tokens: int = 64
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  eos_ids: tuple[int, ...] = ()
+  stop_ids: tuple[int, ...] = ()
+  pad_id: int = 0
+  return_hidden: bool = False
+
+  def __post_init__(self):
+    def _int(name, value, minimum):
+      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"SamplingConfig.{name} must be an int >= {minimum}, got {value!r}")
+      return int(value)
+
+    set_ = lambda name, value: object.__setattr__(self, name, value)
+    set_("max_new_tokens", _int("max_new_tokens", self.max_new_tokens, 1))
+    set_("top_k", _int("top_k", self.top_k, 0))
+    set_("pad_id", _int("pad_id", self.pad_id, 0))
+    for name in ("temperature", "top_p"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise ValueError(f"SamplingConfig.{name} must be a number, got {value!r}")
+      set_(name, float(value))
+    if not (math.isfinite(self.temperature) and self.temperature >= 0):
+      raise ValueError(
+          f"SamplingConfig.temperature must be finite and >= 0 (0 = greedy), got {self.temperature!r}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"SamplingConfig.top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+    for name in ("eos_ids", "stop_ids"):
+      value = getattr(self, name)
+      if isinstance(value, (int, np.integer)) or not isinstance(value, Sequence):
+        raise ValueError(f"SamplingConfig.{name} must be a sequence of token ids, got {value!r}")
+      set_(name, tuple(_int(f"{name}[{i}]", v, 0) for i, v in enumerate(value)))
+    if not isinstance(self.return_hidden, bool):
+      raise ValueError(f"SamplingConfig.return_hidden must be a bool, got {self.return_hidden!r}")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0.0
+
+  @property
+  def end_ids(self) -> tuple[int, ...]:
+    """EOS and stop ids together: any of them ends a row."""
+    return tuple(sorted(set(self.eos_ids) | set(self.stop_ids)))
+
+  def replace(self, **changes) -> "SamplingConfig":
+    return dataclasses.replace(self, **changes)
+
+
+class SampleOutput(NamedTuple):
+  """What ``generate`` returns (N = ``max_new_tokens``).
+
+  tokens: ``[B, N]`` int32 sampled ids, ``pad_id`` after a row's end.
+  mask: ``[B, N]`` bool, True for generated tokens, including the EOS/stop
+    token that ended the row.
+  logprobs: ``[B, N]`` fp32 ``log_softmax(logits / T)[token]`` of the
+    untruncated distribution (``T = 1`` when greedy); 0 where ``mask`` is
+    False.
+  lengths: ``[B]`` int32, ``mask.sum(-1)``.
+  finished: ``[B]`` bool, True when the row ended with an EOS/stop token,
+    False when ``max_new_tokens`` cut it off.
+  hidden: ``[B, N, D]`` (compute dtype) last hidden state the token was
+    sampled from, i.e. the state at the preceding position; zeros where
+    ``mask`` is False. None unless ``return_hidden``.
+  steps: int32 scalar, decode steps actually run (``max(lengths)``; fewer
+    than N when every row ended early).
+  """
+  tokens: Array
+  mask: Array
+  logprobs: Array
+  lengths: Array
+  finished: Array
+  hidden: Array | None
+  steps: Array
+
+
+def left_align(tokens: Array, mask: Array, pad_id: int = 0) -> tuple[Array, Array]:
+  """Moves each row's real tokens to the right end, keeping their order.
+
+  A stable sort of the mask puts pads first, so left-, right- and
+  hole-padded rows all come out left-padded. ``[B, P], [B, P] -> [B, P], [B, P]``.
+  """
+  mask = mask.astype(bool)
+  order = jnp.argsort(mask.astype(jnp.int32), axis=1, stable=True)
+  aligned_mask = jnp.take_along_axis(mask, order, axis=1)
+  aligned = jnp.where(aligned_mask, jnp.take_along_axis(tokens, order, axis=1), pad_id)
+  return aligned.astype(jnp.int32), aligned_mask
+
+
+def filter_logits(logits: Array, temperature: float, top_k: int = 0,
+                  top_p: float = 1.0) -> Array:
+  """Tempered logits with -inf outside the top-k / top-p set. [..., V] -> [..., V] fp32.
+
+  Temperature first, then top-k, then top-p on the distribution renormalised
+  over the top-k survivors (the ``transformers`` warper order). Tokens tied
+  with the last kept value are kept too. The most likely token always
+  survives.
+  """
+  if temperature <= 0:
+    raise ValueError(f"filter_logits needs temperature > 0, got {temperature!r}")
+  logits = logits.astype(jnp.float32) / temperature
+  V = logits.shape[-1]
+  if top_k == 0 and top_p >= 1.0:
+    return logits
+  # Only the top-k candidates need sorting; top-p alone has to sort all of V.
+  k = min(top_k, V) if top_k > 0 else V
+  sorted_vals = jax.lax.top_k(logits, k)[0]  # [..., k] descending
+  threshold = sorted_vals[..., -1:]  # smallest kept value
+  if top_p < 1.0:
+    probs = jax.nn.softmax(sorted_vals, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    # The nucleus is the shortest prefix whose mass reaches top_p: keep a
+    # token while the mass strictly before it is still short of top_p.
+    n_keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)  # >= 1
+    threshold = jnp.take_along_axis(sorted_vals, n_keep - 1, axis=-1)
+  return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def _sample(logits: Array, key: Array, sampling: SamplingConfig) -> tuple[Array, Array]:
+  """One token per row and its untruncated log-prob. [B, V] -> [B], [B]."""
+  if sampling.greedy:
+    token = jnp.argmax(logits, axis=-1)
+    reported = logits
+  else:
+    filtered = filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    token = jax.random.categorical(key, filtered, axis=-1)
+    reported = logits / sampling.temperature
+  logp = jax.nn.log_softmax(reported.astype(jnp.float32), axis=-1)
+  token = token.astype(jnp.int32)
+  return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+
+
+def _head_logits(cfg: ModelConfig, params, hidden: Array) -> Array:
+  """``hidden @ head`` as the decoder computes it. [B, D] -> [B, V] fp32."""
+  head = head_matrix(cfg, params).astype(cfg.compute_dtype)
+  logits = jnp.einsum("BD,DV->BV", hidden, head, preferred_element_type=jnp.float32)
+  return nn.with_logical_constraint(logits, ("batch", "vocab"))
+
+
+def _generate(params, prompt_tokens, prompt_mask, rng, *, model_cfg: ModelConfig,
+              sampling: SamplingConfig, rules, mesh):
+  del mesh  # static only so that each mesh gets its own compiled program
+  with nn.logical_axis_rules(rules or ()):
+    return _generate_body(params, prompt_tokens, prompt_mask, rng, model_cfg, sampling)
+
+
+def _generate_body(params, prompt_tokens, prompt_mask, rng, cfg: ModelConfig,
+                   sampling: SamplingConfig) -> SampleOutput:
+  B, P = prompt_tokens.shape
+  N, D = sampling.max_new_tokens, cfg.d_model
+  constrain = nn.with_logical_constraint
+  tokens, mask = left_align(prompt_tokens, prompt_mask, sampling.pad_id)
+  positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
+  prompt_len = mask.sum(axis=1).astype(jnp.int32)  # [B]
+
+  cache = init_cache(cfg, B, P + N)
+  cache_axes = ("batch", "cache_length", "kv_heads", "head_dim")
+  cache = cache._replace(k=tuple(constrain(x, cache_axes) for x in cache.k),
+                         v=tuple(constrain(x, cache_axes) for x in cache.v),
+                         mask=constrain(cache.mask, ("batch", "cache_length")))
+
+  # Prefill: hidden states only, the head is applied at the last column (every
+  # row's last real token after left alignment) instead of over [B, P, V].
+  out = forward(cfg, params, tokens, positions, mask, cache, return_logits=False,
+                return_hidden=True)
+  hidden = out.hidden[:, -1]  # [B, D]
+  logits = _head_logits(cfg, params, hidden)
+
+  end_ids = jnp.asarray(sampling.end_ids or (-1,), jnp.int32)
+  state = dict(
+      step=jnp.zeros((), jnp.int32),
+      cache=out.cache,
+      logits=logits,
+      hidden=hidden,
+      done=jnp.zeros((B,), bool),
+      ended=jnp.zeros((B,), bool),
+      out_tokens=constrain(jnp.full((B, N), sampling.pad_id, jnp.int32), ("batch", None)),
+      out_mask=constrain(jnp.zeros((B, N), bool), ("batch", None)),
+      out_logprobs=constrain(jnp.zeros((B, N), jnp.float32), ("batch", None)),
+  )
+  if sampling.return_hidden:
+    state["out_hidden"] = constrain(jnp.zeros((B, N, D), cfg.compute_dtype),
+                                    ("batch", None, "embed"))
+
+  def cond(s):
+    return (s["step"] < N) & ~jnp.all(s["done"])
+
+  def body(s):
+    t = s["step"]
+    token, logp = _sample(s["logits"], jax.random.fold_in(rng, t), sampling)
+    live = ~s["done"]
+    token = jnp.where(live, token, sampling.pad_id)
+    hit_end = live & jnp.isin(token, end_ids)
+    new = dict(s)
+    new["out_tokens"] = s["out_tokens"].at[:, t].set(token)
+    new["out_mask"] = s["out_mask"].at[:, t].set(live)
+    new["out_logprobs"] = s["out_logprobs"].at[:, t].set(jnp.where(live, logp, 0.0))
+    if sampling.return_hidden:
+      h = jnp.where(live[:, None], s["hidden"], 0).astype(cfg.compute_dtype)
+      new["out_hidden"] = s["out_hidden"].at[:, t].set(h)
+    new["ended"] = s["ended"] | hit_end
+    new["done"] = s["done"] | hit_end
+    # Finished rows keep stepping in lockstep; their outputs are discarded.
+    step_out = forward(cfg, params, token[:, None], (prompt_len + t)[:, None],
+                       jnp.ones((B, 1), bool), s["cache"], return_logits=False,
+                       return_hidden=True)
+    new["hidden"] = step_out.hidden[:, 0]
+    new["logits"] = _head_logits(cfg, params, new["hidden"])
+    new["cache"] = step_out.cache
+    new["step"] = t + 1
+    return new
+
+  state = jax.lax.while_loop(cond, body, state)
+  return SampleOutput(
+      tokens=state["out_tokens"], mask=state["out_mask"], logprobs=state["out_logprobs"],
+      lengths=state["out_mask"].sum(axis=1).astype(jnp.int32), finished=state["ended"],
+      hidden=state.get("out_hidden"), steps=state["step"])
+
+
+_generate_jit = jax.jit(_generate, static_argnames=("model_cfg", "sampling", "rules", "mesh"))
+
+
+def _check_inputs(model_cfg: ModelConfig, prompt_tokens, prompt_mask,
+                  sampling: SamplingConfig, mesh: Mesh | None, rules) -> None:
+  if not isinstance(model_cfg, ModelConfig):
+    raise ValueError(f"model_cfg must be a ModelConfig, got {type(model_cfg).__name__}")
+  if not isinstance(sampling, SamplingConfig):
+    raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+  tok_shape, mask_shape = np.shape(prompt_tokens), np.shape(prompt_mask)
+  if len(tok_shape) != 2 or 0 in tok_shape:
+    raise ValueError(f"prompt_tokens must be a non-empty [B, P] array, got shape {tok_shape}")
+  if mask_shape != tok_shape:
+    raise ValueError(f"prompt_mask shape {mask_shape} != prompt_tokens shape {tok_shape}")
+  if not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
+    raise ValueError(f"prompt_tokens must hold integer ids, got dtype {prompt_tokens.dtype}")
+  if not (prompt_mask.dtype == bool or jnp.issubdtype(prompt_mask.dtype, jnp.integer)):
+    raise ValueError(f"prompt_mask must be bool (or 0/1 ints), got dtype {prompt_mask.dtype}")
+  V = model_cfg.vocab_size
+  for name in ("eos_ids", "stop_ids", "pad_id"):
+    value = getattr(sampling, name)
+    bad = [v for v in (value if isinstance(value, tuple) else (value,)) if v >= V]
+    if bad:
+      raise ValueError(f"SamplingConfig.{name}={value} has ids {bad} >= vocab_size={V}")
+  if not isinstance(prompt_tokens, jax.core.Tracer) and not isinstance(prompt_mask, jax.core.Tracer):
+    # Concrete inputs: catch what jit would otherwise clamp or sample garbage from.
+    toks, msk = np.asarray(prompt_tokens), np.asarray(prompt_mask).astype(bool)
+    empty = np.flatnonzero(~msk.any(axis=1))
+    if empty.size:
+      raise ValueError(f"prompt_mask rows {empty.tolist()} have no real tokens; every row "
+                       "needs at least one prompt token to condition on")
+    real = toks[msk]
+    if real.size and (real.min() < 0 or real.max() >= V):
+      raise ValueError(f"prompt_tokens ids must lie in [0, vocab_size={V}), got "
+                       f"min {real.min()} max {real.max()} at masked-in positions")
+  if mesh is not None:
+    if not isinstance(mesh, Mesh):
+      raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    spec = shd.batch_sharding(mesh, rules, 2).spec
+    axes = () if spec[0] is None else (spec[0],) if isinstance(spec[0], str) else spec[0]
+    n = math.prod(mesh.shape[a] for a in axes)
+    if tok_shape[0] % n:
+      raise ValueError(f"prompt_tokens batch B={tok_shape[0]} is not divisible by the "
+                       f"{n} devices of mesh axes {axes} that shard 'batch'")
+
+
+def generate(model_cfg: ModelConfig, params, prompt_tokens: Array, prompt_mask: Array,
+             rng: Array | int, sampling: SamplingConfig, *, mesh: Mesh | None = None,
+             rules=None) -> SampleOutput:
+  """Samples up to ``sampling.max_new_tokens`` tokens per prompt.
+
+  One compiled program per (B, P, model config, sampling config, mesh,
+  rules): a prefill over the prompts then a ``lax.while_loop`` of one-token
+  decode steps against a cache of P + N slots, exiting when every row has
+  ended. Rows are compacted to left padding internally, so left-, right- and
+  hole-padded prompts give the same samples for the same real tokens.
+
+  Reported log-probs are taken from the untruncated tempered distribution
+  ``log_softmax(logits / T)`` even when top-k/top-p shaped the sampling.
+  This is what a learner recomputes with ``opd.models.token_logprobs(logits,
+  tokens, T)`` over prompt+response, so the GRPO importance ratio
+  ``exp(logp_new - logp_old)`` is 1 (up to float rounding, ~1e-6 in fp32)
+  before the first update and the clipping range means what it says. The
+  truncated log-prob is not a smooth function of the parameters (the kept
+  set changes with them, and dropped tokens would get -inf), so the learner
+  cannot use it as ``logp_new``; reporting it as ``logp_old`` would instead
+  scale every ratio by the kept mass, ``Z = p(kept set) <= 1``, and shift the
+  clipping window. Greedy reports ``T = 1``.
+
+  Randomness: step t draws with ``fold_in(rng, t)``; with jax's
+  partitionable threefry (default) samples do not depend on sharding.
+
+  Args:
+    model_cfg: the decoder's config.
+    params: its parameters; may be placed with NamedShardings on ``mesh``.
+    prompt_tokens: ``[B, P]`` int token ids.
+    prompt_mask: ``[B, P]`` bool, True for real tokens; every row needs one.
+    rng: a ``jax.random.key`` (or an int seed).
+    sampling: a ``SamplingConfig``.
+    mesh: an ``opd.parallel.sharding.make_mesh`` mesh. When given, the prompts are
+      placed batch-sharded over the axes ``rules`` give ``batch`` and the
+      decoder's logical constraints apply.
+    rules: logical→mesh rule table; defaults to ``opd.parallel.sharding.DEFAULT_RULES``
+      when ``mesh`` is given.
+
+  Returns:
+    A ``SampleOutput``.
+  """
+  if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
+    rng = jax.random.key(int(rng))
+  if mesh is not None and rules is None:
+    rules = shd.DEFAULT_RULES
+  if rules is not None:
+    rules = shd.validate_rules(rules)
+  if not isinstance(prompt_tokens, jax.Array):
+    prompt_tokens = jnp.asarray(np.asarray(prompt_tokens))
+  if not isinstance(prompt_mask, jax.Array):
+    prompt_mask = jnp.asarray(np.asarray(prompt_mask))
+  _check_inputs(model_cfg, prompt_tokens, prompt_mask, sampling, mesh, rules)
+  if mesh is None:
+    return _generate_jit(params, prompt_tokens, prompt_mask, rng, model_cfg=model_cfg,
+                         sampling=sampling, rules=rules, mesh=None)
+  batch = shd.batch_sharding(mesh, rules, 2)
+  prompt_tokens = jax.device_put(prompt_tokens, batch)
+  prompt_mask = jax.device_put(prompt_mask, batch)
+  rng = jax.device_put(rng, shd.replicated(mesh))
+  with jax.set_mesh(mesh):
+    return _generate_jit(params, prompt_tokens, prompt_mask, rng, model_cfg=model_cfg,
+                         sampling=sampling, rules=rules, mesh=mesh)

@@ -1,0 +1,147 @@
+"""Next-token training (pre-training and SFT) on the shared sharded step.
+
+``train_lm`` wires ``opd.training.objectives.lm_loss`` into ``opd.training.train_step`` and
+``opd.training.loop``: sharded init (random or from given params), AdamW,
+periodic held-out loss, TensorBoard/JSONL metrics, checkpoints with resume,
+and a NaN stop that leaves the last good checkpoint untouched. Pre-training
+feeds it raw-text batches, SFT feeds response-masked chat batches; the
+batch layout is that of ``opd.training.data``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import pathlib
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from opd.training.checkpoints import CheckpointManager
+from opd.models import ModelConfig
+from opd.training.objectives import lm_loss
+from opd.training import loop as train_loop
+from opd.training.train_step import (OptimConfig, TrainState, init_train_state, make_optimizer,
+                            make_train_step, shard_batch)
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LMTrainConfig:
+  """Loop settings of ``train_lm``.
+
+  Attributes:
+    steps: total optimizer updates (a resumed run continues to this count).
+    eval_every: held-out loss every this many steps (0: only at the end).
+    save_every: checkpoint every this many steps (0: only at the end).
+    keep_checkpoints: newest checkpoints kept (plus the best by eval loss).
+    fused_loss: apply the LM head inside the fused cross-entropy kernel
+      (never materialises ``[B, T, V]``; worth it at large V).
+    progress: tqdm bar.
+  """
+  steps: int
+  eval_every: int = 0
+  save_every: int = 0
+  keep_checkpoints: int = 2
+  fused_loss: bool = False
+  progress: bool = True
+
+  def __post_init__(self):
+    for name in ("steps", "eval_every", "save_every", "keep_checkpoints"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"LMTrainConfig.{name} must be an int >= 0, got {v!r}")
+    if self.keep_checkpoints < 1:
+      raise ValueError(f"LMTrainConfig.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+
+
+def evaluate_loss(loss_fn, params, batches: Sequence[Mapping[str, np.ndarray]], mesh, rules
+                  ) -> dict[str, float]:
+  """Token-weighted mean loss (and accuracy, if reported) over ``batches``."""
+  fn = _jitted_eval(loss_fn)
+  total = weighted = acc = 0.0
+  for batch in batches:
+    loss, metrics = fn(params, shard_batch(batch, mesh, rules))
+    n = float(metrics["tokens"])
+    total += n
+    weighted += float(loss) * n
+    acc += float(metrics.get("accuracy", np.nan)) * n
+  if total == 0:
+    return {"loss": float("nan")}
+  out = {"loss": weighted / total}
+  if not np.isnan(acc):
+    out["accuracy"] = acc / total
+  return out
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_eval(loss_fn):
+  return jax.jit(lambda p, b: loss_fn(p, b, jax.random.key(0)))
+
+
+def train_lm(model_cfg: ModelConfig, batches: Iterator[Mapping[str, np.ndarray]],
+             optim: OptimConfig, loop: LMTrainConfig, *, mesh, rules, seed: int = 0,
+             params: Any | None = None, eval_batches: Sequence[Mapping[str, np.ndarray]] = (),
+             checkpoint_dir: str | pathlib.Path | None = None,
+             on_metrics: Callable[[int, dict[str, float]], None] | None = None,
+             extra_eval: Callable[[Any], Mapping[str, float]] | None = None,
+             run_config: Mapping[str, Any] | None = None) -> TrainState:
+  """Trains ``model_cfg`` on ``batches`` for ``loop.steps`` updates.
+
+  Args:
+    model_cfg: the model.
+    batches: host batches in the ``opd.training.data`` layout, per-process rows (a
+      grain iterator's position is checkpointed with the state).
+    optim: optimizer settings (``grad_accum_steps`` included).
+    loop: loop settings.
+    mesh, rules: the ``(data, fsdp, tensor)`` mesh and logical rules.
+    seed: init and per-step randomness.
+    params: start from these parameters (SFT from a base, a specialist
+      from SFT) instead of a random init.
+    eval_batches: held-out batches for ``eval/loss``.
+    checkpoint_dir: where to checkpoint and resume from (None: no checkpoints).
+    on_metrics: ``on_metrics(step, metrics)`` for logging.
+    extra_eval: ``extra_eval(params) -> metrics`` run with the held-out loss
+      (e.g. generation-based task scores during SFT).
+    run_config: JSON dict saved with each checkpoint (its ``"model"`` entry
+      must match on resume).
+
+  Returns:
+    The final ``TrainState``.
+  """
+  loss_fn = lm_loss(model_cfg, fused=loop.fused_loss)
+  optimizer = make_optimizer(optim)
+  state, shardings = init_train_state(model_cfg, optimizer, mesh, rules, rng=seed, params=params)
+  step_fn = make_train_step(loss_fn, optimizer, mesh, shardings, rules=rules,
+                            grad_accum_steps=optim.grad_accum_steps)
+
+  def eval_fn(st: TrainState) -> dict[str, float]:
+    out = {}
+    if eval_batches:
+      out.update(evaluate_loss(loss_fn, st.params, eval_batches, mesh, rules))
+    if extra_eval is not None:
+      out.update(extra_eval(st.params))
+    return out
+
+  manager = None
+  if checkpoint_dir is not None:
+    manager = CheckpointManager(checkpoint_dir, max_to_keep=loop.keep_checkpoints,
+                                keep_best=1 if eval_batches else 0, best_metric="eval/loss")
+  config = dict(run_config or {})
+  config.setdefault("model", model_cfg.to_dict())
+  has_eval = bool(eval_batches) or extra_eval is not None
+  try:
+    state = train_loop.run(
+        state, step_fn, batches, loop.steps, checkpoint_manager=manager,
+        save_every=(loop.save_every or loop.steps) if manager is not None else None,
+        config=config, on_metrics=on_metrics,
+        eval_fn=eval_fn if has_eval else None,
+        eval_every=(loop.eval_every or loop.steps) if has_eval and loop.steps else None,
+        prepare_batch=functools.partial(shard_batch, mesh=mesh, rules=rules),
+        progress=loop.progress)
+  finally:
+    if manager is not None:
+      manager.close()
+  return state

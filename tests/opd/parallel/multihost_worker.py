@@ -1,0 +1,64 @@
+"""Child process for tests/opd/test_multihost.py (not a test module).
+
+Runs 3 training steps of a tiny decoder on a (1, 2, 2) mesh and writes the
+losses and the full parameters (gathered) to ``--out`` (an .npz, process 0
+only). With ``--num-processes 2`` it joins a 2-process jax job on localhost
+(2 CPU devices each); with 1 it runs alone on 4 devices. The parent sets
+XLA_FLAGS for the device count before this starts.
+
+    python tests/opd/multihost_worker.py --num-processes 2 --process-id 0 --port 1234 --out a.npz
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+
+from opd.parallel import distributed  # noqa: E402  (must run before jax creates backends)
+from opd.training.objectives import next_token_loss
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--num-processes", type=int, required=True)
+  ap.add_argument("--process-id", type=int, default=0)
+  ap.add_argument("--port", type=int, default=0)
+  ap.add_argument("--out", required=True)
+  args = ap.parse_args()
+  distributed.initialize(f"127.0.0.1:{args.port}", args.num_processes, args.process_id)
+
+  import jax
+  import numpy as np
+  jax.config.update("jax_default_matmul_precision", "highest")
+  from opd.parallel import sharding
+  from opd.models import ModelConfig
+  from opd.training.train_step import (OptimConfig, init_train_state, make_optimizer, make_train_step,
+                              process_batch_rows, shard_batch)
+
+  if jax.device_count() != 4:
+    raise SystemExit(f"expected 4 global devices, got {jax.device_count()}")
+  cfg = ModelConfig(vocab_size=128, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=64)
+  optimizer = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=1, decay_steps=4, schedule="linear",
+                                         weight_decay=0.1))
+  mesh = sharding.make_mesh((1, 2, 2))  # fsdp spans the two processes
+  rules = sharding.DEFAULT_RULES
+  state, shardings = init_train_state(cfg, optimizer, mesh, rules, rng=0)
+  step = make_train_step(next_token_loss(cfg), optimizer, mesh, shardings, rules=rules)
+  global_batch = np.random.default_rng(1).integers(0, cfg.vocab_size, (3, 8, 17)).astype(np.int32)
+  rows = process_batch_rows(mesh, rules, global_batch.shape[1])
+  losses = []
+  for i in range(3):
+    batch = shard_batch({"tokens": global_batch[i, rows]}, mesh, rules)
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+  params = distributed.gather_to_host(state.params)
+  if distributed.is_main_process():
+    flat = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    np.savez(args.out, losses=np.asarray(losses), rows=np.asarray([rows.start, rows.stop]),
+             processes=jax.process_count(), **flat)
+  distributed.sync("done")
+  print(f"process {jax.process_index()}: rows {rows}, losses {losses}", flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,270 @@
+"""The GRPO trainer (opd/grpo.py): it learns a toy bandit, never crashes on
+garbage, stops on too many verifier errors or NaN, logs what it promises and
+resumes exactly.
+
+Every trainer run here uses the same loss settings, batch shape and
+optimizer, so they share one compiled train step, sampler and reference
+forward (``opd.rl.grpo`` caches the step across calls).
+"""
+import os
+
+import jax
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from opd import rollout as rollout_lib
+from opd.parallel import sharding
+from opd.training.checkpoints import CheckpointManager
+from opd.rl.grpo import GRPOConfig, PromptStream, Score, score_episodes, train_grpo
+from opd.training.metrics_writer import read_metrics
+from opd.models import ModelConfig, init_params
+from opd.tasks import Example, Reward, RewardStats, VerifierFailureError, get_task
+from opd.text.tokenizers import ByteTokenizer
+from opd.training.train_step import NonFiniteError, OptimConfig
+
+TOK = ByteTokenizer()
+CFG = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                  d_ff=64)
+GRPO = GRPOConfig(group_size=8, prompts_per_step=4, max_new_tokens=4, seq_len=64, kl_coef=0.01,
+                  clip_eps_low=0.2, clip_eps_high=0.28, updates_per_batch=2, num_text_samples=2)
+OPTIM = OptimConfig(lr=5e-3)
+LOWER = range(ord("a"), ord("z") + 1)  # byte ids of 'a'..'z'
+
+
+def bandit_prompts(n):
+  # Long enough (> 32 tokens) to share the math prompts' sampler bucket.
+  return [Example("bandit", f"bandit-{i}", "train", 1, f"Name a thing, any thing at all ({i}).",
+                  (("assistant", "a"),), {}) for i in range(n)]
+
+
+def starts_lowercase(episodes):
+  """The bandit's reward: 1 if the first sampled byte is a lowercase letter."""
+  return [float(len(ep.response_ids) > 0 and int(ep.response_ids[0]) in LOWER)
+          for ep in episodes]
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return sharding.make_mesh((1, 1, 1), jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def params():
+  return init_params(CFG, jax.random.key(0))
+
+
+def _run(params, prompts, steps, mesh, cfg=GRPO, **kw):
+  kw.setdefault("reward_fn", starts_lowercase)
+  return train_grpo(CFG, params, params, prompts, cfg, OPTIM, tokenizer=TOK, steps=steps,
+                    mesh=mesh, progress=False, **kw)
+
+
+def test_grpo_learns_a_toy_bandit(mesh, params):
+  """30 steps of 4 prompts x 8 samples: the share of responses starting with
+  a lowercase letter (26 of 270 tokens at init) rises far above its start."""
+  run = _run(params, bandit_prompts(4), 30, mesh, seed=0)
+  rewards = np.array([h["reward/mean"] for h in run.history])
+  start, end = rewards[:5].mean(), rewards[-5:].mean()
+  print(f"bandit reward: first 5 steps {start:.3f}, last 5 steps {end:.3f}")
+  # Nine seeds measured: start 0.08-0.18, end 0.87-0.98.
+  assert start < 0.3, rewards
+  assert end > 0.7 and end > start + 0.5, rewards
+  assert int(run.state.step) == 30 * GRPO.updates_per_batch
+  assert run.history[-1]["train/kl"] > 0.0
+
+
+def test_garbage_and_malformed_prompts_score_zero_and_metrics_are_written(mesh, params, tmp_path):
+  """Task verifiers on the random model's garbage give 0 with counted
+  reasons; malformed prompts are counted and replaced; every promised
+  metric lands in metrics.jsonl and rollouts in TensorBoard text."""
+  good = get_task("math").examples("train", 4, seed=0)
+  bad = ["not an example",
+         Example("nope", "nope-0", "train", 1, "hi", (("assistant", "a"),), {}),
+         Example("math", "long-0", "train", 1, "x" * 70, (("assistant", "a"),), {})]
+  cfg = GRPO.replace(max_error_fraction=0.25)
+  run = _run(params, good + bad, 2, mesh, cfg=cfg, seed=1, reward_fn=None, workdir=tmp_path)
+  rows = read_metrics(tmp_path)
+  assert [r["step"] for r in rows] == [1, 2]
+  required = [
+      "reward/mean", "reward/std", "reward/components/format/mean",
+      "reward/components/format/std", "reward/domain/math/mean", "reward_reason/error_fraction",
+      "groups/zero_std_fraction", "advantage/abs_mean", "response/length_mean",
+      "response/length_max", "response/truncation_rate", "response/policy_tokens",
+      "response/overlong_fraction", "train/loss", "train/policy_loss", "train/kl",
+      "train/entropy", "train/clip_frac_low", "train/clip_frac_high", "train/ratio_mean",
+      "train/ratio_max", "train/grad_norm", "train/lr", "perf/tokens_per_s",
+      "perf/sample_tokens_per_s", "perf/train_tokens_per_s", "perf/step_time_s",
+      "perf/rollout_time_s", "perf/train_time_s", "perf/ref_time_s"]
+  bad_seen = 0
+  for row, hist in zip(rows, run.history):
+    assert not [k for k in required if k not in row], sorted(row)
+    assert {k: row[k] for k in hist} == pytest.approx(hist)
+    assert row["reward/mean"] == 0.0 and row["groups/zero_std_fraction"] == 1.0
+    reasons = {k.split("/", 1)[1]: v for k, v in row.items() if k.startswith("reward_reason/")}
+    bad_seen += reasons.pop("bad_example", 0)
+    reasons.pop("error_fraction")
+    assert sum(reasons.values()) == GRPO.batch_size and set(reasons) <= {"malformed",
+                                                                         "wrong_answer"}
+    assert 0 < row["response/length_mean"] <= row["response/length_max"] <= GRPO.max_new_tokens
+    assert row["perf/step_time_s"] >= row["perf/rollout_time_s"] + row["perf/train_time_s"]
+  assert bad_seen >= 3  # each of the three malformed prompts at least once
+  acc = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+  acc.Reload()
+  (text,) = acc.Tensors("rollouts")
+  body = text.tensor_proto.string_val[0].decode()
+  assert text.step == 1 and body.count("**math**") == GRPO.num_text_samples
+
+
+def _episode(i, reward=None):
+  ex = Example("bandit", f"e{i}", "train", 1, "p", (("assistant", "a"),), {})
+  return rollout_lib.Episode(ex, np.array([1, 2], np.int32), np.array([97 + i], np.int32),
+                             np.ones(1, bool), np.zeros(1, np.float32), ["x"], False, reward)
+
+
+def test_score_episodes_isolates_failures_and_reads_every_output_form():
+  eps = [_episode(i) for i in range(4)]
+
+  def flaky(batch):
+    if any(ep.example.id == "e1" for ep in batch):
+      raise RuntimeError("sandbox down")
+    return [np.nan if ep.example.id == "e3" else 0.5 for ep in batch]
+
+  stats = RewardStats()
+  scores = score_episodes(eps, flaky, stats=stats)
+  assert [s.reward for s in scores] == [0.5, 0.0, 0.5, 0.0]
+  assert scores[1].reason.startswith("verifier_error:RuntimeError: sandbox down")
+  assert scores[3].reason == "verifier_error:non-finite reward"
+  assert stats.total == 4 and stats.errors == 2 and stats.reasons["ok"] == 2
+
+  named = lambda batch: {"correct": [1.0] * len(batch), "style": [0.25] * len(batch)}
+  assert score_episodes(eps, named)[0] == Score(1.25, {"correct": 1.0, "style": 0.25})
+
+  def columns(batch):
+    return np.tile([[2.0, -1.0]], (len(batch), 1))
+  columns.component_names = ("grm", "length_penalty")
+  assert score_episodes(eps, columns)[2] == Score(1.0, {"grm": 2.0, "length_penalty": -1.0})
+
+  verdicts = lambda batch: [Reward(0.75, 1.0, {"layer": 0.5}, "partial") for _ in batch]
+  assert score_episodes(eps, verdicts)[0] == Score(0.75, {"format": 1.0, "layer": 0.5}, "partial")
+  # Default: the verifier's Reward attached by rollout.
+  eps[0].reward = Reward(1.0, 1.0, {}, "ok")
+  with pytest.raises(ValueError, match=r"episodes \[1, 2, 3\] have no reward"):
+    score_episodes(eps)
+  wrong_length = lambda batch: [1.0, 2.0, 3.0]
+  assert all(s.reason.startswith("verifier_error:ValueError") for s in
+             score_episodes(eps[:2], wrong_length))
+
+
+def test_reward_errors_are_counted_and_too_many_stop_the_run(mesh, params, tmp_path):
+  """A scorer that fails on one prompt in four: counted and scored 0 under
+  max_error_fraction=0.3; above max_error_fraction=0.2 the run stops before
+  any update or checkpoint."""
+  def fails_on_first(episodes):
+    if any(ep.example.id == "bandit-0" for ep in episodes):
+      raise KeyError("missing rubric")
+    return starts_lowercase(episodes)
+
+  prompts = bandit_prompts(4)
+  run = _run(params, prompts, 1, mesh, cfg=GRPO.replace(max_error_fraction=0.3), seed=2,
+             reward_fn=fails_on_first)
+  (m,) = run.history
+  assert m["reward_reason/verifier_error"] == GRPO.group_size
+  assert m["reward_reason/error_fraction"] == pytest.approx(0.25)
+  ckpt = tmp_path / "ckpt"
+  with pytest.raises(VerifierFailureError,
+                     match=r"GRPO step 1: 8/32 samples .* above max_error_fraction=20.0%.*"
+                           r"verifier_error"):
+    _run(params, prompts, 1, mesh, cfg=GRPO.replace(max_error_fraction=0.2), seed=2,
+         reward_fn=fails_on_first, checkpoint_dir=ckpt)
+  assert CheckpointManager(ckpt).all_steps() == []
+
+
+def _listing(root):
+  return {os.path.relpath(os.path.join(d, f), root): os.stat(os.path.join(d, f)).st_mtime_ns
+          for d, _, files in os.walk(root) for f in files}
+
+
+def test_resume_reproduces_the_uninterrupted_run_and_nan_keeps_checkpoints(mesh, params,
+                                                                          tmp_path, monkeypatch):
+  prompts, ckpt = bandit_prompts(6), tmp_path / "ckpt"
+  straight = _run(params, prompts, 4, mesh, seed=3)
+
+  class Interrupted(Exception):
+    pass
+
+  def interrupt_at_3(p):
+    if len(read_steps) == 2:
+      raise Interrupted
+    read_steps.append(1)
+    return {"probe": 0.0}
+
+  read_steps = []
+  with pytest.raises(Interrupted):  # after step 3's update, before its checkpoint
+    _run(params, prompts, 4, mesh, seed=3, checkpoint_dir=ckpt, save_every=1,
+         eval_fn=interrupt_at_3, eval_every=1)
+  assert CheckpointManager(ckpt).all_steps() == [1, 2]
+  resumed = _run(params, prompts, 4, mesh, seed=3, checkpoint_dir=ckpt, save_every=1)
+  assert len(resumed.history) == 2
+  for got, want in zip(resumed.history, straight.history[2:]):
+    assert got["reward/mean"] == want["reward/mean"]
+    assert got["train/loss"] == pytest.approx(want["train/loss"], abs=1e-6)
+  assert int(resumed.state.step) == int(straight.state.step) == 8
+  for a, b in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(straight.state.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
+
+  # A NaN at step 5 stops the run naming the step; the checkpoints are untouched.
+  before = _listing(ckpt)
+  real_rollout = rollout_lib.rollout
+
+  def poisoned(*args, **kwargs):
+    episodes = real_rollout(*args, **kwargs)
+    for ep in episodes:
+      ep.logprobs = np.full_like(ep.logprobs, np.nan)
+    return episodes
+
+  monkeypatch.setattr(rollout_lib, "rollout", poisoned)
+  with pytest.raises(NonFiniteError, match="at step 5"):
+    _run(params, prompts, 5, mesh, seed=3, checkpoint_dir=ckpt, save_every=1)
+  assert _listing(ckpt) == before
+
+
+def test_prompt_stream_resumes_its_order():
+  a = PromptStream(list(range(5)), seed=4)
+  first = [next(a) for _ in range(7)]
+  state = a.get_state()
+  rest = [next(a) for _ in range(6)]
+  b = PromptStream(list(range(5)), seed=4)
+  b.set_state(state)
+  assert [next(b) for _ in range(6)] == rest
+  assert sorted(first[:5]) == list(range(5)) and first[:5] != list(range(5))
+  with pytest.raises(ValueError, match="saved for 5 prompts, this stream has 3"):
+    PromptStream([1, 2, 3]).set_state(state)
+
+
+def test_train_grpo_validates_arguments(mesh, params):
+  with pytest.raises(ValueError, match="kl_coef=0.01 > 0 needs ref_params"):
+    train_grpo(CFG, params, None, bandit_prompts(4), GRPO, OPTIM, tokenizer=TOK, steps=1,
+               mesh=mesh)
+  with pytest.raises(ValueError, match="checkpointing needs a prompt iterator with get_state"):
+    train_grpo(CFG, params, params, iter(bandit_prompts(4)), GRPO, OPTIM, tokenizer=TOK,
+               steps=1, mesh=mesh, checkpoint_dir="/nonexistent/never-created")
+  with pytest.raises(ValueError, match="steps must be an int >= 0"):
+    train_grpo(CFG, params, params, bandit_prompts(4), GRPO, OPTIM, tokenizer=TOK, steps=-1,
+               mesh=mesh)
+
+
+def test_training_length_buckets_to_the_longest_episode():
+  from opd.rl.grpo import GRPOConfig, training_length
+  from opd.rollout.episodes import Episode
+  ex = get_task("math").examples("train", 1)[0]
+
+  def ep(p, r):
+    return Episode(ex, np.zeros(p, np.int32), np.zeros(r, np.int32), np.ones(r, bool),
+                   np.zeros(r, np.float32), ["x"], False)
+
+  cfg = GRPOConfig(seq_len=192, max_new_tokens=48, length_bucket=32)
+  assert training_length([ep(40, 10), ep(50, 20)], cfg) == 96    # 69 targets -> 96
+  assert training_length([ep(60, 5)], cfg) == 64                  # 64 targets exactly
+  assert training_length([ep(150, 48)], cfg) == 192               # capped at seq_len
+  assert training_length([ep(40, 10)], cfg.replace(length_bucket=0)) == 192

@@ -1,0 +1,236 @@
+"""Tests for opd/checkpoints.py (and train_loop's resume).
+
+Process-level behaviour (resume after exit, SIGKILL during a save) runs in
+subprocesses of tests/opd/checkpoint_worker.py; the rest in-process with
+states built by ``device_put`` onto the train-state shardings (no compiles).
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from opd.parallel import sharding
+from opd.training.checkpoints import CheckpointCorruptError, CheckpointManager, abstract_like
+from opd.models import ModelConfig
+from opd.training.train_step import OptimConfig, abstract_train_state, make_optimizer
+
+HERE = os.path.dirname(__file__)
+WORKER = os.path.join(HERE, "checkpoint_worker.py")
+CFG = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128)
+
+
+def _env():
+  env = os.environ.copy()
+  env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
+                      "--xla_backend_optimization_level=0")
+  env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+def _worker(*args):
+  return subprocess.Popen([sys.executable, WORKER, *args], env=_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc, timeout=240):
+  try:
+    out, _ = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    out, _ = proc.communicate()
+  assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{out[-4000:]}"
+  return out
+
+
+def _listing(root):
+  """Every file and directory under root with size and mtime."""
+  out = {}
+  for dirpath, dirnames, filenames in os.walk(root):
+    for name in dirnames + filenames:
+      path = os.path.join(dirpath, name)
+      st = os.stat(path)
+      out[os.path.relpath(path, root)] = (st.st_size, st.st_mtime_ns)
+  return out
+
+
+def _random_state(cfg, mesh, seed=0):
+  """A TrainState with random values, placed on the train-state shardings."""
+  abstract, _ = abstract_train_state(cfg, make_optimizer(OptimConfig(weight_decay=0.1)), mesh)
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(
+      lambda a: jax.device_put(rng.standard_normal(a.shape).astype(a.dtype) if
+                               jnp.issubdtype(a.dtype, jnp.floating) else
+                               rng.integers(0, 100, a.shape).astype(a.dtype), a.sharding), abstract)
+
+
+def _host(tree):
+  return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
+
+
+def test_resume_after_process_exit_equals_straight_run(tmp_path):
+  a, b = tmp_path / "a", tmp_path / "b"
+  # Process 1: 10 straight steps in a/, then (fresh state) 5 steps in b/; exits.
+  _finish(_worker("train", "--runs", f"{a}:10,{b}:5", "--save-every", "5",
+                  "--out", str(tmp_path / "p1_")))
+  assert CheckpointManager(b).all_steps() == [5]
+  # Process 2: resumes b/ from step 5 (state and data position) up to 10.
+  _finish(_worker("train", "--runs", f"{b}:10", "--save-every", "5",
+                  "--out", str(tmp_path / "p2_")))
+  s, first = np.load(tmp_path / "p1_0.npz"), np.load(tmp_path / "p1_1.npz")
+  second = np.load(tmp_path / "p2_0.npz")
+  assert s["steps"].tolist() == list(range(1, 11))
+  assert first["steps"].tolist() == list(range(1, 6))
+  assert second["steps"].tolist() == list(range(6, 11))
+  # Same batches after the resume (the grain iterator position was restored) ...
+  np.testing.assert_array_equal(np.concatenate([first["checksums"], second["checksums"]]),
+                                s["checksums"])
+  assert len(set(s["checksums"][:3].tolist())) == 3  # shuffled batches really differ
+  # ... hence the same losses and final parameters.
+  np.testing.assert_allclose(np.concatenate([first["losses"], second["losses"]]), s["losses"],
+                             rtol=0, atol=1e-6)
+  names = [k for k in s.files if k.startswith("[")]
+  assert names and int(second["final_step"]) == int(s["final_step"]) == 10
+  for name in names:
+    np.testing.assert_allclose(second[name], s[name], rtol=0, atol=1e-6, err_msg=name)
+  # The resumed run did not start over: its params differ from the 5-step ones.
+  assert max(np.max(np.abs(second[n] - first[n])) for n in names) > 1e-4
+  assert CheckpointManager(b).all_steps() == [5, 10]
+
+
+def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
+  ckpt, marker = tmp_path / "ckpt", tmp_path / "in_flight"
+  proc = _worker("kill", "--ckpt", str(ckpt), "--marker", str(marker))
+  deadline = time.time() + 180
+  while not marker.exists():
+    if proc.poll() is not None or time.time() > deadline:
+      proc.kill()
+      pytest.fail(f"worker never reached the commit of step 2:\n{proc.communicate()[0][-4000:]}")
+    time.sleep(0.05)
+  time.sleep(0.1)  # let the marker's writer return into its sleep
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate(timeout=60)
+  assert proc.returncode == -signal.SIGKILL
+
+  # It really died mid-save: step 2's data sits in an uncommitted tmp directory.
+  names = sorted(os.listdir(ckpt))
+  assert "2" not in names and "2.orbax-checkpoint-tmp" in names, names
+  tmp_files = _listing(ckpt / "2.orbax-checkpoint-tmp")
+  assert sum(size for size, _ in tmp_files.values()) > 1_000_000  # the 32 MiB array was written
+
+  mngr = CheckpointManager(ckpt)
+  assert mngr.all_steps() == [1]
+  device = jax.devices()[0]
+  small = np.arange(1024, dtype=np.float32) * 2  # what the worker saved as step 1
+  target = {"w": jax.ShapeDtypeStruct(small.shape, jnp.float32,
+                                      sharding=jax.sharding.SingleDeviceSharding(device))}
+  restored = mngr.restore(target)
+  assert restored.step == 1
+  np.testing.assert_array_equal(np.asarray(restored.state["w"]), small)
+
+  # A new save of step 2 replaces the stale tmp directory and commits.
+  mngr.save(2, {"w": jnp.asarray(small * 5)})
+  assert sorted(os.listdir(ckpt)) == ["1", "2"]
+  np.testing.assert_array_equal(np.asarray(mngr.restore(target, 1).state["w"]), small)
+
+
+def test_restore_onto_a_different_mesh(tmp_path):
+  state = _random_state(CFG, sharding.make_mesh((2, 2, 2)))
+  mngr = CheckpointManager(tmp_path)
+  mngr.save(3, state, data_state={"next_index": 7}, config={"model": CFG.to_dict()})
+  target, shardings = abstract_train_state(CFG, make_optimizer(OptimConfig(weight_decay=0.1)),
+                                           sharding.make_mesh((1, 4, 2)))
+  restored = mngr.restore(target, expected_config={"model": CFG.to_dict()})
+  assert restored.step == 3 and restored.data_state == {"next_index": 7}
+  assert restored.config["model"] == CFG.to_dict()
+  for got, want, shard in zip(jax.tree.leaves(restored.state), jax.tree.leaves(_host(state)),
+                              jax.tree.leaves(shardings)):
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert got.sharding == shard
+  emb = restored.state.params["embedding"]
+  assert emb.sharding.shard_shape(emb.shape) == (128, 16)  # vocab/tensor=2, embed/fsdp=4
+
+
+def test_other_architecture_is_refused_by_name(tmp_path):
+  mesh = sharding.make_mesh((2, 2, 2))
+  mngr = CheckpointManager(tmp_path)
+  mngr.save(1, _random_state(CFG, mesh), config={"model": CFG.to_dict()})
+  other = CFG.replace(d_ff=256)
+  target, _ = abstract_train_state(other, make_optimizer(OptimConfig(weight_decay=0.1)), mesh)
+  with pytest.raises(ValueError, match=r"model\.d_ff: checkpoint has 128, expected 256"):
+    mngr.restore(target, expected_config={"model": other.to_dict()})
+  # Without a config to compare, the shape check still names the parameter.
+  with pytest.raises(ValueError, match=r"params\.layers_0\.mlp\.down has shape \(128, 64\) in the "
+                     r"checkpoint but \(256, 64\)"):
+    mngr.restore(target)
+
+
+def test_corrupted_checkpoint_raises_naming_path_and_deletes_nothing(tmp_path):
+  mngr = CheckpointManager(tmp_path)
+  device = jax.devices()[0]
+  values = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+  mngr.save(1, {"w": jax.device_put(values, device)})
+  mngr.save(2, {"w": jax.device_put(values * 2, device)})
+  # Garble every data file of step 2 (keep the sizes: flip the bytes).
+  garbled = 0
+  for dirpath, _, files in os.walk(tmp_path / "2" / "state"):
+    for name in files:
+      path = os.path.join(dirpath, name)
+      if os.path.basename(dirpath) == "d":
+        data = bytearray(open(path, "rb").read())
+        open(path, "wb").write(bytes(b ^ 0xFF for b in data))
+        garbled += 1
+  assert garbled
+  before = _listing(tmp_path)
+  target = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32,
+                                      sharding=jax.sharding.SingleDeviceSharding(device))}
+  with pytest.raises(CheckpointCorruptError, match=str(tmp_path / "2")):
+    CheckpointManager(tmp_path).restore(target)
+  assert _listing(tmp_path) == before
+  # The older checkpoint is still fine.
+  older = CheckpointManager(tmp_path).restore(target, 1).state["w"]
+  np.testing.assert_array_equal(np.asarray(older), values)
+
+
+def test_keep_last_n_and_best(tmp_path):
+  losses = {1: 5.0, 2: 1.0, 3: 4.0, 4: 3.0, 5: 6.0, 6: 2.0}
+  mngr = CheckpointManager(tmp_path, max_to_keep=2, keep_best=2, best_metric="loss",
+                           best_mode="min")
+  x = {"w": jnp.zeros(4)}
+  for step, loss in losses.items():
+    mngr.save(step, x, metrics={"loss": loss})
+  latest = sorted(losses)[-2:]
+  best = sorted(losses, key=losses.get)[:2]
+  assert mngr.all_steps() == sorted(set(latest) | set(best)) == [2, 5, 6]
+  assert sorted(os.listdir(tmp_path)) == ["2", "5", "6"]
+
+
+def test_save_refuses_to_overwrite_and_validates(tmp_path):
+  mngr = CheckpointManager(tmp_path)
+  mngr.save(1, {"w": jnp.ones(3)}, data_state={"i": 1})
+  before = _listing(tmp_path)
+  with pytest.raises(ValueError, match="step 1 already exists"):
+    mngr.save(1, {"w": jnp.zeros(3)})
+  assert _listing(tmp_path) == before
+  with pytest.raises(ValueError, match="data_state is not JSON"):
+    mngr.save(2, {"w": jnp.ones(3)}, data_state={"x": object()})
+  with pytest.raises(ValueError, match="best_mode"):
+    CheckpointManager(tmp_path, best_mode="lowest")
+  with pytest.raises(FileNotFoundError, match="step 7"):
+    mngr.restore(abstract_like({"w": jnp.ones(3)}), 7)
+
+
+def test_async_save_commits_after_wait(tmp_path):
+  mngr = CheckpointManager(tmp_path, async_save=True)
+  values = np.arange(4096, dtype=np.float32)
+  mngr.save(1, {"w": jnp.asarray(values)}, data_state={"pos": 3})
+  mngr.wait()
+  assert sorted(os.listdir(tmp_path)) == ["1"]
+  restored = CheckpointManager(tmp_path).restore(abstract_like({"w": jnp.asarray(values)}))
+  np.testing.assert_array_equal(np.asarray(restored.state["w"]), values)
+  assert restored.data_state == {"pos": 3}

@@ -1,0 +1,173 @@
+"""Tests for opd/train_loop.py: metrics, eval, checkpoints, resume, NaN guard.
+
+One tiny model on one device; the compiled step is shared by every test.
+(Resume across a process exit is tested in test_checkpoints.py.)
+"""
+import os
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from opd.parallel import sharding
+from opd.training.checkpoints import CheckpointManager
+from opd.training.objectives import next_token_loss
+from opd.models import ModelConfig
+from opd.training.loop import NonFiniteError, run
+from opd.training.train_step import (OptimConfig, init_train_state, make_optimizer, make_train_step)
+
+CFG = ModelConfig(vocab_size=128, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=64)
+FAST = {"xla_backend_optimization_level": 0}
+ROWS = np.random.default_rng(0).integers(0, CFG.vocab_size, (32, 17)).astype(np.int32)
+
+
+class ListIterator:
+  """Batches from a list, with a grain-style position; ``on_next(i)`` runs
+  before batch i is handed out."""
+
+  def __init__(self, batches, on_next=None):
+    self.batches, self.i, self.on_next = batches, 0, on_next
+
+  def __next__(self):
+    if self.i >= len(self.batches):
+      raise StopIteration
+    if self.on_next is not None:
+      self.on_next(self.i)
+    self.i += 1
+    return self.batches[self.i - 1]
+
+  def get_state(self):
+    return {"i": self.i}
+
+  def set_state(self, state):
+    self.i = state["i"]
+
+
+def _batches(n, poison_at=None):
+  out = []
+  for i in range(n):
+    scale = np.nan if i == poison_at else 1.0
+    out.append({"tokens": ROWS[(4 * i) % 32:(4 * i) % 32 + 4],
+                "scale": np.full((4,), scale, np.float32)})
+  return out
+
+
+@pytest.fixture(scope="module")
+def setup():
+  mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
+  optimizer = make_optimizer(OptimConfig(lr=1e-2))
+  state, shardings = init_train_state(CFG, optimizer, mesh, rng=0, compiler_options=FAST)
+  base = next_token_loss(CFG)
+
+  def loss_fn(params, batch, rng):
+    loss, metrics = base(params, batch, rng)
+    return loss * batch["scale"][0], metrics
+
+  step = make_train_step(loss_fn, optimizer, mesh, shardings, compiler_options=FAST)
+  initial = jax.device_get(state)
+  fresh = lambda: jax.tree.map(jax.device_put, initial, shardings)
+  return dict(step=step, fresh=fresh)
+
+
+def _listing(root):
+  out = {}
+  for dirpath, dirnames, filenames in os.walk(root):
+    for name in dirnames + filenames:
+      st = os.stat(os.path.join(dirpath, name))
+      out[os.path.relpath(os.path.join(dirpath, name), root)] = (st.st_size, st.st_mtime_ns)
+  return out
+
+
+def test_run_reports_evaluates_and_saves(setup, tmp_path):
+  seen, evals = [], []
+
+  def on_metrics(step, metrics):
+    (evals if "eval/loss" in metrics else seen).append((step, metrics))
+
+  it = ListIterator(_batches(5))
+  mngr = CheckpointManager(tmp_path, max_to_keep=2)
+  state = run(setup["fresh"](), setup["step"], it, 5, checkpoint_manager=mngr, save_every=2,
+              config={"model": CFG.to_dict()}, on_metrics=on_metrics,
+              eval_fn=lambda s: {"loss": jnp.float32(7.0), "norm": jnp.ones(3)}, eval_every=2,
+              progress=True)
+  assert int(state.step) == 5
+  assert [s for s, _ in seen] == [1, 2, 3, 4, 5]
+  assert all(m["finite"] == 1.0 and np.isfinite(m["loss"]) and "lr" in m for _, m in seen)
+  assert [(s, m) for s, m in evals] == [(2, {"eval/loss": 7.0, "eval/norm": 1.0}),
+                                        (4, {"eval/loss": 7.0, "eval/norm": 1.0})]
+  # Saved at 2, 4 and after the last step; max_to_keep=2 dropped 2.
+  assert mngr.all_steps() == [4, 5]
+  restored = mngr.restore(state, 5)
+  assert restored.data_state == {"i": 5} and restored.config["model"] == CFG.to_dict()
+  # Running again to the same step count is a no-op resume.
+  again = run(setup["fresh"](), setup["step"], ListIterator(_batches(5)), 5,
+              checkpoint_manager=mngr, save_every=2, progress=False)
+  assert int(again.step) == 5 and mngr.all_steps() == [4, 5]
+
+
+def test_resume_with_grain_iterator_continues_the_data(setup, tmp_path):
+  dataset = grain.MapDataset.source([{"tokens": r, "scale": np.float32(1.0)} for r in ROWS])
+  dataset = dataset.shuffle(seed=5).repeat(None).batch(4)
+  first, both = [], []
+  mngr = CheckpointManager(tmp_path)
+  it = iter(dataset)
+  run(setup["fresh"](), setup["step"], it, 3, checkpoint_manager=mngr, save_every=3,
+      on_metrics=lambda s, m: first.append(m["loss"]), progress=False)
+  # A new iterator starts at the beginning; the checkpoint moves it to batch 3.
+  run(setup["fresh"](), setup["step"], iter(dataset), 5, checkpoint_manager=mngr, save_every=5,
+      on_metrics=lambda s, m: first.append(m["loss"]), progress=False)
+  straight = run(setup["fresh"](), setup["step"], iter(dataset), 5, progress=False,
+                 on_metrics=lambda s, m: both.append(m["loss"]))
+  np.testing.assert_allclose(first, both, rtol=0, atol=1e-6)
+  assert mngr.all_steps() == [3, 5] and int(straight.step) == 5
+
+
+def test_nan_raises_naming_step_and_keeps_checkpoints(setup, tmp_path):
+  mngr = CheckpointManager(tmp_path, max_to_keep=2)
+  snapshot = {}
+
+  def on_next(i):
+    if i == 4:  # about to hand out the poisoned batch: every save so far is done
+      snapshot.update(_listing(tmp_path))
+
+  it = ListIterator(_batches(8, poison_at=4), on_next)
+  with pytest.raises(NonFiniteError, match=r"non-finite loss and gradients at step 4") as err:
+    run(setup["fresh"](), setup["step"], it, 8, checkpoint_manager=mngr, save_every=2,
+        progress=False)
+  assert snapshot and mngr.all_steps() == [2, 4]
+  assert _listing(tmp_path) == snapshot  # nothing written, renamed or deleted
+  # The state handed back is the last good one, equal to checkpoint 4.
+  bad_state = err.value.state
+  assert int(bad_state.step) == 4
+  restored = mngr.restore(bad_state, 4)
+  for a, b in zip(jax.tree.leaves(restored.state), jax.tree.leaves(bad_state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_exhausted_iterator_stops_and_saves(setup, tmp_path):
+  mngr = CheckpointManager(tmp_path)
+  state = run(setup["fresh"](), setup["step"], ListIterator(_batches(3)), 10,
+              checkpoint_manager=mngr, save_every=5, progress=False)
+  assert int(state.step) == 3 and mngr.all_steps() == [3]
+
+
+def test_resume_needs_set_state_when_position_was_saved(setup, tmp_path):
+  mngr = CheckpointManager(tmp_path)
+  run(setup["fresh"](), setup["step"], ListIterator(_batches(1)), 1, checkpoint_manager=mngr,
+      save_every=1, progress=False)
+  with pytest.raises(ValueError, match="no set_state"):
+    run(setup["fresh"](), setup["step"], iter(_batches(3)), 3, checkpoint_manager=mngr,
+        save_every=1, progress=False)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_steps=-1), "num_steps"),
+    (dict(num_steps=2, save_every=1), "checkpoint_manager is None"),
+    (dict(num_steps=2, save_every=0), "save_every"),
+    (dict(num_steps=2, eval_every=1), "eval_fn is None"),
+])
+def test_run_validates_arguments(setup, kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    run(None, setup["step"], iter([]), **kwargs)

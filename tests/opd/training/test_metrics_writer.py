@@ -1,0 +1,101 @@
+"""Tests for opd/metrics_writer.py: read the event file and the JSONL back."""
+import json
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from opd.training.metrics_writer import METRICS_FILE, MetricWriter, read_metrics
+
+
+def _accumulator(logdir):
+  acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "tensors": 0,
+                                                     "histograms": 0})
+  acc.Reload()
+  return acc
+
+
+def test_scalars_text_histograms_round_trip(tmp_path):
+  rng = np.random.default_rng(0)
+  losses = rng.uniform(0, 5, size=4)
+  weights = rng.normal(size=(8, 16)).astype(np.float32)
+  with MetricWriter(tmp_path, is_main=True) as w:
+    for step, loss in enumerate(losses):
+      # jax, numpy and python scalars are all accepted.
+      w.write_scalars(step, {"loss": jnp.asarray(loss), "lr": np.float32(0.1 * step)})
+      w.write_scalars(step, {"acc": step / 4})  # same step: merged into one JSONL line
+    w.write_texts(2, {"sample": "2 + 2 = 4 <|eos|>"})
+    w.write_histograms(3, {"weights": weights}, bins=10)
+    w.write_scalars(4, {"loss": float("nan")})
+
+  acc = _accumulator(tmp_path)
+  loss_events = acc.Scalars("loss")
+  assert [e.step for e in loss_events] == [0, 1, 2, 3, 4]
+  # simple_value is float32 on disk.
+  np.testing.assert_allclose([e.value for e in loss_events[:4]], losses.astype(np.float32))
+  assert math.isnan(loss_events[4].value)
+  assert [e.value for e in acc.Scalars("acc")] == pytest.approx([0, 0.25, 0.5, 0.75])
+
+  (text,) = acc.Tensors("sample")
+  assert text.step == 2
+  assert text.tensor_proto.string_val[0].decode() == "2 + 2 = 4 <|eos|>"
+
+  (hist,) = acc.Histograms("weights")
+  h = hist.histogram_value
+  counts, edges = np.histogram(weights.astype(np.float64), bins=10)
+  assert hist.step == 3 and h.num == weights.size
+  np.testing.assert_allclose(h.bucket, counts)
+  np.testing.assert_allclose(h.bucket_limit, edges[1:])
+  np.testing.assert_allclose([h.min, h.max, h.sum, h.sum_squares],
+                             [weights.min(), weights.max(), weights.astype(np.float64).sum(),
+                              np.square(weights.astype(np.float64)).sum()], rtol=1e-6)
+
+  lines = (tmp_path / METRICS_FILE).read_text().splitlines()
+  rows = [json.loads(line) for line in lines]
+  assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]  # one object per step
+  for step, (row, loss) in enumerate(zip(rows, losses)):
+    assert row["loss"] == pytest.approx(loss) and row["acc"] == step / 4
+    assert row["lr"] == pytest.approx(0.1 * step)
+  assert math.isnan(rows[4]["loss"])
+  back = read_metrics(tmp_path)
+  assert back[:4] == rows[:4] and math.isnan(back[4]["loss"])
+
+
+def test_non_main_process_writes_nothing(tmp_path):
+  logdir = tmp_path / "run"
+  with MetricWriter(logdir, is_main=False) as w:
+    w.write_scalars(0, {"loss": 1.0})
+    w.write_texts(0, {"s": "x"})
+    w.write_histograms(0, {"h": np.ones(3)})
+  assert not logdir.exists()
+
+
+def test_default_is_main_on_single_process(tmp_path):
+  with MetricWriter(tmp_path) as w:
+    w.write_scalars(0, {"loss": 1.0})
+  assert read_metrics(tmp_path)[0]["loss"] == 1.0
+
+
+@pytest.mark.parametrize("call,pattern", [
+    (lambda w: w.write_scalars(0, {"loss": np.ones(2)}), r"'loss' must have one element, got shape \(2,\)"),
+    (lambda w: w.write_scalars(0, {"loss": "high"}), r"'loss' must be numeric"),
+    (lambda w: w.write_scalars(-1, {"loss": 1.0}), r"step must be a non-negative int, got -1"),
+    (lambda w: w.write_scalars(1.5, {"loss": 1.0}), r"step must be a non-negative int, got 1.5"),
+    (lambda w: w.write_texts(0, {"s": 3}), r"text 's' must be a str, got int"),
+    (lambda w: w.write_histograms(0, {"h": [1.0, np.inf]}), r"must be finite"),
+])
+def test_bad_input_raises(tmp_path, call, pattern):
+  # The checks run on every process, so a bug shows up on the main one too.
+  for is_main in (True, False):
+    with MetricWriter(tmp_path, is_main=is_main) as w:
+      with pytest.raises(ValueError, match=pattern):
+        call(w)
+
+
+def test_closed_writer_raises(tmp_path):
+  w = MetricWriter(tmp_path, is_main=True)
+  w.close()
+  with pytest.raises(ValueError, match="is closed"):
+    w.write_scalars(0, {"loss": 1.0})
