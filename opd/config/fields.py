@@ -1,0 +1,136 @@
+"""Shared field validators and the one dict -> dataclass converter.
+
+Every config dataclass validates its fields in ``__post_init__`` with these
+helpers, so that all of them agree on what a valid value is and say so in the
+same words: ``f"{owner}.{name} must be ..., got {value!r}"``.
+
+Numbers: numpy scalars are accepted wherever Python numbers are (a value
+read from an ``np.int64`` array or a sweep written with numpy is as good as a
+literal) and are stored as the Python type, so configs stay JSON-ready and
+hash equal. ``bool`` is never accepted as a number.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, Mapping, Sequence, TypeVar
+
+import ml_collections
+import numpy as np
+
+__all__ = ["check_int", "check_float", "check_bool", "check_choice", "set_field", "from_group"]
+
+T = TypeVar("T")
+
+
+def _bounds(min_value, max_value, min_exclusive: bool) -> str:
+  parts = []
+  if min_value is not None:
+    parts.append(f"{'>' if min_exclusive else '>='} {min_value}")
+  if max_value is not None:
+    parts.append(f"<= {max_value}")
+  return " and ".join(parts)
+
+
+def check_int(owner: str, name: str, value: Any, *, min_value: int | None = None,
+              max_value: int | None = None, allow_none: bool = False) -> int | None:
+  """``value`` as a Python ``int`` (numpy integers accepted, bools not) within the bounds.
+
+  Raises:
+    ValueError: ``"{owner}.{name} must be an int >= min_value, got value"``.
+  """
+  if value is None and allow_none:
+    return None
+  ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+  if ok:
+    value = int(value)
+    ok = (min_value is None or value >= min_value) and (max_value is None or value <= max_value)
+  if not ok:
+    what = " ".join(x for x in ("an int", _bounds(min_value, max_value, False),
+                                "or None" if allow_none else "") if x)
+    raise ValueError(f"{owner}.{name} must be {what}, got {value!r}")
+  return value
+
+
+def check_float(owner: str, name: str, value: Any, *, min_value: float | None = None,
+                max_value: float | None = None, min_exclusive: bool = False,
+                allow_none: bool = False) -> float | None:
+  """``value`` as a finite Python ``float`` (ints and numpy numbers accepted, bools not).
+
+  Raises:
+    ValueError: ``"{owner}.{name} must be a finite number > min_value, got value"``.
+  """
+  if value is None and allow_none:
+    return None
+  ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+  if ok:
+    value = float(value)
+    ok = math.isfinite(value)
+    if ok and min_value is not None:
+      ok = value > min_value if min_exclusive else value >= min_value
+    if ok and max_value is not None:
+      ok = value <= max_value
+  if not ok:
+    what = " ".join(x for x in ("a finite number", _bounds(min_value, max_value, min_exclusive),
+                                "or None" if allow_none else "") if x)
+    raise ValueError(f"{owner}.{name} must be {what}, got {value!r}")
+  return value
+
+
+def check_bool(owner: str, name: str, value: Any) -> bool:
+  """``value`` as a Python ``bool`` (``np.bool_`` accepted; 0/1 are not bools)."""
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  raise ValueError(f"{owner}.{name} must be True or False, got {value!r}")
+
+
+def check_choice(owner: str, name: str, value: Any, choices: Sequence[Any]) -> Any:
+  """``value`` if it is one of ``choices``."""
+  if value not in tuple(choices):
+    raise ValueError(f"{owner}.{name} must be one of {tuple(choices)}, got {value!r}")
+  return value
+
+
+def set_field(obj: Any, name: str, value: Any) -> None:
+  """Stores a normalised value on a (possibly frozen) dataclass in ``__post_init__``."""
+  object.__setattr__(obj, name, value)
+
+
+def from_group(cls: type[T], group: Mapping[str, Any] | ml_collections.ConfigDict | None,
+               where: str, **overrides: Any) -> T:
+  """``cls(**group, **overrides)`` for a config group: the one dict -> dataclass converter.
+
+  Fields missing from ``group`` take the dataclass's defaults (the defaults
+  live in the dataclass only, never a second copy in a config file).
+
+  Args:
+    cls: a dataclass.
+    group: e.g. ``config.optim`` (a ``ConfigDict``) or a plain mapping; None
+      means all defaults.
+    where: the group's path for error messages, e.g. ``"config.optim"``.
+    **overrides: fields set on top of ``group``.
+
+  Raises:
+    ValueError: naming ``where`` and the unknown fields, or the invalid field
+      and its value (from the dataclass's own validation).
+  """
+  if not dataclasses.is_dataclass(cls):
+    raise ValueError(f"from_group needs a dataclass, got {cls!r}")
+  if group is None:
+    d = {}
+  elif isinstance(group, (ml_collections.ConfigDict, ml_collections.FrozenConfigDict)):
+    d = group.to_dict()
+  elif isinstance(group, Mapping):
+    d = dict(group)
+  else:
+    raise ValueError(f"{where} must be a group of fields, got {type(group).__name__}")
+  d.update(overrides)
+  known = {f.name for f in dataclasses.fields(cls) if f.init}
+  unknown = sorted(set(d) - known)
+  if unknown:
+    raise ValueError(f"{where} has unknown field(s) {unknown}; known: {sorted(known)}")
+  try:
+    return cls(**d)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{where}: {e}") from None

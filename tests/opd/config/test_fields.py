@@ -1,0 +1,70 @@
+"""The shared validators: one rule for numbers (numpy accepted, bools not), named errors."""
+import dataclasses
+
+import ml_collections
+import numpy as np
+import pytest
+
+from opd.config import fields
+
+
+@pytest.mark.parametrize("value", [3, np.int64(3), np.int32(3), np.uint8(3)])
+def test_check_int_accepts_python_and_numpy_ints(value):
+  out = fields.check_int("Cfg", "n", value, min_value=1)
+  assert out == 3 and type(out) is int
+
+
+@pytest.mark.parametrize("value", [True, 3.0, "3", None, 0, np.int64(0), 11])
+def test_check_int_rejects_and_names_field(value):
+  with pytest.raises(ValueError, match=r"Cfg\.n must be an int >= 1 and <= 10, got"):
+    fields.check_int("Cfg", "n", value, min_value=1, max_value=10)
+
+
+def test_check_int_none():
+  assert fields.check_int("Cfg", "n", None, allow_none=True) is None
+  with pytest.raises(ValueError, match="or None"):
+    fields.check_int("Cfg", "n", "x", allow_none=True)
+
+
+@pytest.mark.parametrize("value", [2, 2.5, np.float32(2.5), np.int64(2)])
+def test_check_float_accepts_numbers(value):
+  out = fields.check_float("Cfg", "lr", value, min_value=0, min_exclusive=True)
+  assert out == float(value) and type(out) is float
+
+
+@pytest.mark.parametrize("value", [False, float("nan"), float("inf"), 0.0, -1, "1e-3"])
+def test_check_float_rejects(value):
+  with pytest.raises(ValueError, match=r"Cfg\.lr must be a finite number > 0, got"):
+    fields.check_float("Cfg", "lr", value, min_value=0, min_exclusive=True)
+
+
+def test_check_bool_and_choice():
+  assert fields.check_bool("Cfg", "b", np.bool_(True)) is True
+  with pytest.raises(ValueError, match=r"Cfg\.b must be True or False, got 1"):
+    fields.check_bool("Cfg", "b", 1)
+  assert fields.check_choice("Cfg", "mode", "a", ("a", "b")) == "a"
+  with pytest.raises(ValueError, match=r"Cfg\.mode must be one of \('a', 'b'\), got 'c'"):
+    fields.check_choice("Cfg", "mode", "c", ("a", "b"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+  n: int = 2
+  lr: float = 0.1
+
+  def __post_init__(self):
+    fields.set_field(self, "n", fields.check_int("_Cfg", "n", self.n, min_value=1))
+    fields.set_field(self, "lr", fields.check_float("_Cfg", "lr", self.lr, min_value=0))
+
+
+def test_from_group_defaults_overrides_and_errors():
+  assert fields.from_group(_Cfg, None, "config.x") == _Cfg()
+  group = ml_collections.ConfigDict({"n": np.int64(4)})
+  cfg = fields.from_group(_Cfg, group, "config.x", lr=0.5)
+  assert cfg == _Cfg(4, 0.5) and type(cfg.n) is int
+  with pytest.raises(ValueError, match=r"config\.x has unknown field\(s\) \['m'\]"):
+    fields.from_group(_Cfg, {"m": 1}, "config.x")
+  with pytest.raises(ValueError, match=r"config\.x: _Cfg\.n must be an int >= 1, got 0"):
+    fields.from_group(_Cfg, {"n": 0}, "config.x")
+  with pytest.raises(ValueError, match="config.x must be a group of fields"):
+    fields.from_group(_Cfg, [1], "config.x")
