@@ -42,6 +42,7 @@ from fractions import Fraction
 from typing import Any
 
 from opd.text import parsers
+from opd.text.tool_calls import ToolCall, format_tool_call
 from opd.tasks.base import Draft, Example, Reward, Task, malformed
 from opd.tasks.tools import ToolError, run_tool
 from opd.tasks.vocab import ATTRIBUTES, ENTITIES
@@ -286,13 +287,13 @@ class AgentTask(Task):
       prompt = f"What is the {attr} of the {e1} {word} that of the {e2}?"
     reference = []
     for _, key in steps:
-      reference += [("assistant", parsers.format_tool_call("lookup", {"key": key})),
+      reference += [("assistant", format_tool_call(ToolCall("lookup", {"key": key}))),
                     ("tool", str(table[key]))]
     if difficulty > 1:
       answer = Fraction(run_tool("calculator", {"expression": expression}, table))
       steps.append(["calculator", parsers.format_number(answer)])
-      reference += [("assistant", parsers.format_tool_call("calculator",
-                                                           {"expression": expression})),
+      reference += [("assistant", format_tool_call(
+                      ToolCall("calculator", {"expression": expression}))),
                     ("tool", parsers.format_number(answer))]
     reference.append(("assistant", parsers.format_answer(answer)))
     meta = {"table": table, "answer": parsers.format_number(answer), "steps": steps,

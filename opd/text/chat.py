@@ -1,4 +1,4 @@
-"""Chat template: render conversations, parse completions, mask for SFT (SPEC §8).
+"""Chat template: render conversations, parse completions, mask for SFT (docs/DESIGN.md §8).
 
 Format (docs/DEVELOPING.md, "Tokens and chat format")::
 
@@ -9,8 +9,8 @@ Format (docs/DEVELOPING.md, "Tokens and chat format")::
   <|tool|><tool_result>5</tool_result><|end|>
   <|assistant|><think>it said 5</think>5<|end|>
 
-(no newlines or indentation in the real text; tool calls are
-``json.dumps({"name": ..., "arguments": ...}, ensure_ascii=False)``).
+(no newlines or indentation in the real text; tool calls follow the one
+grammar of ``opd.text.tool_calls``, which also parses them).
 A generation prompt ends with ``<|assistant|>`` in mode "non-think" and with
 ``<|assistant|><think>`` in mode "high", so the model's completion starts
 inside the thinking block; a turn ends at ``<|end|>`` (``STOP_TOKENS``).
@@ -20,7 +20,7 @@ SFT (``render_for_training``) trains exactly what the model generates after
 such a prompt: thinking with its ``</think>``, content, tool calls and the
 closing ``<|end|>``.
 
-Interleaved thinking (SPEC §8), applied by every renderer here:
+Interleaved thinking (docs/DESIGN.md §8), applied by every renderer here:
   * a new user message drops the thinking of every earlier assistant turn;
   * after the last user message (one tool-calling trajectory: assistant →
     tool → assistant ...) all thinking is kept across tool calls;
@@ -35,27 +35,20 @@ Interleaved thinking (SPEC §8), applied by every renderer here:
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from opd.text.tokenizers import (ASSISTANT, END, EOS, SPECIAL_TOKENS, SYSTEM, THINK_CLOSE,
-                            THINK_OPEN, TOOL, TOOL_CALL_CLOSE, TOOL_CALL_OPEN,
-                            TOOL_RESULT_CLOSE, TOOL_RESULT_OPEN, USER)
+                            THINK_OPEN, TOOL, TOOL_RESULT_CLOSE, TOOL_RESULT_OPEN, USER)
+from opd.text.tool_calls import (InvalidToolCall, ToolCall, as_tool_call, format_tool_call,
+                                 scan_tool_calls)
 
 ROLES = ("system", "user", "assistant", "tool")
 MODES = ("non-think", "high")
 _MARKER = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
 STOP_TOKENS = (END, EOS)  # a completion ends at the first of these
-
-
-@dataclasses.dataclass(frozen=True)
-class ToolCall:
-  """One call: ``name`` and JSON-serialisable ``arguments`` (usually a dict)."""
-  name: str
-  arguments: Any = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +70,6 @@ class Message:
   tool_calls: tuple[ToolCall, ...] = ()
   closed: bool = False
   thinking_summary: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class InvalidToolCall:
-  raw: str  # the text between <tool_call> and </tool_call> (or the end)
-  error: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,18 +95,10 @@ class ParsedCompletion:
 
 
 def _as_tool_call(tc, where: str) -> ToolCall:
-  if isinstance(tc, ToolCall):
-    call = tc
-  elif isinstance(tc, Mapping):
-    unknown = sorted(set(tc) - {"name", "arguments"})
-    if unknown or "name" not in tc:
-      raise ValueError(f"{where}: a tool call needs keys name[, arguments], got {sorted(tc)}")
-    call = ToolCall(tc["name"], tc.get("arguments", {}))
-  else:
-    raise ValueError(f"{where}: a tool call must be a ToolCall or dict, got {tc!r}")
-  if not isinstance(call.name, str) or not call.name:
-    raise ValueError(f"{where}: tool call name must be a non-empty str, got {call.name!r}")
-  return call
+  try:
+    return as_tool_call(tc)
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None
 
 
 def as_message(m, index: int = 0) -> Message:
@@ -195,12 +174,11 @@ def _check_plain(text: str, where: str) -> str:
   return text
 
 
-def _tool_call_json(call: ToolCall, where: str) -> str:
+def _tool_call_text(call: ToolCall, where: str) -> str:
   try:
-    body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"{where}: arguments are not JSON-serialisable ({e})") from None
-  return _check_plain(body, where)
+    return format_tool_call(call)
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None
 
 
 # ---------------------------------------------------------------------------
@@ -308,8 +286,8 @@ def render_segments(messages: Sequence[Any], *, add_generation_prompt: bool = Fa
       summary = m.thinking_summary if m.thinking_summary is not None else summarize(m.thinking)
       summary = _check_plain(summary, f"{where}.thinking_summary")
       segs.append(seg(f"{THINK_OPEN}{summary}{THINK_CLOSE}", False))
-    calls = "".join(f"{TOOL_CALL_OPEN}{_tool_call_json(c, f'{where}.tool_calls[{k}]')}"
-                    f"{TOOL_CALL_CLOSE}" for k, c in enumerate(m.tool_calls))
+    calls = "".join(_tool_call_text(c, f"{where}.tool_calls[{k}]")
+                    for k, c in enumerate(m.tool_calls))
     segs.append(seg(f"{content}{calls}{END}", True))
   if add_generation_prompt:
     segs.append(Segment(ASSISTANT + (THINK_OPEN if mode == "high" else ""), None, False))
@@ -374,22 +352,6 @@ def render_for_training(messages: Sequence[Any], tokenizer=None, *,
 # Parsing.
 
 
-def _parse_tool_call(raw: str) -> ToolCall | InvalidToolCall:
-  try:
-    obj = json.loads(raw)
-  except ValueError as e:
-    return InvalidToolCall(raw, f"invalid JSON: {e}")
-  if not isinstance(obj, dict):
-    return InvalidToolCall(raw, f"expected a JSON object, got {type(obj).__name__}")
-  name = obj.get("name")
-  if not isinstance(name, str) or not name:
-    return InvalidToolCall(raw, f"'name' must be a non-empty string, got {name!r}")
-  extra = sorted(set(obj) - {"name", "arguments"})
-  if extra:
-    return InvalidToolCall(raw, f"unexpected keys {extra}")
-  return ToolCall(name, obj.get("arguments", {}))
-
-
 def parse_completion(text: str, mode: str = "non-think") -> ParsedCompletion:
   """Splits an assistant completion into thinking, content and tool calls.
 
@@ -423,30 +385,13 @@ def parse_completion(text: str, mode: str = "non-think") -> ParsedCompletion:
       thinking, text = text[start:close], text[close + len(THINK_CLOSE):]
     if THINK_OPEN in thinking:
       errors.append("nested <think> inside thinking")
-  calls: list[ToolCall] = []
-  invalid: list[InvalidToolCall] = []
-  content: list[str] = []
-  pos = 0
-  while True:
-    open_at = text.find(TOOL_CALL_OPEN, pos)
-    if open_at < 0:
-      content.append(text[pos:])
-      break
-    content.append(text[pos:open_at])
-    body_at = open_at + len(TOOL_CALL_OPEN)
-    close = text.find(TOOL_CALL_CLOSE, body_at)
-    if close < 0:
-      invalid.append(InvalidToolCall(text[body_at:], "unterminated <tool_call>"))
-      break
-    parsed = _parse_tool_call(text[body_at:close])
-    (calls if isinstance(parsed, ToolCall) else invalid).append(parsed)
-    pos = close + len(TOOL_CALL_CLOSE)
-  out = "".join(content)
+  scan = scan_tool_calls(text)
   for tok in SPECIAL_TOKENS:
-    if tok in out:
+    if tok in scan.outside:
       errors.append(f"stray {tok} in content")
-  errors.extend(f"invalid tool call: {c.error}" for c in invalid)
-  return ParsedCompletion(thinking, out, tuple(calls), tuple(invalid), finished, tuple(errors))
+  errors.extend(f"invalid tool call: {c.reason} ({c.detail})" for c in scan.invalid)
+  return ParsedCompletion(thinking, scan.outside, scan.calls, scan.invalid, finished,
+                          tuple(errors))
 
 
 _TURN = re.compile("(" + "|".join(re.escape(t) for t in (SYSTEM, USER, ASSISTANT, TOOL)) + ")")

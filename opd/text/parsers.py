@@ -15,9 +15,9 @@ Formats (the chat conventions of docs/DEVELOPING.md):
   at most ``MAX_NUMBER_DIGITS`` digits per part; values compare exactly as
   ``fractions.Fraction``.
 * Tool call: ``<tool_call>{"name": "...", "arguments": {...}}</tool_call>``
-  with a JSON object holding exactly the keys ``name`` (a non-empty string)
-  and ``arguments`` (an object). A well-formed tool-call turn holds exactly
-  one call and nothing else besides the optional thinking and whitespace.
+  in the one grammar of ``opd.text.tool_calls`` (shared with the chat
+  template). A well-formed tool-call turn holds exactly one call and nothing
+  else besides the optional thinking and whitespace.
 * Code: a Python function definition, either the whole body or the first
   fenced block (```` ```python ... ``` ````).
 """
@@ -25,21 +25,22 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import json
 import re
 import warnings
 from fractions import Fraction
 from typing import Any
 
+from opd.text import tokenizers
+from opd.text.tokenizers import THINK_CLOSE, THINK_OPEN, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from opd.text.tool_calls import ToolCall, scan_tool_calls
+
 MAX_RESPONSE_CHARS = 4096
 MAX_NUMBER_DIGITS = 30
 ANSWER_PREFIX = "Answer:"
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 # Chat-template markers a response must never contain: emitting one means the
-# model tried to forge a turn boundary.
-SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>",
-                  "<|tool|>", "<|end|>", "<tool_result>", "</tool_result>")
+# model tried to forge a turn boundary (thinking and tool-call tags are parsed).
+SPECIAL_TOKENS = tuple(t for t in tokenizers.SPECIAL_TOKENS
+                       if t not in (THINK_OPEN, THINK_CLOSE, TOOL_CALL_OPEN, TOOL_CALL_CLOSE))
 
 _NUMBER_RE = re.compile(
     rf"[+-]?(?:[0-9]{{1,{MAX_NUMBER_DIGITS}}}(?:/[0-9]{{1,{MAX_NUMBER_DIGITS}}})?"
@@ -64,12 +65,6 @@ class ParsedAnswer:
   text: str | None
   ok: bool
   reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class ToolCall:
-  name: str
-  arguments: dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,55 +187,12 @@ def parse_final_answer(text: Any) -> ParsedAnswer:
   return parse_answer_body(split.body)
 
 
-def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
-  """Canonical tool-call text, e.g. ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
-  return f"{CALL_OPEN}{json.dumps({'name': name, 'arguments': arguments})}{CALL_CLOSE}"
-
-
-def _reject_constant(name: str):
-  raise ValueError(f"non-finite number {name}")
-
-
-def _decode_call(raw: str) -> ToolCall | str:
-  """A ToolCall, or the reason ``raw`` is not one."""
-  try:
-    obj = json.loads(raw, parse_constant=_reject_constant)
-  except (ValueError, RecursionError):
-    return "bad_json"
-  if not isinstance(obj, dict) or set(obj) != {"name", "arguments"}:
-    return "bad_schema"
-  if not isinstance(obj["name"], str) or not obj["name"] or not isinstance(obj["arguments"], dict):
-    return "bad_schema"
-  return ToolCall(obj["name"], obj["arguments"])
-
-
 def parse_tool_calls(text: Any) -> ParsedToolCalls:
   """Finds every ``<tool_call>...</tool_call>`` block of ``text``."""
   if (bad := _precheck(text)) is not None:
     return ParsedToolCalls((), (bad,), "")
-  calls, errors, outside = [], [], []
-  pos = 0
-  while True:
-    start = text.find(CALL_OPEN, pos)
-    stray_close = text.find(CALL_CLOSE, pos)
-    if stray_close >= 0 and (start < 0 or stray_close < start):
-      errors.append("stray_close_tag")
-    if start < 0:
-      outside.append(text[pos:].replace(CALL_CLOSE, ""))
-      break
-    outside.append(text[pos:start])
-    end = text.find(CALL_CLOSE, start + len(CALL_OPEN))
-    if end < 0:
-      errors.append("unclosed_tool_call")
-      break
-    inner = text[start + len(CALL_OPEN):end]
-    if CALL_OPEN in inner:
-      errors.append("nested_tool_call")
-    else:
-      decoded = _decode_call(inner)
-      (calls if isinstance(decoded, ToolCall) else errors).append(decoded)
-    pos = end + len(CALL_CLOSE)
-  return ParsedToolCalls(tuple(calls), tuple(errors), "".join(outside).strip())
+  scan = scan_tool_calls(text)
+  return ParsedToolCalls(scan.calls, tuple(c.reason for c in scan.invalid), scan.outside.strip())
 
 
 def parse_assistant_turn(text: Any) -> AssistantTurn:
@@ -249,7 +201,7 @@ def parse_assistant_turn(text: Any) -> AssistantTurn:
   if not split.ok:
     return AssistantTurn("malformed", None, None, None, split.reason)
   body = split.body
-  if CALL_OPEN in body or CALL_CLOSE in body:
+  if TOOL_CALL_OPEN in body or TOOL_CALL_CLOSE in body:
     parsed = parse_tool_calls(body)
     if parsed.errors:
       return AssistantTurn("malformed", split.thinking, None, None, parsed.errors[0])

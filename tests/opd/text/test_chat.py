@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opd.text import chat
-from opd.text.chat import Message, ToolCall
+from opd.text.chat import Message
+from opd.text.tool_calls import ToolCall
 from opd.text.tokenizers import SPECIAL_TOKENS, ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -212,17 +213,19 @@ def test_parse_completion_reports_problems_without_raising():
   assert p.thinking == "hmm" and p.content == "ok" and p.finished
   assert p.tool_calls == (ToolCall("f", {"a": 1}),)
   assert len(p.invalid_tool_calls) == 1 and p.invalid_tool_calls[0].raw == "{bad json"
-  assert "invalid JSON" in p.invalid_tool_calls[0].error
+  assert p.invalid_tool_calls[0].reason == "bad_json"
   assert any("after <|end|>" in e for e in p.errors)
 
   p = chat.parse_completion("still thinking", mode="high")
   assert p.thinking == "still thinking" and p.content == "" and not p.finished
   assert any("unterminated thinking" in e for e in p.errors)
 
-  p = chat.parse_completion('x<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": "g"')
+  p = chat.parse_completion('x<tool_call>{"arguments": {}}</tool_call></tool_call>'
+                            '<tool_call>{"name": "g"')
   assert p.thinking is None and p.content == "x" and p.tool_calls == ()
-  assert [c.error.split(":")[0] for c in p.invalid_tool_calls] == [
-      "'name' must be a non-empty string, got None", "unterminated <tool_call>"]
+  assert [c.reason for c in p.invalid_tool_calls] == [
+      "bad_schema", "stray_close_tag", "unclosed_tool_call"]
+  assert len(p.errors) == 3 and all(e.startswith("invalid tool call: ") for e in p.errors)
 
   p = chat.parse_completion("a</think>b<|user|>c")
   assert any("stray </think>" in e for e in p.errors)
