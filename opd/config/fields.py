@@ -4,6 +4,11 @@ Every config dataclass validates its fields in ``__post_init__`` with these
 helpers, so that all of them agree on what a valid value is and say so in the
 same words: ``f"{owner}.{name} must be ..., got {value!r}"``.
 
+Defaults live in the dataclasses only: a config file builds a group with
+``to_group(Cls, field=value, ...)`` (every field present, so any of them can
+be overridden on the command line with its type checked) and a job turns it
+back with ``from_group``.
+
 Numbers: numpy scalars are accepted wherever Python numbers are (a value
 read from an ``np.int64`` array or a sweep written with numpy is as good as a
 literal) and are stored as the Python type, so configs stay JSON-ready and
@@ -14,22 +19,25 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import types
+import typing
 from typing import Any, Mapping, Sequence, TypeVar
 
 import ml_collections
 import numpy as np
 
-__all__ = ["check_int", "check_float", "check_bool", "check_choice", "set_field", "from_group"]
+__all__ = ["check_int", "check_float", "check_bool", "check_choice", "set_field", "from_group",
+           "to_group"]
 
 T = TypeVar("T")
 
 
-def _bounds(min_value, max_value, min_exclusive: bool) -> str:
+def _bounds(min_value, max_value, min_exclusive: bool, max_exclusive: bool = False) -> str:
   parts = []
   if min_value is not None:
     parts.append(f"{'>' if min_exclusive else '>='} {min_value}")
   if max_value is not None:
-    parts.append(f"<= {max_value}")
+    parts.append(f"{'<' if max_exclusive else '<='} {max_value}")
   return " and ".join(parts)
 
 
@@ -38,7 +46,8 @@ def check_int(owner: str, name: str, value: Any, *, min_value: int | None = None
   """``value`` as a Python ``int`` (numpy integers accepted, bools not) within the bounds.
 
   Raises:
-    ValueError: ``"{owner}.{name} must be an int >= min_value, got value"``.
+    ValueError: ``"{owner}.{name} must be an int >= 2 and <= 8, got value"`` (a
+      lower bound of 1 or 0 alone reads "a positive int" / "a non-negative int").
   """
   if value is None and allow_none:
     return None
@@ -47,15 +56,18 @@ def check_int(owner: str, name: str, value: Any, *, min_value: int | None = None
     value = int(value)
     ok = (min_value is None or value >= min_value) and (max_value is None or value <= max_value)
   if not ok:
-    what = " ".join(x for x in ("an int", _bounds(min_value, max_value, False),
-                                "or None" if allow_none else "") if x)
+    if max_value is None and min_value in (0, 1):
+      kind = "a positive int" if min_value == 1 else "a non-negative int"
+    else:
+      kind = " ".join(x for x in ("an int", _bounds(min_value, max_value, False)) if x)
+    what = kind + (" or None" if allow_none else "")
     raise ValueError(f"{owner}.{name} must be {what}, got {value!r}")
   return value
 
 
 def check_float(owner: str, name: str, value: Any, *, min_value: float | None = None,
                 max_value: float | None = None, min_exclusive: bool = False,
-                allow_none: bool = False) -> float | None:
+                max_exclusive: bool = False, allow_none: bool = False) -> float | None:
   """``value`` as a finite Python ``float`` (ints and numpy numbers accepted, bools not).
 
   Raises:
@@ -70,9 +82,10 @@ def check_float(owner: str, name: str, value: Any, *, min_value: float | None = 
     if ok and min_value is not None:
       ok = value > min_value if min_exclusive else value >= min_value
     if ok and max_value is not None:
-      ok = value <= max_value
+      ok = value < max_value if max_exclusive else value <= max_value
   if not ok:
-    what = " ".join(x for x in ("a finite number", _bounds(min_value, max_value, min_exclusive),
+    what = " ".join(x for x in ("a finite number",
+                                _bounds(min_value, max_value, min_exclusive, max_exclusive),
                                 "or None" if allow_none else "") if x)
     raise ValueError(f"{owner}.{name} must be {what}, got {value!r}")
   return value
@@ -134,3 +147,55 @@ def from_group(cls: type[T], group: Mapping[str, Any] | ml_collections.ConfigDic
     return cls(**d)
   except (TypeError, ValueError) as e:
     raise ValueError(f"{where}: {e}") from None
+
+
+def _optional_type(hint: Any) -> type | None:
+  """``X`` for a hint ``X | None`` (or ``Optional[X]``) with X a scalar type, else None."""
+  if typing.get_origin(hint) not in (typing.Union, types.UnionType):
+    return None
+  args = [a for a in typing.get_args(hint) if a is not type(None)]
+  if len(args) == 1 and args[0] in (int, float, str, bool):
+    return args[0]
+  return None
+
+
+def to_group(cls: type, *, omit: Sequence[str] = (), **values: Any) -> ml_collections.ConfigDict:
+  """The config group of dataclass ``cls``: every field, its default unless given.
+
+  The inverse of ``from_group``: a config file writes only the values that
+  differ from the dataclass's defaults, yet the group holds every field, so
+  ``--config.group.field=value`` works for any of them and is type-checked
+  against the default's type. A field that defaults to None and is annotated
+  ``X | None`` becomes ``ml_collections.config_dict.placeholder(X)``, so its
+  overrides are typed too.
+
+  Args:
+    cls: a dataclass whose fields all have defaults.
+    omit: fields the job fills in itself (left out of the group).
+    **values: fields that differ from the defaults.
+
+  Returns:
+    A ``ConfigDict`` with one entry per field of ``cls`` not in ``omit``.
+
+  Raises:
+    ValueError: naming an unknown or omitted field in ``values``, or the
+      invalid field and its value (``cls`` validates the merged values).
+  """
+  if not dataclasses.is_dataclass(cls):
+    raise ValueError(f"to_group needs a dataclass, got {cls!r}")
+  names = [f.name for f in dataclasses.fields(cls) if f.init]
+  unknown = sorted((set(values) - set(names)) | (set(values) & set(omit)) | (set(omit) - set(names)))
+  if unknown:
+    raise ValueError(f"to_group({cls.__name__}): unknown or omitted field(s) {unknown}; "
+                     f"fields: {names}")
+  merged = dataclasses.asdict(cls(**values))
+  hints = typing.get_type_hints(cls)
+  group = ml_collections.ConfigDict()
+  for name in names:
+    if name in omit:
+      continue
+    value, optional = merged[name], _optional_type(hints.get(name))
+    if value is None and optional is not None:
+      value = ml_collections.config_dict.placeholder(optional)
+    group[name] = value
+  return group

@@ -5,7 +5,8 @@ optionally ``get_sweep(arg)``; ``arg`` is the text after the colon in
 ``--config=experiments/configs/NAME.py:tiny,teachers=3``. This module parses
 that text, loads config files, applies ``a.b=value`` overrides with errors
 that name the field, and turns a ``config.model`` group into the decoder's
-frozen ``ModelConfig``.
+frozen ``ModelConfig`` (``to_model_config``; every other group goes through
+``opd.config.fields.from_group`` directly).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Any
 
 import ml_collections
 
-from opd.models.config import ModelConfig
+from opd.config import fields
 
 _TRUE = ("true", "yes", "1")
 _FALSE = ("false", "no", "0")
@@ -175,8 +176,8 @@ def apply_overrides(config: ml_collections.ConfigDict,
     expected = _field_type(parent, key)
     if is_text:
       text = value.strip()
-      if expected is None and text == "None":
-        value = None
+      if text == "None" and (expected is None or current is None):
+        value = None  # a placeholder (typed, currently None) may be set back to None
       elif expected is None:
         try:
           value = ast.literal_eval(text)
@@ -251,8 +252,8 @@ def load_sweep(spec: str) -> list[dict[str, Any]]:
 
 
 def to_model_config(model: Mapping[str, Any] | ml_collections.ConfigDict,
-                    where: str = "config.model") -> ModelConfig:
-  """Builds the decoder's ``ModelConfig`` from a config group.
+                    where: str = "config.model"):
+  """The decoder's ``ModelConfig`` from a config group (``fields.from_group``).
 
   Args:
     model: e.g. ``config.model`` or ``config.teachers.math.model``.
@@ -261,14 +262,8 @@ def to_model_config(model: Mapping[str, Any] | ml_collections.ConfigDict,
   Raises:
     ValueError: naming ``where`` and the unknown or invalid field(s).
   """
-  if isinstance(model, (ml_collections.ConfigDict, ml_collections.FrozenConfigDict)):
-    model = model.to_dict()
-  if not isinstance(model, Mapping):
-    raise ValueError(f"{where} must be a group of fields, got {type(model).__name__}")
-  try:
-    return ModelConfig.from_dict(dict(model))
-  except (ValueError, TypeError) as e:
-    raise ValueError(f"{where}: {e}") from None
+  from opd.models.config import ModelConfig  # deferred: opd.models validates with opd.config
+  return fields.from_group(ModelConfig, model, where)
 
 
 def config_to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The frozen config that drives every model of the family (SPEC §2).
+"""The frozen config that drives every model of the family (docs/DESIGN.md §2).
 
 Student, teachers, generative reward models and the scalar meta-RM are the
 same decoder; only this dataclass differs between them. Dimension letters
@@ -12,6 +12,9 @@ import dataclasses
 from typing import Any, Mapping
 
 import jax.numpy as jnp
+
+from opd.config.fields import (check_bool, check_choice, check_float, check_int, from_group,
+                               set_field)
 
 _DTYPES = {
     "float32": jnp.float32,
@@ -65,32 +68,27 @@ class ModelConfig:
   remat: bool = False
 
   def __post_init__(self):
-    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
-                 "d_ff"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
-    if self.head_dim is None:
-      if self.d_model % self.n_heads:
-        raise ValueError(
-            f"ModelConfig.d_model={self.d_model} is not divisible by "
-            f"n_heads={self.n_heads}; set head_dim explicitly or change one of them")
-    elif not isinstance(self.head_dim, int) or self.head_dim <= 0:
-      raise ValueError(f"ModelConfig.head_dim must be a positive int or None, got {self.head_dim!r}")
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
+      set_field(self, name, check_int("ModelConfig", name, getattr(self, name), min_value=1))
+    set_field(self, "head_dim", check_int("ModelConfig", "head_dim", self.head_dim, min_value=1,
+                                          allow_none=True))
+    for name in ("rope_theta", "norm_eps"):
+      set_field(self, name, check_float("ModelConfig", name, getattr(self, name), min_value=0,
+                                        min_exclusive=True))
+    for name in ("qk_norm", "qkv_bias", "o_bias", "tie_embeddings", "scalar_head", "remat"):
+      set_field(self, name, check_bool("ModelConfig", name, getattr(self, name)))
+    for name in ("dtype", "param_dtype"):
+      check_choice("ModelConfig", name, getattr(self, name), tuple(_DTYPES))
+    if self.head_dim is None and self.d_model % self.n_heads:
+      raise ValueError(
+          f"ModelConfig.d_model={self.d_model} is not divisible by "
+          f"n_heads={self.n_heads}; set head_dim explicitly or change one of them")
     if self.resolved_head_dim % 2:
       raise ValueError(f"ModelConfig.head_dim={self.resolved_head_dim} must be even for RoPE")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(
           f"ModelConfig.n_heads={self.n_heads} is not divisible by "
           f"n_kv_heads={self.n_kv_heads}")
-    for name in ("dtype", "param_dtype"):
-      if getattr(self, name) not in _DTYPES:
-        raise ValueError(
-            f"ModelConfig.{name}={getattr(self, name)!r} is not one of {sorted(_DTYPES)}")
-    if not self.rope_theta > 0:
-      raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
-    if not self.norm_eps > 0:
-      raise ValueError(f"ModelConfig.norm_eps must be > 0, got {self.norm_eps!r}")
 
   @property
   def resolved_head_dim(self) -> int:
@@ -112,12 +110,8 @@ class ModelConfig:
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
-    """Builds a config from a mapping, rejecting unknown keys by name."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - fields)
-    if unknown:
-      raise ValueError(f"unknown ModelConfig field(s) {unknown}; known: {sorted(fields)}")
-    return cls(**dict(d))
+    """Builds a config from a mapping (``opd.config.from_group``), naming unknown keys."""
+    return from_group(cls, d, "ModelConfig")
 
   def num_params(self) -> int:
     """Parameter count (embedding and head counted separately if untied)."""

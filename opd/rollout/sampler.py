@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from opd.config.fields import check_bool, check_float, check_int, set_field
 from opd.parallel import sharding as shd
 from opd.models import ModelConfig, forward, head_matrix, init_cache
 
@@ -61,32 +62,22 @@ class SamplingConfig:
   return_hidden: bool = False
 
   def __post_init__(self):
-    def _int(name, value, minimum):
-      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"SamplingConfig.{name} must be an int >= {minimum}, got {value!r}")
-      return int(value)
-
-    set_ = lambda name, value: object.__setattr__(self, name, value)
-    set_("max_new_tokens", _int("max_new_tokens", self.max_new_tokens, 1))
-    set_("top_k", _int("top_k", self.top_k, 0))
-    set_("pad_id", _int("pad_id", self.pad_id, 0))
-    for name in ("temperature", "top_p"):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
-        raise ValueError(f"SamplingConfig.{name} must be a number, got {value!r}")
-      set_(name, float(value))
-    if not (math.isfinite(self.temperature) and self.temperature >= 0):
-      raise ValueError(
-          f"SamplingConfig.temperature must be finite and >= 0 (0 = greedy), got {self.temperature!r}")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"SamplingConfig.top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+    own = "SamplingConfig"
+    set_field(self, "max_new_tokens", check_int(own, "max_new_tokens", self.max_new_tokens,
+                                                min_value=1))
+    for name in ("top_k", "pad_id"):
+      set_field(self, name, check_int(own, name, getattr(self, name), min_value=0))
+    set_field(self, "temperature", check_float(own, "temperature", self.temperature,
+                                               min_value=0))  # 0 = greedy
+    set_field(self, "top_p", check_float(own, "top_p", self.top_p, min_value=0,
+                                         min_exclusive=True, max_value=1))  # 1 = off
     for name in ("eos_ids", "stop_ids"):
       value = getattr(self, name)
-      if isinstance(value, (int, np.integer)) or not isinstance(value, Sequence):
+      if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise ValueError(f"SamplingConfig.{name} must be a sequence of token ids, got {value!r}")
-      set_(name, tuple(_int(f"{name}[{i}]", v, 0) for i, v in enumerate(value)))
-    if not isinstance(self.return_hidden, bool):
-      raise ValueError(f"SamplingConfig.return_hidden must be a bool, got {self.return_hidden!r}")
+      set_field(self, name, tuple(check_int(own, f"{name}[{i}]", v, min_value=0)
+                                  for i, v in enumerate(value)))
+    set_field(self, "return_hidden", check_bool(own, "return_hidden", self.return_hidden))
 
   @property
   def greedy(self) -> bool:

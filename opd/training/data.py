@@ -52,6 +52,8 @@ from typing import Any
 import grain
 import numpy as np
 
+from opd.config.fields import check_bool, check_choice, check_int, set_field
+
 MODES = ("pad", "pack")
 LONG_POLICIES = ("split", "truncate", "error")
 BATCH_KEYS = ("tokens", "targets", "loss_mask", "mask", "positions", "segment_ids")
@@ -59,7 +61,9 @@ BATCH_KEYS = ("tokens", "targets", "loss_mask", "mask", "positions", "segment_id
 
 @dataclasses.dataclass(frozen=True)
 class _Options:
-  """Shape and ordering options shared by both pipelines (see ``lm_dataset``)."""
+  """Shape and ordering options shared by both pipelines (see ``lm_dataset``);
+  ``owner`` is the public function they were passed to, for error messages."""
+  owner: str
   seq_len: int
   batch_size: int
   seed: int
@@ -75,27 +79,26 @@ class _Options:
   vocab_size: int | None
 
   def __post_init__(self):
+    own = self.owner
     for name in ("seq_len", "batch_size", "process_count"):
-      value = getattr(self, name)
-      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if self.mode not in MODES:
-      raise ValueError(f"mode={self.mode!r} is not one of {MODES}")
-    if self.too_long not in LONG_POLICIES:
-      raise ValueError(f"too_long={self.too_long!r} is not one of {LONG_POLICIES}")
-    if self.num_epochs is not None and (not isinstance(self.num_epochs, int)
-                                        or self.num_epochs <= 0):
-      raise ValueError(f"num_epochs must be a positive int or None, got {self.num_epochs!r}")
-    if not 0 <= self.process_index < self.process_count:
-      raise ValueError(
-          f"process_index={self.process_index} must be in [0, process_count="
-          f"{self.process_count})")
-    if not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
-      raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
-    if self.num_packing_bins is not None and self.num_packing_bins <= 0:
-      raise ValueError(f"num_packing_bins must be positive or None, got {self.num_packing_bins!r}")
-    if self.vocab_size is not None and not 0 <= self.pad_id < self.vocab_size:
-      raise ValueError(f"pad_id={self.pad_id} is outside the vocabulary [0, {self.vocab_size})")
+      set_field(self, name, check_int(own, name, getattr(self, name), min_value=1))
+    for name in ("num_epochs", "num_packing_bins", "vocab_size"):
+      set_field(self, name, check_int(own, name, getattr(self, name), min_value=1,
+                                      allow_none=True))
+    for name in ("seed", "pad_id"):
+      set_field(self, name, check_int(own, name, getattr(self, name), min_value=0))
+    for name in ("shuffle", "drop_remainder"):
+      set_field(self, name, check_bool(own, name, getattr(self, name)))
+    check_choice(own, "mode", self.mode, MODES)
+    check_choice(own, "too_long", self.too_long, LONG_POLICIES)
+    set_field(self, "process_index", check_int(own, "process_index", self.process_index,
+                                               min_value=0))
+    if self.process_index >= self.process_count:
+      raise ValueError(f"{own}.process_index={self.process_index} must be in "
+                       f"[0, process_count={self.process_count})")
+    if self.vocab_size is not None and self.pad_id >= self.vocab_size:
+      raise ValueError(f"{own}.pad_id={self.pad_id} is outside the vocabulary "
+                       f"[0, {self.vocab_size})")
 
 
 def _process_defaults(process_index, process_count):
@@ -264,9 +267,9 @@ def lm_dataset(texts: Sequence[str], encode: Callable[[str], Sequence[int]], *,
   if not callable(encode):
     raise ValueError(f"encode must be callable, got {encode!r}")
   process_index, process_count = _process_defaults(process_index, process_count)
-  opts = _Options(seq_len, batch_size, seed, mode, num_epochs, shuffle, drop_remainder,
-                  process_index, process_count, pad_id, too_long, num_packing_bins,
-                  vocab_size)
+  opts = _Options("lm_dataset", seq_len, batch_size, seed, mode, num_epochs, shuffle,
+                  drop_remainder, process_index, process_count, pad_id, too_long,
+                  num_packing_bins, vocab_size)
   prefix = [] if bos_id is None else [int(bos_id)]
   suffix = [] if eos_id is None else [int(eos_id)]
 
@@ -303,9 +306,9 @@ def sft_dataset(examples: Sequence[Any], *, seq_len: int, batch_size: int, seed:
     ``[B, T]``.
   """
   process_index, process_count = _process_defaults(process_index, process_count)
-  opts = _Options(seq_len, batch_size, seed, mode, num_epochs, shuffle, drop_remainder,
-                  process_index, process_count, pad_id, too_long, num_packing_bins,
-                  vocab_size)
+  opts = _Options("sft_dataset", seq_len, batch_size, seed, mode, num_epochs, shuffle,
+                  drop_remainder, process_index, process_count, pad_id, too_long,
+                  num_packing_bins, vocab_size)
 
   def to_ids(index, example):
     if isinstance(example, Mapping):

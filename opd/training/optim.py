@@ -1,20 +1,21 @@
 """AdamW with linear warmup, a decay schedule and global-norm clipping.
 
 ``OptimConfig`` is what experiment configs' ``config.optim`` groups hold;
-``make_optimizer`` turns it into the optax transformation that
+``make_optimizer`` turns it into the optax transformation (an ``Optimizer``,
+which keeps the config and so the gradient-accumulation count) that
 ``opd.training.train_step`` applies. The current learning rate lives in the optimizer
 state (``inject_hyperparams``), so the step can report it.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
+
+from opd.config.fields import check_choice, check_float, check_int, set_field
 
 Array = jax.Array
 
@@ -37,7 +38,8 @@ class OptimConfig:
       only (not to norm scales and biases).
     b1, b2, eps: Adam moments' decay rates and denominator epsilon.
     clip_norm: clip the gradient to this global norm; None disables.
-    grad_accum_steps: microbatches per step (pass it to ``make_train_step``).
+    grad_accum_steps: microbatches per update; ``make_train_step`` takes it
+      from the optimizer ``make_optimizer`` builds from this config.
   """
   lr: float = 3e-4
   warmup_steps: int = 0
@@ -52,27 +54,25 @@ class OptimConfig:
   grad_accum_steps: int = 1
 
   def __post_init__(self):
-    def check(name, ok):
-      if not ok:
-        raise ValueError(f"OptimConfig.{name}={getattr(self, name)!r} is invalid")
-
-    def is_int(v):
-      return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-    check("lr", isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0)
-    check("warmup_steps", is_int(self.warmup_steps) and self.warmup_steps >= 0)
-    check("decay_steps", is_int(self.decay_steps) and self.decay_steps >= 0)
-    if self.schedule not in _SCHEDULES:
-      raise ValueError(f"OptimConfig.schedule={self.schedule!r} is not one of {_SCHEDULES}")
+    own = "OptimConfig"
+    set_field(self, "lr", check_float(own, "lr", self.lr, min_value=0, min_exclusive=True))
+    for name in ("warmup_steps", "decay_steps"):
+      set_field(self, name, check_int(own, name, getattr(self, name), min_value=0))
+    check_choice(own, "schedule", self.schedule, _SCHEDULES)
     if self.schedule != "constant" and self.decay_steps == 0:
       raise ValueError(f"OptimConfig.schedule={self.schedule!r} needs decay_steps > 0, got 0")
-    check("end_lr_ratio", 0.0 <= self.end_lr_ratio <= 1.0)
-    check("weight_decay", self.weight_decay >= 0)
-    check("b1", 0.0 <= self.b1 < 1.0)
-    check("b2", 0.0 <= self.b2 < 1.0)
-    check("eps", self.eps > 0)
-    check("clip_norm", self.clip_norm is None or self.clip_norm > 0)
-    check("grad_accum_steps", is_int(self.grad_accum_steps) and self.grad_accum_steps >= 1)
+    set_field(self, "end_lr_ratio", check_float(own, "end_lr_ratio", self.end_lr_ratio,
+                                                min_value=0, max_value=1))
+    set_field(self, "weight_decay", check_float(own, "weight_decay", self.weight_decay,
+                                                min_value=0))
+    for name in ("b1", "b2"):
+      set_field(self, name, check_float(own, name, getattr(self, name), min_value=0, max_value=1,
+                                        max_exclusive=True))
+    set_field(self, "eps", check_float(own, "eps", self.eps, min_value=0, min_exclusive=True))
+    set_field(self, "clip_norm", check_float(own, "clip_norm", self.clip_norm, min_value=0,
+                                             min_exclusive=True, allow_none=True))
+    set_field(self, "grad_accum_steps", check_int(own, "grad_accum_steps", self.grad_accum_steps,
+                                                  min_value=1))
 
   def replace(self, **changes) -> "OptimConfig":
     return dataclasses.replace(self, **changes)
@@ -103,12 +103,35 @@ def _decay_mask(params):
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+class Optimizer(optax.GradientTransformationExtraArgs):
+  """What ``make_optimizer`` returns: an optax transformation (``init``,
+  ``update``) that also carries the ``OptimConfig`` it was built from.
+
+  ``opd.training.train_step.make_train_step`` reads ``grad_accum_steps``
+  from it, so the config is the one place that says how many microbatches
+  make an update.
+  """
+
+  def __new__(cls, init, update, *, config: OptimConfig):
+    self = super().__new__(cls, init, update)
+    self.config = config  # not a tuple field: optax sees a plain (init, update) pair
+    return self
+
+  @property
+  def grad_accum_steps(self) -> int:
+    return self.config.grad_accum_steps
+
+
+def make_optimizer(cfg: OptimConfig) -> Optimizer:
   """Clip-by-global-norm then AdamW; the current rate is in the state as
-  ``learning_rate`` (``optax.tree_utils.tree_get``), which the step reports."""
-  adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+  ``learning_rate`` (``optax.tree_utils.tree_get``), which the step reports.
+  The result carries ``cfg`` (``Optimizer.config``), so ``make_train_step``
+  accumulates ``cfg.grad_accum_steps`` microbatches per update."""
+  if not isinstance(cfg, OptimConfig):
+    raise ValueError(f"make_optimizer needs an OptimConfig, got {type(cfg).__name__}")
+  tx = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
       learning_rate=make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
       weight_decay=cfg.weight_decay, mask=_decay_mask)
-  if cfg.clip_norm is None:
-    return adamw
-  return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
+  if cfg.clip_norm is not None:
+    tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), tx)
+  return Optimizer(tx.init, tx.update, config=cfg)

@@ -1,4 +1,4 @@
-"""Sandbox for executing model-written programs (SPEC §7 "Sandbox", §9 code domain).
+"""Sandbox for executing model-written programs (docs/DESIGN.md §7 "Sandbox", §9 code domain).
 
 A program runs in a fresh subprocess with CPU-time, wall-time, memory,
 output-size, file-size, open-file and process-count limits, in a private
@@ -65,6 +65,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 
+from opd.config.fields import check_float, check_int, set_field
 from opd.tasks.sandbox import launcher as sandbox_launcher
 from opd.tasks.sandbox.launcher import _FORBIDDEN_EXIT, _GUARD_MARK, _SETUP_EXIT, _blocked_ancestor
 
@@ -97,10 +98,12 @@ class SandboxLimits:
   max_open_files: int = 64
 
   def __post_init__(self):
-    for field in dataclasses.fields(self):
-      value = getattr(self, field.name)
-      if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise ValueError(f"SandboxLimits.{field.name} must be a positive number, got {value!r}")
+    for name in ("cpu_s", "wall_s"):
+      set_field(self, name, check_float("SandboxLimits", name, getattr(self, name), min_value=0,
+                                        min_exclusive=True))
+    for name in ("memory_bytes", "output_bytes", "file_bytes", "max_processes",
+                 "max_open_files"):
+      set_field(self, name, check_int("SandboxLimits", name, getattr(self, name), min_value=1))
     if self.memory_bytes < 32 * 2**20:
       raise ValueError("SandboxLimits.memory_bytes must be >= 32 MiB (the interpreter alone "
                        f"maps about that much), got {self.memory_bytes}")

@@ -64,7 +64,7 @@ def test_from_group_defaults_overrides_and_errors():
   assert cfg == _Cfg(4, 0.5) and type(cfg.n) is int
   with pytest.raises(ValueError, match=r"config\.x has unknown field\(s\) \['m'\]"):
     fields.from_group(_Cfg, {"m": 1}, "config.x")
-  with pytest.raises(ValueError, match=r"config\.x: _Cfg\.n must be an int >= 1, got 0"):
+  with pytest.raises(ValueError, match=r"config\.x: _Cfg\.n must be a positive int, got 0"):
     fields.from_group(_Cfg, {"n": 0}, "config.x")
   with pytest.raises(ValueError, match="config.x must be a group of fields"):
     fields.from_group(_Cfg, [1], "config.x")
