@@ -1,12 +1,13 @@
 """Config → objects wiring shared by the jobs (pretrain, sft, grpo, specialists).
 
-Jobs stay thin: they read their config group, call these helpers to get the
-mesh, optimizer, tokenizer and writers, and hand everything to library code
+Jobs stay thin: they read their config groups (``ModelConfig`` through
+``opd.config.overrides.to_model_config``, every other dataclass through
+``opd.config.fields.from_group``), call these helpers to get the mesh,
+optimizer, tokenizer and writers, and hand everything to library code
 in ``opd``. Nothing here holds training logic.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import pathlib
@@ -14,10 +15,9 @@ import time
 from typing import Any, Mapping
 
 import jax
-import ml_collections
 import numpy as np
 
-from opd.config import overrides as config_utils
+from opd.config.fields import from_group
 from opd.parallel import sharding
 from opd.training.metrics_writer import MetricWriter, read_metrics
 from opd.models import ModelConfig
@@ -27,28 +27,9 @@ from opd.training.train_step import OptimConfig
 log = logging.getLogger(__name__)
 
 
-def model_config(group, where: str = "config.model") -> ModelConfig:
-  return config_utils.to_model_config(group, where=where)
-
-
-def dataclass_from_group(cls, group, where: str, **overrides):
-  """``cls(**group)`` for a config group; unknown fields and invalid values
-  raise a ``ValueError`` that names ``where``."""
-  d = dict(group.to_dict() if isinstance(group, ml_collections.ConfigDict) else group)
-  d.update(overrides)
-  known = {f.name for f in dataclasses.fields(cls)}
-  unknown = sorted(set(d) - known)
-  if unknown:
-    raise ValueError(f"{where} has unknown field(s) {unknown}; known: {sorted(known)}")
-  try:
-    return cls(**d)
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"{where}: {e}") from None
-
-
 def optim_config(group, where: str = "config.optim", **overrides) -> OptimConfig:
-  """``OptimConfig`` from a config group; unknown fields are named."""
-  return dataclass_from_group(OptimConfig, group, where, **overrides)
+  """``OptimConfig`` from a config group (``opd.config.fields.from_group``)."""
+  return from_group(OptimConfig, group, where, **overrides)
 
 
 def mesh_and_rules(config) -> tuple[Any, tuple]:

@@ -16,7 +16,8 @@ import numpy as np
 from experiments import common
 from opd.rl import grpo as grpo_lib
 from opd.training.checkpoints import load_params
-from opd.config.overrides import config_to_dict
+from opd.config.fields import from_group
+from opd.config.overrides import config_to_dict, to_model_config
 from opd.rl.loss import GRPOConfig
 from opd.training.metrics_writer import MetricWriter
 from opd.tasks import AgentRewardConfig
@@ -27,16 +28,16 @@ log = logging.getLogger(__name__)
 
 
 def grpo_config(group, where: str = "config.grpo") -> GRPOConfig:
-  return common.dataclass_from_group(GRPOConfig, group, where)
+  return from_group(GRPOConfig, group, where)
 
 
 def agent_reward_config(group, where: str = "config.agent_reward") -> AgentRewardConfig:
-  return common.dataclass_from_group(AgentRewardConfig, group, where)
+  return from_group(AgentRewardConfig, group, where)
 
 
 def run(config, workdir: str) -> dict:
   timer = common.Timer()
-  model_cfg = common.model_config(config.model)
+  model_cfg = to_model_config(config.model)
   tok = common.tokenizer_for(model_cfg)
   mesh, rules = common.mesh_and_rules(config)
   if not config.init:

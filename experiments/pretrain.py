@@ -20,7 +20,7 @@ from opd.training import data as data_lib
 from opd import rollout
 from opd.training import lm_trainer
 from opd import tasks as tasks_lib
-from opd.config.overrides import config_to_dict
+from opd.config.overrides import config_to_dict, to_model_config
 from opd.training.metrics_writer import MetricWriter
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def sample_text(model_cfg, params, tok, seed: int, mesh, rules, n: int = 4) -> s
 
 def run(config, workdir: str) -> dict:
   timer = common.Timer()
-  model_cfg = common.model_config(config.model)
+  model_cfg = to_model_config(config.model)
   tok = common.tokenizer_for(model_cfg)
   mesh, rules = common.mesh_and_rules(config)
   optim = common.optim_config(config.optim)

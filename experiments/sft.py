@@ -20,7 +20,7 @@ from opd.training import data as data_lib
 from opd.training import lm_trainer
 from opd import tasks as tasks_lib
 from opd.training.checkpoints import load_params
-from opd.config.overrides import config_to_dict
+from opd.config.overrides import config_to_dict, to_model_config
 from opd.training.metrics_writer import MetricWriter
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def train_sft(model_cfg, params, domains: Sequence[str], workdir: str | pathlib.
 
 def run(config, workdir: str) -> dict:
   timer = common.Timer()
-  model_cfg = common.model_config(config.model)
+  model_cfg = to_model_config(config.model)
   mesh, rules = common.mesh_and_rules(config)
   if not config.init:
     raise ValueError("config.init must name a checkpoint directory to fine-tune (e.g. the "

@@ -27,7 +27,8 @@ from experiments import pretrain as pretrain_job
 from experiments import sft as sft_job
 from opd.eval import evaluation as ev
 from opd.training.checkpoints import load_params
-from opd.config.overrides import config_mismatches, config_to_dict
+from opd.config.fields import from_group
+from opd.config.overrides import config_mismatches, config_to_dict, to_model_config
 from opd.tasks import ALL_DOMAINS
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ def run(config, workdir: str) -> dict:
   root = pathlib.Path(workdir)
   domains = tuple(config.domains)
   _check_per_domain(config)
-  model_cfg = common.model_config(config.model)
+  model_cfg = to_model_config(config.model)
   tok = common.tokenizer_for(model_cfg)
   mesh, rules = common.mesh_and_rules(config)
   stage_metrics: dict[str, dict] = {}
@@ -144,7 +145,8 @@ def run(config, workdir: str) -> dict:
   # Evaluation. The heatmap: base and specialists on every test set, greedy.
   # The GRPO-vs-SFT comparison: each domain's SFT model and specialist on
   # their own test set, greedy and sampled (mean@N is what GRPO optimises).
-  cross_cfg = ev.EvalConfig(**{**config.eval.to_dict(), "domains": domains, "num_samples": 0})
+  cross_cfg = from_group(ev.EvalConfig, config.eval, "config.eval", domains=domains,
+                         num_samples=0)
   results, own = [], {}
   models = [("base", base_dir)] + [(f"{d}-specialist", root / d / "grpo") for d in domains]
   print(f"[specialists] evaluating {len(models)} models on {len(domains)} test sets "
@@ -157,7 +159,7 @@ def run(config, workdir: str) -> dict:
     print(f"  {name}: " + ", ".join(f"{d} {results[-1].score(d, config.report_metric).value:.0f}"
                                     for d in domains), flush=True)
   for d in domains:
-    own_cfg = ev.EvalConfig(**{**config.eval.to_dict(), "domains": (d,)})
+    own_cfg = from_group(ev.EvalConfig, config.eval, "config.eval", domains=(d,))
     for stage in ("sft", "grpo"):
       params = load_params(root / d / stage / "checkpoints", model_cfg, mesh=mesh, rules=rules)
       own[d, stage] = ev.evaluate(model_cfg, params, tok, own_cfg, rng=key,
