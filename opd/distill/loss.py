@@ -1,0 +1,186 @@
+"""The on-policy distillation loss over a batch (docs/DESIGN.md §3, kernel §4).
+
+Per response token ``t`` with renormalised teacher weights ``ŵ_{t,k}``::
+
+    full    L_t = Σ_k ŵ_{t,k} KL(p_s,t ‖ q_k,t)          pallas_kernels.fused_reverse_kl
+    top_k   the same KL on each teacher's top-k tokens,    pallas_kernels.fused_topk_kl
+            student and teacher renormalised there
+    token   a_t = log p_s(y_t) − Σ_k ŵ_{t,k} log q_k(y_t)  pallas_kernels.fused_token_level_kl
+            used as a per-token advantage (stop-gradient) in the policy-gradient
+            loss a_t · log p_s(y_t): its gradient a_t ∇log p_s(y_t) is an
+            unbiased sample of the reverse-KL gradient on the student's own
+            samples; the reported value is a_t itself.
+
+plus ``forward_kl_coef · Σ_k ŵ_{t,k} KL(q_k,t ‖ p_s,t)`` (default 0). All logits
+are divided by ``temperature`` and rebuilt inside the kernels from hidden
+states and heads; ``[B, T, V]`` is never materialised.
+
+Aggregation over the response tokens (``loss_mask * mask``, minus rows that
+no teacher answered): ``token_mean`` (every token counts equally) or
+``sequence_mean`` (mean over rows of each row's token mean).
+
+The batch (teacher hidden states from :class:`opd.distill.cache.HiddenStateCache`)::
+
+    tokens, targets           [B, T] int   prompt + response, next tokens
+    mask                      [B, T] bool  real tokens
+    loss_mask                 [B, T] float response (student-sampled) targets
+    teacher_hidden            K arrays [B, T, D_k], aligned with ``tokens``
+    teacher_weights           [B, T, K] >= 0 (opd.distill.schedule)
+    positions (optional)      [B, T] int
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from pallas_kernels.api import IMPLS
+from opd.config import fields
+from opd.models import ModelConfig, forward, head_matrix
+
+ESTIMATORS = ("full", "top_k", "token")
+AGGREGATIONS = ("token_mean", "sequence_mean")
+BATCH_KEYS = ("tokens", "targets", "mask", "loss_mask", "teacher_hidden", "teacher_weights")
+
+
+@dataclasses.dataclass(frozen=True)
+class OPDLossConfig:
+  """Options of :func:`make_opd_loss`.
+
+  Attributes:
+    estimator: ``"full"``, ``"top_k"`` or ``"token"`` (module docstring).
+    top_k: k of the ``top_k`` estimator, in [1, V].
+    temperature: τ > 0, divides every logit.
+    aggregation: ``"token_mean"`` or ``"sequence_mean"``.
+    forward_kl_coef: weight of the forward-KL term (>= 0, default 0).
+    impl: fused-kernel implementation (``"auto"``, ``"pallas"``,
+      ``"chunked"``, ``"reference"``).
+  """
+  estimator: str = "full"
+  top_k: int = 8
+  temperature: float = 1.0
+  aggregation: str = "token_mean"
+  forward_kl_coef: float = 0.0
+  impl: str = "auto"
+
+  def __post_init__(self):
+    owner = "OPDLossConfig"
+    fields.check_choice(owner, "estimator", self.estimator, ESTIMATORS)
+    fields.check_choice(owner, "aggregation", self.aggregation, AGGREGATIONS)
+    fields.check_choice(owner, "impl", self.impl, IMPLS)
+    fields.set_field(self, "top_k", fields.check_int(owner, "top_k", self.top_k, min_value=1))
+    fields.set_field(self, "temperature", fields.check_float(
+        owner, "temperature", self.temperature, min_value=0, min_exclusive=True))
+    fields.set_field(self, "forward_kl_coef", fields.check_float(
+        owner, "forward_kl_coef", self.forward_kl_coef, min_value=0))
+
+
+def _check_batch(batch, k: int, widths: Sequence[int]):
+  missing = [key for key in BATCH_KEYS if key not in batch]
+  if missing:
+    raise ValueError(f"batch is missing {missing}; it has {sorted(batch)}")
+  bt = tuple(batch["tokens"].shape)
+  for key in ("targets", "mask", "loss_mask"):
+    if tuple(batch[key].shape) != bt or len(bt) != 2:
+      raise ValueError(f"batch[{key!r}].shape={tuple(batch[key].shape)}: expected [B, T]={bt}")
+  hidden = batch["teacher_hidden"]
+  if len(hidden) != k:
+    raise ValueError(f"batch['teacher_hidden'] has {len(hidden)} arrays for K={k} teacher heads")
+  for i, (h, d) in enumerate(zip(hidden, widths)):
+    if tuple(h.shape) != bt + (d,):
+      raise ValueError(f"batch['teacher_hidden'][{i}].shape={tuple(h.shape)}: expected "
+                       f"[B, T, D_k]={bt + (d,)}")
+  if tuple(batch["teacher_weights"].shape) != bt + (k,):
+    raise ValueError(f"batch['teacher_weights'].shape={tuple(batch['teacher_weights'].shape)}: "
+                     f"expected [B, T, K]={bt + (k,)}")
+
+
+def _aggregate(per_token, keep, aggregation: str):
+  """Scalar loss from [B, T] per-token losses over the ``keep`` tokens."""
+  keep = keep.astype(jnp.float32)
+  if aggregation == "token_mean":
+    return jnp.sum(per_token * keep) / jnp.maximum(jnp.sum(keep), 1.0)
+  n = jnp.sum(keep, axis=1)
+  rows = jnp.sum(per_token * keep, axis=1) / jnp.maximum(n, 1.0)
+  has = (n > 0).astype(jnp.float32)
+  return jnp.sum(rows * has) / jnp.maximum(jnp.sum(has), 1.0)
+
+
+def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
+                  config: OPDLossConfig = OPDLossConfig(),
+                  teacher_names: Sequence[str] | None = None):
+  """``loss_fn(params, batch, rng) -> (loss, metrics)`` for ``make_train_step``.
+
+  Args:
+    student_cfg: the student's ``ModelConfig``.
+    teacher_heads: K arrays ``W_k`` [D_k, V] (``TeacherPool.heads``); held by
+      the closure, never differentiated.
+    config: :class:`OPDLossConfig`.
+    teacher_names: K names for the per-teacher metrics (default ``t0..``).
+
+  Returns:
+    ``loss_fn``. Metrics: ``opd_tokens`` (trained tokens), ``opd_rows``
+    (rows with a teacher), ``kl/<name>`` (mean reverse KL over the tokens
+    teacher k weighs; ``full`` only) and ``student_entropy`` (``full``).
+  """
+  heads = tuple(teacher_heads)
+  if not heads:
+    raise ValueError("teacher_heads=(): distillation needs at least one teacher")
+  v = student_cfg.vocab_size
+  for i, w in enumerate(heads):
+    if w.ndim != 2 or w.shape[1] != v:
+      raise ValueError(f"teacher_heads[{i}].shape={w.shape}: expected [D_k, V={v}] (the student's "
+                       "vocabulary)")
+  if config.estimator == "top_k" and config.top_k > v:
+    raise ValueError(f"OPDLossConfig.top_k={config.top_k} exceeds the vocabulary V={v}")
+  names = tuple(teacher_names) if teacher_names is not None else tuple(
+      f"t{i}" for i in range(len(heads)))
+  if len(names) != len(heads):
+    raise ValueError(f"teacher_names has {len(names)} names for {len(heads)} teacher_heads")
+  widths = [w.shape[0] for w in heads]
+  tau, impl = float(config.temperature), config.impl
+
+  def loss_fn(params, batch, rng):
+    del rng
+    _check_batch(batch, len(heads), widths)
+    b, t = batch["tokens"].shape
+    out = forward(student_cfg, params, batch["tokens"], batch.get("positions"), batch["mask"],
+                  return_logits=False, return_hidden=True)
+    h_s = out.hidden.reshape(b * t, -1)
+    w_s = head_matrix(student_cfg, params)
+    h_k = [h.reshape(b * t, h.shape[-1]) for h in batch["teacher_hidden"]]
+    weights = batch["teacher_weights"].astype(jnp.float32)
+    keep = ((batch["loss_mask"] > 0) & batch["mask"].astype(bool)
+            & (jnp.sum(weights, axis=-1) > 0))  # [B, T]
+    w_flat, m_flat = weights.reshape(b * t, -1), keep.reshape(b * t)
+    args = (h_s, w_s, h_k, heads, w_flat)
+    metrics = {}
+    if config.estimator == "full":
+      per_tok, aux = pallas_kernels.fused_reverse_kl(*args, mask=m_flat, temperature=tau,
+                                                     impl=impl, return_aux=True)
+      uses = (w_flat > 0) & m_flat[:, None]  # [BT, K]
+      kl_k = jnp.sum(aux["kl"] * uses, axis=0) / jnp.maximum(jnp.sum(uses, axis=0), 1)
+      metrics.update({f"kl/{n}": kl_k[i] for i, n in enumerate(names)})
+      metrics["student_entropy"] = jnp.sum(aux["entropy"]) / jnp.maximum(jnp.sum(m_flat), 1)
+    elif config.estimator == "top_k":
+      per_tok = pallas_kernels.fused_topk_kl(*args, mask=m_flat, temperature=tau,
+                                             top_k=config.top_k,
+                                             impl="reference" if impl == "reference" else "auto")
+    else:
+      est = pallas_kernels.fused_token_level_kl(*args, batch["targets"].reshape(b * t),
+                                                mask=m_flat, temperature=tau, impl=impl)
+      pg = jax.lax.stop_gradient(est) * est  # gradient a_t ∇log p_s(y_t)
+      per_tok = pg + jax.lax.stop_gradient(est - pg)  # value a_t
+    if config.forward_kl_coef:
+      fkl = pallas_kernels.fused_forward_kl(*args, mask=m_flat, temperature=tau,
+                                            impl="reference" if impl == "reference" else "auto")
+      per_tok = per_tok + config.forward_kl_coef * fkl
+    loss = _aggregate(per_tok.reshape(b, t), keep, config.aggregation)
+    metrics["opd_tokens"] = jnp.sum(keep.astype(jnp.float32))
+    metrics["opd_rows"] = jnp.sum(jnp.any(keep, axis=1).astype(jnp.float32))
+    return loss, metrics
+
+  return loss_fn

@@ -1,0 +1,267 @@
+"""Teachers and the teacher pool of on-policy distillation (docs/DESIGN.md §3).
+
+A :class:`Teacher` is any model of our decoder family (its own width and
+depth) with a name, an optional domain label and its output head
+``W_k = head_matrix(cfg, params)`` ``[D_k, V]``. The :class:`TeacherPool`
+runs the teachers' forward passes over prompt + student response and returns
+their **last hidden states** ``[B, T, D_k]``, never logits: the fused loss
+rebuilds logits tile by tile from ``W_k`` (docs/DESIGN.md §4).
+
+Placement (``TeacherPool(placement=...)``):
+
+* ``"colocated"``: the teachers' params are sharded on the student's mesh
+  with the model's logical rules and run time-shared on the same devices;
+* ``"disaggregated"``: the teachers live on ``teacher_mesh``, a mesh over
+  devices disjoint from the student's; each hidden-state array is moved to
+  the student's batch sharding with ``jax.device_put``.
+
+Teachers hold params only: no gradients, no optimizer state.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from opd.models import ModelConfig, forward, head_matrix, init_params, param_logical_axes
+from opd.parallel import sharding as sharding_lib
+from opd.parallel.distributed import batch_shard_count
+
+PLACEMENTS = ("colocated", "disaggregated")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Teacher:
+  """One teacher model.
+
+  Attributes:
+    name: unique name (metrics are keyed by it).
+    cfg: its ``ModelConfig`` (any width / depth; the vocabulary must be the
+      student's).
+    params: its parameter tree (never differentiated).
+    domain: the task domain it specialises in (prompt routing), or None.
+  """
+  name: str
+  cfg: ModelConfig
+  params: Any
+  domain: str | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.name, str) or not self.name:
+      raise ValueError(f"Teacher.name={self.name!r} must be a non-empty string")
+    if not isinstance(self.cfg, ModelConfig):
+      raise ValueError(f"Teacher {self.name!r}: cfg={type(self.cfg).__name__} is not a ModelConfig")
+    if not isinstance(self.params, dict) or "embedding" not in self.params:
+      raise ValueError(f"Teacher {self.name!r}: params (a {type(self.params).__name__}) is not a "
+                       "model parameter tree (no 'embedding')")
+
+  @property
+  def head(self) -> jax.Array:
+    """``W_k`` [D_k, V]."""
+    return head_matrix(self.cfg, self.params)
+
+  @classmethod
+  def from_checkpoint(cls, name: str, directory: str | os.PathLike, cfg: ModelConfig, *,
+                      domain: str | None = None, step: int | None = None, mesh=None,
+                      rules=None) -> "Teacher":
+    """A teacher from one of our training checkpoints (``CheckpointManager`` root).
+
+    Raises:
+      ValueError: ``directory`` holds no checkpoint, or one whose config has
+        no model / another architecture than ``cfg``.
+    """
+    from opd.training.checkpoints import load_params
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+      raise ValueError(f"teacher {name!r}: checkpoint directory={directory!r} does not exist")
+    try:
+      params = load_params(directory, cfg, step=step, mesh=mesh, rules=rules)
+    except FileNotFoundError as e:
+      hint = " (it looks like a HF model: use Teacher.from_hf)" if os.path.exists(
+          os.path.join(directory, "config.json")) else ""
+      raise ValueError(f"teacher {name!r}: directory={directory!r} is not a model "
+                       f"checkpoint{hint}: {e}") from e
+    return cls(name, cfg, params, domain)
+
+  @classmethod
+  def from_hf(cls, name: str, path: str, *, domain: str | None = None,
+              config: ModelConfig | None = None, dtype: str = "float32") -> "Teacher":
+    """A teacher from a HF safetensors directory (Llama / Qwen2 / Qwen3)."""
+    from opd.models import hf
+    cfg, params = hf.load_hf(path, dtype=dtype, config=config)
+    return cls(name, cfg, params, domain)
+
+  @classmethod
+  def random(cls, name: str, cfg: ModelConfig, seed: int, *, domain: str | None = None
+             ) -> "Teacher":
+    """A randomly initialised teacher (tests, tiny configs)."""
+    return cls(name, cfg, init_params(cfg, jax.random.key(seed)), domain)
+
+
+def check_teachers(teachers: Sequence[Teacher], vocab_size: int) -> tuple[Teacher, ...]:
+  """Validates a teacher list against the student's vocabulary size V.
+
+  Raises:
+    ValueError: empty list, duplicate names, or a teacher whose vocabulary
+      differs from the student's (naming both values).
+  """
+  teachers = tuple(teachers)
+  if not teachers:
+    raise ValueError("teachers=[]: distillation needs at least one teacher")
+  names = [t.name for t in teachers]
+  if len(set(names)) != len(names):
+    raise ValueError(f"teacher names must be unique; got {names}")
+  for t in teachers:
+    if not isinstance(t, Teacher):
+      raise ValueError(f"teachers must be Teacher objects; got {type(t).__name__}")
+    if t.cfg.vocab_size != vocab_size:
+      raise ValueError(f"teacher {t.name!r} has vocab_size={t.cfg.vocab_size} but the student "
+                       f"has vocab_size={vocab_size}; teachers must share the student's "
+                       "vocabulary")
+  return teachers
+
+
+class TeacherPool:
+  """Runs teachers' forward passes and returns last hidden states.
+
+  Args:
+    teachers: the teachers, in the order of the weights' K axis.
+    vocab_size: the student's V (checked against every teacher).
+    mesh: the student's mesh (hidden states come back with its batch
+      sharding).
+    rules: logical → mesh rules (default ``DEFAULT_RULES``).
+    placement: ``"colocated"`` or ``"disaggregated"`` (see module docstring).
+    teacher_mesh: for ``"disaggregated"``, a mesh whose devices are disjoint
+      from ``mesh``'s.
+
+  Attributes:
+    forward_count: ``{name: number of forward calls}`` (the cache's test
+      hook: one per teacher per rollout batch).
+  """
+
+  def __init__(self, teachers: Sequence[Teacher], vocab_size: int, mesh, *,
+               rules=sharding_lib.DEFAULT_RULES, placement: str = "colocated",
+               teacher_mesh=None):
+    self.teachers = check_teachers(teachers, vocab_size)
+    self.vocab_size = vocab_size
+    self.mesh = mesh
+    self.rules = sharding_lib.validate_rules(rules)
+    if placement not in PLACEMENTS:
+      raise ValueError(f"placement={placement!r}: expected one of {PLACEMENTS}")
+    if placement == "colocated":
+      if teacher_mesh is not None:
+        raise ValueError("teacher_mesh is only for placement='disaggregated'")
+      teacher_mesh = mesh
+    else:
+      if teacher_mesh is None:
+        raise ValueError("placement='disaggregated' needs a teacher_mesh")
+      shared = set(mesh.devices.flat) & set(teacher_mesh.devices.flat)
+      if shared:
+        raise ValueError(f"teacher_mesh shares {len(shared)} devices with the student mesh "
+                         f"(e.g. {sorted(shared, key=lambda d: d.id)[0]}); placement="
+                         "'disaggregated' needs disjoint devices")
+    self.placement = placement
+    self.teacher_mesh = teacher_mesh
+    self.forward_count = {t.name: 0 for t in self.teachers}
+    self._params = {t.name: self._place(t) for t in self.teachers}
+    self._fns: dict[str, Callable] = {}
+
+  @property
+  def names(self) -> tuple[str, ...]:
+    return tuple(t.name for t in self.teachers)
+
+  @property
+  def heads(self) -> tuple[jax.Array, ...]:
+    """The K heads ``W_k`` [D_k, V], placed for the student's loss (replicated)."""
+    rep = sharding_lib.replicated(self.mesh)
+    return tuple(jax.device_put(head_matrix(t.cfg, self._params[t.name]), rep)
+                 for t in self.teachers)
+
+  def teacher(self, name: str) -> Teacher:
+    for t in self.teachers:
+      if t.name == name:
+        return t
+    raise ValueError(f"teacher={name!r} is not in the pool; teachers: {list(self.names)}")
+
+  def _place(self, t: Teacher):
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t.params)
+    shardings = sharding_lib.tree_shardings(param_logical_axes(t.cfg), shapes,
+                                            self.teacher_mesh, self.rules)
+    return jax.device_put(t.params, shardings)
+
+  def _fn(self, t: Teacher) -> Callable:
+    if t.name not in self._fns:
+      out = sharding_lib.batch_sharding(self.teacher_mesh, self.rules, 3)
+
+      def run(params, tokens, mask):
+        hidden = forward(t.cfg, params, tokens, None, mask, return_logits=False,
+                         return_hidden=True).hidden
+        return hidden.astype(jnp.float32)
+
+      self._fns[t.name] = jax.jit(run, out_shardings=out)
+    return self._fns[t.name]
+
+  def hidden_one(self, name: str, tokens, mask) -> jax.Array:
+    """One teacher's last hidden states ``[B, T, D_k]`` (float32), on the
+    student's batch sharding.
+
+    Args:
+      name: the teacher.
+      tokens: [B, T] int prompt + response tokens.
+      mask: [B, T] bool real tokens.
+    """
+    t = self.teacher(name)
+    tokens, mask = np.asarray(tokens), np.asarray(mask)
+    if tokens.ndim != 2 or mask.shape != tokens.shape:
+      raise ValueError(f"tokens.shape={tokens.shape} and mask.shape={mask.shape} must both be "
+                       "[B, T]")
+    in_sh = sharding_lib.batch_sharding(self.teacher_mesh, self.rules, 2)
+    tokens_d = jax.device_put(tokens.astype(np.int32), in_sh)
+    mask_d = jax.device_put(mask.astype(bool), in_sh)
+    self.forward_count[name] += 1
+    with jax.set_mesh(self.teacher_mesh), nn.logical_axis_rules(self.rules):
+      hidden = self._fn(t)(self._params[name], tokens_d, mask_d)
+    return jax.device_put(hidden, sharding_lib.batch_sharding(self.mesh, self.rules, 3))
+
+  def hidden_states(self, tokens, mask) -> dict[str, jax.Array]:
+    """Every teacher's ``[B, T, D_k]`` hidden states, keyed by name."""
+    return {name: self.hidden_one(name, tokens, mask) for name in self.names}
+
+  def hidden_routed(self, tokens, mask, teacher_of_row: Sequence[int]) -> dict[str, jax.Array]:
+    """Teacher-sorted batching for prompt routing.
+
+    Rows are grouped by their teacher; each teacher runs its forward pass
+    over its group only (padded to a multiple of the batch shards by
+    repeating the group's first row). Rows of other groups are zero.
+
+    Args:
+      tokens, mask: [B, T].
+      teacher_of_row: [B] index into the teachers for each row.
+
+    Returns:
+      ``{name: [B, T, D_k]}`` float32 for the teachers with at least one row.
+    """
+    tokens, mask = np.asarray(tokens), np.asarray(mask)
+    rows_of = np.asarray(teacher_of_row)
+    if rows_of.shape != tokens.shape[:1]:
+      raise ValueError(f"teacher_of_row.shape={rows_of.shape}: expected [B]={tokens.shape[:1]}")
+    k = len(self.teachers)
+    if rows_of.size and (rows_of.min() < 0 or rows_of.max() >= k):
+      raise ValueError(f"teacher_of_row must lie in [0, K={k}); got {sorted(set(rows_of))}")
+    n_shards = batch_shard_count(sharding_lib.batch_sharding(self.teacher_mesh, self.rules, 2))
+    out = {}
+    for i, t in enumerate(self.teachers):
+      rows = np.flatnonzero(rows_of == i)
+      if rows.size == 0:
+        continue
+      padded = np.concatenate([rows, np.full(-rows.size % n_shards, rows[0])])
+      h = np.asarray(self.hidden_one(t.name, tokens[padded], mask[padded]))[:rows.size]
+      full = np.zeros(tokens.shape + (h.shape[-1],), np.float32)
+      full[rows] = h
+      out[t.name] = jax.device_put(full, sharding_lib.batch_sharding(self.mesh, self.rules, 3))
+    return out
