@@ -1,4 +1,4 @@
-"""The toy task suite (SPEC §9): five seeded domains with verifiers.
+"""The toy task suite (docs/DESIGN.md §9): five seeded domains with verifiers.
 
 ``get_task(name)`` returns a ``Task`` for one of ``ALL_DOMAINS``;
 ``mixture_corpus`` renders train-split examples of every domain as chat text

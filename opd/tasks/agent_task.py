@@ -1,4 +1,4 @@
-"""Agent: multi-turn tool use with the layered reward of SPEC §8.
+"""Agent: multi-turn tool use with the layered reward of docs/DESIGN.md §8.
 
 The user asks about values in a hidden per-example table; the policy must
 look them up, compute with the calculator and answer. Each assistant turn is
@@ -19,7 +19,7 @@ answer) ends the episode, as do the answer and the turn limit.
 
 Layered reward, weights from ``AgentRewardConfig`` (default: format 0.30,
 execution 0.25, step 0.20, final answer 0.25; the GRM 0.15 and user 0.10
-shares of SPEC §8 are taken from the final-answer share once a GRM exists):
+shares of docs/DESIGN.md §8 are taken from the final-answer share once a GRM exists):
 
   format        well-formed assistant turns / assistant turns;
   execution     tool calls that executed / tool calls (0 with no calls);
@@ -35,12 +35,12 @@ Difficulty: 1 = one lookup; 2 = a lookup then a calculation with a constant;
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
 
+from opd.config.fields import check_float, check_int, set_field
 from opd.text import parsers
 from opd.text.tool_calls import ToolCall, format_tool_call
 from opd.tasks.base import Draft, Example, Reward, Task, malformed
@@ -63,9 +63,8 @@ class AgentRewardConfig:
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
-      v = getattr(self, f.name)
-      if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise ValueError(f"AgentRewardConfig.{f.name} must be a finite number >= 0, got {v!r}")
+      set_field(self, f.name, check_float("AgentRewardConfig", f.name, getattr(self, f.name),
+                                          min_value=0.0))
     total = sum(self.weights().values())
     if abs(total - 1.0) > 1e-6:
       raise ValueError(f"AgentRewardConfig weights must sum to 1, got {total} ({self.weights()})")
@@ -120,9 +119,7 @@ class AgentEnv:
     self.config = AgentRewardConfig() if config is None else config
     if not isinstance(self.config, AgentRewardConfig):
       raise ValueError(f"config must be an AgentRewardConfig, got {type(config).__name__}")
-    if max_turns is not None and (not isinstance(max_turns, int) or max_turns < 1):
-      raise ValueError(f"max_turns must be a positive int or None, got {max_turns!r}")
-    self.max_turns = max_turns
+    self.max_turns = check_int("AgentEnv", "max_turns", max_turns, min_value=1, allow_none=True)
     self._traj: Trajectory | None = None
 
   @property
@@ -133,7 +130,7 @@ class AgentEnv:
 
   def reset(self, example: Example) -> list[dict[str, str]]:
     """Starts an episode; returns the messages the policy sees first."""
-    if not isinstance(example, Example) or example.domain != "agent":
+    if not isinstance(example, Example) or example.domain != AgentTask.domain:
       raise ValueError(f"example must be an agent-domain Example, got {example!r:.80}")
     self._traj = Trajectory(example, example.prompt_messages())
     self._limit = self.max_turns or example.meta["max_turns"]
@@ -196,9 +193,7 @@ def layered_reward(traj: Trajectory, config: AgentRewardConfig, *, grm: float | 
       if weight > 0:
         raise ValueError(f"AgentRewardConfig.{name}={weight} > 0 needs a {name} score")
       continue
-    if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-      raise ValueError(f"{name} score must be in [0, 1], got {value!r}")
-    parts[name] = float(value)
+    parts[name] = check_float("layered_reward", name, value, min_value=0.0, max_value=1.0)
   weights = config.weights()
   total = min(1.0, sum(weights[k] * v for k, v in parts.items()))
   if traj.end_reason == "malformed":
@@ -266,6 +261,12 @@ class AgentTask(Task):
 
   def __init__(self, config: AgentRewardConfig | None = None):
     self.config = AgentRewardConfig() if config is None else config
+    if not isinstance(self.config, AgentRewardConfig):
+      raise ValueError(f"AgentTask.config must be an AgentRewardConfig, got {config!r}")
+
+  def make_env(self) -> AgentEnv:
+    """A fresh ``AgentEnv`` with this task's reward weights."""
+    return AgentEnv(self.config)
 
   def draft(self, rng: random.Random, difficulty: int) -> Draft:
     attr = rng.choice(ATTRIBUTES)

@@ -22,11 +22,11 @@ import collections
 import dataclasses
 import hashlib
 import json
-import math
 import random
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
+from opd.config.fields import check_choice, check_float, check_int, set_field
 from opd.text import parsers
 
 DIFFICULTIES = (1, 2, 3)
@@ -109,10 +109,13 @@ class Reward:
   reason: str = "ok"
 
   def __post_init__(self):
-    for name, value in [("reward", self.reward), ("format", self.format),
-                        *((f"components[{k!r}]", v) for k, v in self.components.items())]:
-      if not isinstance(value, (int, float)) or math.isnan(value) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"Reward.{name} must be a number in [0, 1], got {value!r}")
+    set_field(self, "reward", check_float("Reward", "reward", self.reward, min_value=0.0,
+                                          max_value=1.0))
+    set_field(self, "format", check_float("Reward", "format", self.format, min_value=0.0,
+                                          max_value=1.0))
+    set_field(self, "components", {
+        k: check_float("Reward", f"components[{k!r}]", v, min_value=0.0, max_value=1.0)
+        for k, v in self.components.items()})
     if not isinstance(self.reason, str) or not self.reason:
       raise ValueError(f"Reward.reason must be a non-empty string, got {self.reason!r}")
 
@@ -144,6 +147,19 @@ class Draft:
   meta: dict[str, Any]
 
 
+class Env(Protocol):
+  """The environment of a multi-turn task (``Task.make_env``); knows nothing
+  about models. ``reset(example)`` starts an episode and returns the first
+  messages; ``step(assistant_text)`` returns ``(tool_result or None, done,
+  info)``; ``reward()`` scores the episode so far."""
+
+  def reset(self, example: Example) -> list[dict[str, str]]: ...
+
+  def step(self, assistant_text: Any) -> tuple[str | None, bool, dict[str, Any]]: ...
+
+  def reward(self) -> Reward: ...
+
+
 class Task(abc.ABC):
   """A domain: seeded generator plus verifier."""
 
@@ -171,14 +187,12 @@ class Task(abc.ABC):
       ValueError: bad arguments, or ``unique`` and fewer than ``n`` distinct
         problems exist in this split at this difficulty.
     """
-    if split not in SPLITS:
-      raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    if difficulty not in DIFFICULTIES:
-      raise ValueError(f"difficulty must be one of {DIFFICULTIES}, got {difficulty!r}")
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-      raise ValueError(f"n must be a non-negative int, got {n!r}")
-    if not isinstance(seed, int) or isinstance(seed, bool):
-      raise ValueError(f"seed must be an int, got {seed!r}")
+    owner = f"{type(self).__name__}.examples"
+    check_choice(owner, "split", split, SPLITS)
+    difficulty = check_int(owner, "difficulty", difficulty, min_value=DIFFICULTIES[0],
+                           max_value=DIFFICULTIES[-1])
+    n = check_int(owner, "n", n, min_value=0)
+    seed = check_int(owner, "seed", seed)
     rng = random.Random(f"{self.domain}/{split}/{difficulty}/{seed}")
     out: dict[str, Example] = {}
     repeated: list[Example] = []
@@ -213,6 +227,15 @@ class Task(abc.ABC):
     """``verify`` over pairs; domains with slow verifiers parallelise this."""
     _check_batch(examples, responses)
     return [self.verify(e, r) for e, r in zip(examples, responses)]
+
+  def make_env(self) -> "Env":
+    """A fresh environment for one episode of a multi-turn task.
+
+    Raises:
+      ValueError: the task is single-turn (``multi_turn`` is False).
+    """
+    raise ValueError(f"task {self.domain!r} is single-turn (multi_turn=False): it has no "
+                     "environment; sample its responses in one call")
 
   def check_example(self, example: Any):
     """Raises ValueError unless ``example`` is an Example of this domain."""
@@ -256,8 +279,8 @@ class RewardStats:
 
   def check(self, max_error_fraction: float):
     """Raises VerifierFailureError if the error fraction exceeds the maximum."""
-    if not 0.0 <= max_error_fraction <= 1.0:
-      raise ValueError(f"max_error_fraction must be in [0, 1], got {max_error_fraction!r}")
+    check_float("RewardStats.check", "max_error_fraction", max_error_fraction, min_value=0.0,
+                max_value=1.0)
     if self.error_fraction > max_error_fraction:
       raise VerifierFailureError(
           f"{self.errors}/{self.total} samples ({self.error_fraction:.1%}) failed in the "

@@ -3,6 +3,7 @@ import json
 import re
 from fractions import Fraction
 
+import numpy as np
 import pytest
 
 from opd.tasks import (AgentEnv, AgentRewardConfig, DIFFICULTIES, get_task, render_messages,
@@ -132,8 +133,14 @@ def test_env_misuse_raises():
 def test_reward_weights_come_from_the_config():
   with pytest.raises(ValueError, match="sum to 1"):
     AgentRewardConfig(format=0.5)
-  with pytest.raises(ValueError, match="step"):
+  with pytest.raises(ValueError, match="AgentRewardConfig.step must be a finite number >= 0.0"):
     AgentRewardConfig(step=-0.2, final_answer=0.65)
+  with pytest.raises(ValueError, match="AgentRewardConfig.grm must be .*, got True"):
+    AgentRewardConfig(final_answer=0.0, grm=True)
+  # numpy numbers are numbers, stored as Python floats.
+  weights = AgentRewardConfig(format=np.float32(0.5), execution=np.int64(0), step=0.25,
+                              final_answer=np.float64(0.25)).weights()
+  assert weights["format"] == 0.5 and type(weights["execution"]) is float
   example = get_task("agent").examples("train", 1, difficulty=2)[0]
   # SPEC §8 once a GRM exists: format 30, execution 25, step 20, GRM 15, user 10.
   spec = AgentRewardConfig(final_answer=0.0, grm=0.15, user=0.10)

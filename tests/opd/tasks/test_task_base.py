@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from opd.text import chat
 
 from opd.tasks import (ALL_DOMAINS, DIFFICULTIES, TEST_FRACTION, Reward, RewardStats,
-                       VerifierFailureError, get_task, mixture_corpus, render_messages,
+                       VerifierFailureError, get_task, is_multi_turn, mixture_corpus, render_messages,
                        safe_verify, safe_verify_batch, split_of)
 from opd.tasks.base import Draft, Task
 
@@ -210,3 +210,31 @@ def test_no_verifier_raises_and_malformed_scores_zero(response):
     assert isinstance(reward, Reward)
     if reward.format == 0.0:
       assert reward.reward == 0.0
+
+
+def test_examples_accept_numpy_ints_and_name_bad_fields():
+  """numpy ints are ints (the same examples as the Python ints); bools and
+  floats are not, and the error names the field and the value."""
+  task = get_task("math")
+  assert ([e.id for e in task.examples("test", np.int64(3), seed=np.int32(2),
+                                       difficulty=np.int64(2))]
+          == [e.id for e in task.examples("test", 3, seed=2, difficulty=2)])
+  for kwargs, match in (({"n": True}, "MathTask.examples.n must be .*int.*, got True"),
+                        ({"n": 2, "seed": 1.0}, "MathTask.examples.seed must be .*, got 1.0"),
+                        ({"n": 2, "difficulty": 4}, "MathTask.examples.difficulty .*, got 4"),
+                        ({"n": 2, "split": "dev"}, "MathTask.examples.split .*, got 'dev'")):
+    with pytest.raises(ValueError, match=match):
+      task.examples(kwargs.pop("split", "test"), **kwargs)
+
+
+def test_only_multi_turn_tasks_have_an_environment():
+  for domain in ALL_DOMAINS:
+    task = get_task(domain)
+    assert task.multi_turn == is_multi_turn(domain)
+    if task.multi_turn:
+      env = task.make_env()
+      example = task.examples("train", 1)[0]
+      assert env.reset(example)[0]["content"] == example.prompt
+    else:
+      with pytest.raises(ValueError, match=f"task '{domain}' is single-turn"):
+        task.make_env()

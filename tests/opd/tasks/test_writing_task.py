@@ -53,11 +53,18 @@ def test_malformed_writing_scores_zero():
 
 @pytest.mark.parametrize("junk", ["eeeeeeeeeeeeeeee", "Ball!", "...", "x.y.z."])
 def test_junk_without_real_sentences_scores_zero(junk):
-  """No sentence of >= 2 words: no credit for form (topic words aside)."""
+  """No sentence of >= 2 words: every form part scores 0, so (mentions absent)
+  the reward is exactly the topic share, 2/10 of the topic part."""
   task = get_task("writing")
+  checked = 0
   for ex in task.examples("test", 5, seed=4):
     words = {w.lower() for w in junk.replace(".", " ").replace("!", " ").split()}
     if words & set(ex.meta.get("mentions", ())) or ex.meta["topic"] in words:
       continue
     reward = task.verify(ex, junk)
-    assert reward.reward == 0.0 or set(k for k, v in reward.components.items() if v > 0) <= {"topic"}, reward
+    form = {k: reward.components[k] for k in ("sentences", "capitals", "ending", "variety",
+                                              "length", "mentions")}
+    assert form == dict.fromkeys(form, 0.0), reward
+    assert reward.reward == pytest.approx(2 / 10 * reward.components["topic"], abs=1e-12)
+    checked += 1
+  assert checked >= 3
