@@ -91,7 +91,8 @@ def run(config, workdir: str) -> dict:
                                   save_every=config.train.save_every,
                                   keep_checkpoints=config.train.keep_checkpoints)
   state, logger = train_sft(
-      model_cfg, params, tuple(config.data.domains), workdir, optim=common.optim_config(config.optim),
+      model_cfg, params, tuple(config.data.domains), workdir,
+      optim=common.optim_config(config.optim),
       loop=loop, mesh=mesh, rules=rules, seed=config.seed, num_train=config.data.num_train,
       num_eval=config.data.num_eval, difficulties=tuple(config.data.difficulties),
       seq_len=config.train.seq_len, batch_size=config.train.batch_size, mode=config.data.mode,

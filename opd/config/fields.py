@@ -184,7 +184,8 @@ def to_group(cls: type, *, omit: Sequence[str] = (), **values: Any) -> ml_collec
   if not dataclasses.is_dataclass(cls):
     raise ValueError(f"to_group needs a dataclass, got {cls!r}")
   names = [f.name for f in dataclasses.fields(cls) if f.init]
-  unknown = sorted((set(values) - set(names)) | (set(values) & set(omit)) | (set(omit) - set(names)))
+  unknown = sorted((set(values) - set(names)) | (set(values) & set(omit))
+                   | (set(omit) - set(names)))
   if unknown:
     raise ValueError(f"to_group({cls.__name__}): unknown or omitted field(s) {unknown}; "
                      f"fields: {names}")

@@ -176,8 +176,8 @@ def apply_overrides(config: ml_collections.ConfigDict,
     expected = _field_type(parent, key)
     if is_text:
       text = value.strip()
-      if text == "None" and (expected is None or current is None):
-        value = None  # a placeholder (typed, currently None) may be set back to None
+      if expected is None and text == "None":
+        value = None
       elif expected is None:
         try:
           value = ast.literal_eval(text)

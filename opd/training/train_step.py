@@ -12,10 +12,11 @@ non-finite guard, and explicit shardings on a ``(data, fsdp, tensor)`` mesh.
 Typical use::
 
     mesh = opd.parallel.sharding.make_mesh((1, 4, 2))
-    optimizer = make_optimizer(OptimConfig(lr=3e-4, warmup_steps=100, decay_steps=10_000))
+    optimizer = make_optimizer(OptimConfig(lr=3e-4, warmup_steps=100, decay_steps=10_000,
+                                           grad_accum_steps=4))
     state, shardings = init_train_state(model_cfg, optimizer, mesh, rules, rng=0)
-    step = make_train_step(opd.training.objectives.next_token_loss(model_cfg), optimizer, mesh, shardings,
-                           rules=rules, grad_accum_steps=4)
+    step = make_train_step(opd.training.objectives.next_token_loss(model_cfg), optimizer, mesh,
+                           shardings, rules=rules)   # 4 microbatches, from the OptimConfig
     state, metrics = step(state, shard_batch(host_batch, mesh, rules))
 
 Precision: parameters and optimizer moments are stored in fp32 (the "master"
@@ -50,10 +51,13 @@ from opd.parallel import sharding as sharding_lib
 # Re-exported: callers build optimizers and place batches through this module.
 from opd.parallel.distributed import batch_shard_count, process_batch_rows, shard_batch  # noqa: F401
 from opd.models import ModelConfig, init_params
-from opd.training.optim import OptimConfig, make_optimizer, make_schedule  # noqa: F401  (re-exported)
+from opd.config.fields import check_int
+# Re-exported: the optimizer API lives in opd.training.optim.
+from opd.training.optim import (OptimConfig, Optimizer, make_optimizer,  # noqa: F401
+                                make_schedule)
 
 __all__ = [
-    "LossFn", "NonFiniteError", "OptimConfig", "RESERVED_METRICS", "TrainState",
+    "LossFn", "NonFiniteError", "OptimConfig", "Optimizer", "RESERVED_METRICS", "TrainState",
     "abstract_train_state", "init_train_state", "make_optimizer", "make_schedule",
     "make_train_step", "process_batch_rows", "raise_if_nonfinite", "shard_batch",
 ]
@@ -274,9 +278,22 @@ def _injected_lr(opt_state) -> Array | None:
   return found[0] if len(found) == 1 else None
 
 
+def _grad_accum_steps(optimizer, requested: int | None) -> int:
+  """N for ``make_train_step``: the optimizer's config, else ``requested``, else 1."""
+  requested = check_int("make_train_step", "grad_accum_steps", requested, min_value=1,
+                        allow_none=True)
+  if not isinstance(optimizer, Optimizer):
+    return 1 if requested is None else requested
+  configured = optimizer.config.grad_accum_steps
+  if requested is not None and requested != configured:
+    raise ValueError(f"make_train_step got grad_accum_steps={requested} but the optimizer's "
+                     f"OptimConfig.grad_accum_steps={configured}; set it in the OptimConfig only")
+  return configured
+
+
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, mesh,
                     state_shardings: TrainState, batch_shardings: PyTree | None = None, *,
-                    rules=sharding_lib.DEFAULT_RULES, grad_accum_steps: int = 1,
+                    rules=sharding_lib.DEFAULT_RULES, grad_accum_steps: int | None = None,
                     donate: bool = True, compiler_options: dict | None = None
                     ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict]]:
   """Builds ``step(state, batch) -> (state, metrics)``, jitted with explicit shardings.
@@ -286,7 +303,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
       scalar mean over the (micro)batch, ``metrics`` a dict of arrays that are
       averaged over microbatches. ``rng`` is a typed key, distinct per step
       and microbatch.
-    optimizer: the transformation the state was created with.
+    optimizer: the transformation the state was created with; an
+      ``Optimizer`` from ``make_optimizer`` also sets ``grad_accum_steps``.
     mesh: the mesh of ``state_shardings``.
     state_shardings: from ``init_train_state``.
     batch_shardings: pytree of ``NamedSharding`` matching the batch (or one
@@ -297,7 +315,10 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
     grad_accum_steps: N microbatches per step; every leaf's batch dim B must
       satisfy B % N == 0 and (B / N) % batch_shards == 0. Gradients are the
       mean over microbatches, equal to the full-batch gradient when the loss
-      is a mean over equally weighted rows.
+      is a mean over equally weighted rows. None (the default) takes N from
+      ``optimizer.config.grad_accum_steps`` for an ``Optimizer`` and 1 for
+      any other transformation; a value that differs from the optimizer's
+      config raises (the config is the one source of N).
     donate: donate the input state's buffers (do not reuse it after a call).
     compiler_options: XLA options for the step's compilation.
 
@@ -309,9 +330,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
     is returned unchanged.
   """
   rules = sharding_lib.validate_rules(rules)
-  if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
-    raise ValueError(f"grad_accum_steps must be a positive int, got {grad_accum_steps!r}")
-  n_micro = grad_accum_steps
+  n_micro = _grad_accum_steps(optimizer, grad_accum_steps)
   rep = sharding_lib.replicated(mesh)
   param_shardings = state_shardings.params
 
