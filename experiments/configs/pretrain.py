@@ -12,7 +12,10 @@ nats/byte; the prompts' templates are learned first, answers later.
 import ml_collections
 
 from opd.config import overrides as config_utils
+from opd.config.fields import to_group
+from opd.models.config import ModelConfig
 from opd.parallel import sharding
+from opd.training.optim import OptimConfig
 
 
 def get_config(arg=None):
@@ -20,16 +23,13 @@ def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.job = "pretrain"
   c.seed = 0
-  c.model = ml_collections.ConfigDict(dict(
-      vocab_size=270, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=None,
-      d_ff=384, rope_theta=10_000.0, norm_eps=1e-6, qk_norm=True, qkv_bias=False,
-      o_bias=False, tie_embeddings=True, scalar_head=False, dtype="float32",
-      param_dtype="float32", remat=False))
+  # Groups that are dataclasses hold every field (to_group); the file sets
+  # only what differs from the dataclass's defaults.
+  c.model = to_group(ModelConfig, vocab_size=270, qk_norm=True, tie_embeddings=True)
   c.mesh = (-1, 1, 1)  # data parallel over every device
   c.sharding_rules = sharding.DEFAULT_RULES
-  c.optim = ml_collections.ConfigDict(dict(
-      lr=3e-3, warmup_steps=10, decay_steps=90, schedule="cosine", end_lr_ratio=0.1,
-      weight_decay=0.01, b1=0.9, b2=0.95, eps=1e-8, clip_norm=1.0, grad_accum_steps=1))
+  c.optim = to_group(OptimConfig, lr=3e-3, warmup_steps=10, decay_steps=90, schedule="cosine",
+                     weight_decay=0.01)
   c.train = ml_collections.ConfigDict(dict(
       steps=100, batch_size=16, seq_len=256, log_every=10, eval_every=50, save_every=50,
       keep_checkpoints=2, fused_loss=False))

@@ -14,6 +14,8 @@ import ml_collections
 
 from experiments.configs import pretrain
 from opd.config import overrides as config_utils
+from opd.config.fields import to_group
+from opd.training.optim import OptimConfig
 
 
 def get_config(arg=None):
@@ -26,9 +28,7 @@ def get_config(arg=None):
   c.model = base.model
   c.mesh = base.mesh
   c.sharding_rules = base.sharding_rules
-  c.optim = ml_collections.ConfigDict(dict(
-      lr=1e-3, warmup_steps=10, decay_steps=70, schedule="cosine", end_lr_ratio=0.1,
-      weight_decay=0.0, b1=0.9, b2=0.95, eps=1e-8, clip_norm=1.0, grad_accum_steps=1))
+  c.optim = to_group(OptimConfig, lr=1e-3, warmup_steps=10, decay_steps=70, schedule="cosine")
   c.train = ml_collections.ConfigDict(dict(
       steps=80, batch_size=16, seq_len=256, eval_every=40, save_every=80, keep_checkpoints=1))
   c.data = ml_collections.ConfigDict(dict(

@@ -1,4 +1,6 @@
-"""Specialists pipeline: tiny base → per-domain SFT → GRPO → evaluation (SPEC §3, §9).
+"""Specialists pipeline: tiny base → per-domain SFT → GRPO → evaluation.
+
+See docs/DESIGN.md §3 and §9.
 
   python -m experiments.launch --config=experiments/configs/specialists.py \
       --workdir=workdirs/specialists        # what `make demo` runs
@@ -18,6 +20,8 @@ from experiments.configs import grpo as grpo_config
 from experiments.configs import pretrain as pretrain_config
 from experiments.configs import sft as sft_config
 from opd.config import overrides as config_utils
+from opd.config.fields import to_group
+from opd.eval.evaluation import EvalConfig
 from opd.tasks import ALL_DOMAINS
 
 
@@ -41,10 +45,8 @@ def get_config(arg=None):
   c.grpo_train = grpo.train
   c.grpo_data = grpo.data
   c.agent_reward = grpo.agent_reward
-  c.eval = ml_collections.ConfigDict(dict(
-      n_per_domain=60, difficulty=1, seed=0, greedy=True, num_samples=4, temperature=1.0,
-      top_p=1.0, max_new_tokens=80, bootstrap_samples=1000, batch_size=64, prompt_bucket=64,
-      solved_threshold=1.0, num_transcripts=2))
+  # Every EvalConfig field but domains, which the job sets per evaluation.
+  c.eval = to_group(EvalConfig, omit=("domains",), n_per_domain=60, max_new_tokens=80)
   # Settings that differ by domain (0: the shared value). Arithmetic facts
   # need longer SFT (80 steps: 17% on math; 160 steps: 59%). Math and agent
   # have flat sampling distributions where greedy and T=1 samples differ a

@@ -68,3 +68,50 @@ def test_from_group_defaults_overrides_and_errors():
     fields.from_group(_Cfg, {"n": 0}, "config.x")
   with pytest.raises(ValueError, match="config.x must be a group of fields"):
     fields.from_group(_Cfg, [1], "config.x")
+
+
+def test_check_wording_for_bounds():
+  with pytest.raises(ValueError, match=r"Cfg\.n must be a non-negative int or None, got -1"):
+    fields.check_int("Cfg", "n", -1, min_value=0, allow_none=True)
+  with pytest.raises(ValueError, match=r"Cfg\.b must be a finite number >= 0 and < 1, got 1\.0"):
+    fields.check_float("Cfg", "b", 1.0, min_value=0, max_value=1, max_exclusive=True)
+  assert fields.check_float("Cfg", "b", np.float64(0.99), min_value=0, max_value=1,
+                            max_exclusive=True) == 0.99
+
+
+@dataclasses.dataclass(frozen=True)
+class _Full:
+  n: int = 2
+  lr: float = 0.1
+  size: int | None = None
+  name: str = "a"
+  dims: tuple[int, ...] = (1, 2)
+
+  def __post_init__(self):
+    fields.set_field(self, "n", fields.check_int("_Full", "n", self.n, min_value=1))
+
+
+def test_to_group_holds_every_field_and_round_trips():
+  group = fields.to_group(_Full, lr=0.5)
+  assert sorted(group.keys()) == ["dims", "lr", "n", "name", "size"]
+  assert fields.from_group(_Full, group, "config.x") == _Full(lr=0.5)
+  # None-valued optional fields are typed placeholders, so overrides are checked.
+  assert group.size is None and group.get_type("size") is int
+  group.size = 4
+  with pytest.raises(TypeError):
+    group.size = "four"
+  assert fields.from_group(_Full, group, "config.x") == _Full(lr=0.5, size=4)
+  # Values are validated (and normalised) by the dataclass when the group is built.
+  assert type(fields.to_group(_Full, n=np.int64(3)).n) is int
+  with pytest.raises(ValueError, match=r"_Full\.n must be a positive int, got 0"):
+    fields.to_group(_Full, n=0)
+
+
+def test_to_group_omit_and_unknown_fields():
+  group = fields.to_group(_Full, omit=("dims",), n=5)
+  assert "dims" not in group and group.n == 5
+  for kwargs in (dict(m=1), dict(omit=("dims",), dims=(3,)), dict(omit=("nope",))):
+    with pytest.raises(ValueError, match=r"to_group\(_Full\): unknown or omitted field"):
+      fields.to_group(_Full, **kwargs)
+  with pytest.raises(ValueError, match="to_group needs a dataclass"):
+    fields.to_group(dict)

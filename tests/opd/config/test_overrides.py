@@ -1,8 +1,9 @@
-"""Tests for opd/config_utils.py: arg parsing, overrides, config files, ModelConfig."""
+"""Tests for opd/config/overrides.py: arg parsing, overrides, config files, ModelConfig."""
 import dataclasses
 import json
 
 import ml_collections
+import numpy as np
 import pytest
 
 from opd.config import overrides as config_utils
@@ -112,11 +113,17 @@ def test_to_model_config():
   # Every dataclass field survives the round trip through a ConfigDict.
   full = ml_collections.ConfigDict(dataclasses.asdict(cfg))
   assert config_utils.to_model_config(full) == cfg
-  with pytest.raises(ValueError, match=r"config.teachers.math.model: unknown ModelConfig "
-                                       r"field\(s\) \['d_modle'\]"):
+  with pytest.raises(ValueError, match=r"config.teachers.math.model has unknown field\(s\) "
+                                       r"\['d_modle'\]"):
     config_utils.to_model_config({**fields, "d_modle": 3}, where="config.teachers.math.model")
   with pytest.raises(ValueError, match=r"config.model: ModelConfig.d_model=30 is not divisible"):
     config_utils.to_model_config({**fields, "d_model": 30})
+  # numpy ints (e.g. from a sweep written with numpy) are accepted and stored as int.
+  cfg = config_utils.to_model_config({**fields, "d_model": np.int64(32)})
+  assert cfg == ModelConfig(**fields) and type(cfg.d_model) is int
+  with pytest.raises(ValueError, match=r"config.model: ModelConfig.n_layers must be a positive "
+                                       r"int, got True"):
+    config_utils.to_model_config({**fields, "n_layers": True})
 
 
 def test_config_to_dict_is_json():
