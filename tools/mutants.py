@@ -1,0 +1,367 @@
+"""Hand-written mutation testing of the core math (``make mutants``; not in CI).
+
+Each mutant is a small, plausible bug in a module whose bugs would silently
+corrupt results (the fused-KL tile math and chunked scan, the decoder, the
+sampler's warpers, the GRPO loss and advantages, the distillation loss). For
+every mutant the script
+
+1. copies the repository (the committed tree, ``git archive HEAD``, or with
+   ``--worktree`` the working tree) into a scratch directory, once;
+2. replaces the mutant's ``original`` snippet by its ``mutated`` one in the
+   scratch copy (a snippet that is not found exactly once is reported as
+   ``snippet not found``: the code moved, the mutant needs updating);
+3. runs the mutant's tight test selection there with ``pytest -x -q``,
+   ``PYTHONPATH`` pointing at the scratch copy so that the editable install
+   in ``.venv`` does not shadow it (checked: ``opd.__file__`` must lie in the
+   scratch copy), and restores the file.
+
+A mutant is *killed* when its tests fail, *survived* when they pass. Every
+test selection is first run once unmutated (``baseline``): a selection that
+already fails makes its mutants ``baseline failed`` instead of killed.
+Results are printed as a table and written to
+``benchmark_results/mutants.json``.
+
+Why not ``mutmut``: it generates every operator/constant mutation of a
+module (hundreds per file here) and reruns the selected tests for each,
+where a single run of this repo's tests is dominated by XLA compilation
+(seconds to a minute), so a run over these modules would take days on the
+2-core reference machine; and most of its mutants of JAX code are either
+shape errors caught at trace time or numerically equivalent. Hand-picked
+mutants target the bugs that would pass silently.
+
+  .venv/bin/python tools/mutants.py                  # everything (~15-25 min on 2 cores)
+  .venv/bin/python tools/mutants.py --only kernels   # one group
+  .venv/bin/python tools/mutants.py --list           # the mutants, nothing run
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+  """One hand-written bug.
+
+  Attributes:
+    name: short id.
+    group: ``kernels``, ``decoder``, ``sampler``, ``grpo`` or ``distill``.
+    path: file to mutate, relative to the repository root.
+    edits: ``(original, mutated)`` snippet pairs; each original must occur
+      exactly once in the file.
+    tests: pytest arguments selecting the tests that should kill it (paths
+      or node ids; paths that do not exist are dropped).
+    why: the bug it models.
+  """
+  name: str
+  group: str
+  path: str
+  edits: tuple[tuple[str, str], ...]
+  tests: tuple[str, ...]
+  why: str
+
+
+_KL_TESTS = ("tests/pallas_kernels/test_kl_chunked.py", "tests/pallas_kernels/test_kl_properties.py")
+_DECODER_TESTS = ("tests/opd/models/test_decoder.py",
+                  "tests/opd/models/test_hf.py::test_load_hf_matches_transformers")
+_SAMPLER_TESTS = ("tests/opd/rollout/test_sampler.py",)
+_GRPO_TESTS = ("tests/opd/rl/test_rl_loss.py", "tests/opd/rl/test_advantages.py")
+_DISTILL_TESTS = ("tests/opd/distill/test_distill_loss.py", "tests/opd/distill/test_loss.py",
+                  "tests/pallas_kernels/test_kl_losses.py")
+
+M = Mutant
+MUTANTS: tuple[Mutant, ...] = (
+    # --- pallas_kernels: tile math and chunked scan -------------------------
+    M("online_rescale_dropped", "kernels", "pallas_kernels/tile_math.py",
+      (("l = alpha * acc.l + jnp.sum(e, axis=1, keepdims=True)",
+        "l = acc.l + jnp.sum(e, axis=1, keepdims=True)"),),
+      _KL_TESTS, "the running sum l is not rescaled when the running max moves"),
+    M("running_max_is_mean", "kernels", "pallas_kernels/tile_math.py",
+      (("m_new = jnp.maximum(acc.m, jnp.max(_sel(valid, z, NEG), axis=1, keepdims=True))",
+        "m_new = jnp.maximum(acc.m, jnp.mean(_sel(valid, z, 0.0), axis=1, keepdims=True))"),),
+      _KL_TESTS, "running max replaced by a running mean (exact in real arithmetic; "
+      "exp(z - m) overflows for peaked logits)"),
+    M("entropy_shift_dropped", "kernels", "pallas_kernels/tile_math.py",
+      (("s = alpha * (acc.s - (m_new - acc.m) * acc.l)", "s = alpha * acc.s"),),
+      _KL_TESTS, "Σ e^(z-m)(z-m) not re-centred when the max moves"),
+    M("teacher_rescale_dropped", "kernels", "pallas_kernels/tile_math.py",
+      (("l_k.append(jnp.exp(acc.m_k[k] - mk_new) * acc.l_k[k] +", "l_k.append(acc.l_k[k] +"),),
+      _KL_TESTS, "teacher normaliser not rescaled to the new teacher max"),
+    M("kl_sign", "kernels", "pallas_kernels/tile_math.py",
+      (("return stats.e_k - stats.lse[:, None] + stats.lse_k",
+        "return stats.e_k + stats.lse[:, None] - stats.lse_k"),),
+      _KL_TESTS, "log-normaliser terms of KL(p‖q) with the wrong sign"),
+    M("dz_constant_sign", "kernels", "pallas_kernels/tile_math.py",
+      (("inner = coef.c * (z - coef.ez) + coef.r", "inner = coef.c * (z - coef.ez) - coef.r"),),
+      _KL_TESTS, "backward: the lse cotangent term enters with the wrong sign"),
+    M("merge_entropy_shift_dropped", "kernels", "pallas_kernels/tile_math.py",
+      (("ent = jnp.sum(w * (parts.ent + jnp.expand_dims(lse, axis) - parts.lse), axis=axis)",
+        "ent = jnp.sum(w * parts.ent, axis=axis)"),),
+      ("tests/pallas_kernels/test_kl_properties.py::test_merge_stats_is_exact_with_an_empty_partition",
+       "tests/pallas_kernels/test_kl_pallas.py::test_pallas_matches_oracle"),
+      "merging vocabulary partitions forgets the entropy's lse shift"),
+    M("grad_missing_inv_tau", "kernels", "pallas_kernels/chunked.py",
+      (("dz = (dz_fn(z, start, size) * inv_tau).astype(mm_dtype)",
+        "dz = dz_fn(z, start, size).astype(mm_dtype)"),),
+      _KL_TESTS, "backward drops the chain rule's 1/τ"),
+    M("last_tile_off_by_one", "kernels", "pallas_kernels/chunked.py",
+      (("carry = step(carry, n_full * bv, rem)", "carry = step(carry, n_full * bv, max(rem - 1, 1))"),),
+      _KL_TESTS, "the remainder tile misses the last vocabulary column"),
+    # --- decoder ------------------------------------------------------------
+    M("rope_on_v", "decoder", "opd/models/decoder.py",
+      (("k = rope(k, positions, cfg.rope_theta)", "v = rope(v, positions, cfg.rope_theta)"),),
+      _DECODER_TESTS, "RoPE rotates the values instead of the keys"),
+    M("gqa_h_mod_k", "decoder", "opd/models/decoder.py",
+      (("qg = q.reshape(B, T, K, G, Dh)", "qg = q.reshape(B, T, G, K, Dh).swapaxes(2, 3)"),
+       ('out = jnp.einsum("BKGTS,BSKE->BTKGE", probs, v).reshape(B, T, H, Dh)',
+        'out = jnp.einsum("BKGTS,BSKE->BTGKE", probs, v).reshape(B, T, H, Dh)')),
+      _DECODER_TESTS, "query head h reads kv head h % K instead of h // G"),
+    M("mlp_dropped_in_bf16", "decoder", "opd/models/decoder.py",
+      (('x = x + MLP(cfg, name="mlp")(norm("mlp_norm")(x))',
+        'x = x + MLP(cfg, name="mlp")(norm("mlp_norm")(x)) * (cfg.compute_dtype == jnp.float32)'),),
+      _DECODER_TESTS, "the MLP branch contributes nothing when computing in bfloat16"),
+    M("rmsnorm_eps_outside", "decoder", "opd/models/decoder.py",
+      (("jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)",
+        "(jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True)) + self.eps)"),),
+      _DECODER_TESTS, "RMSNorm adds eps after the rsqrt instead of inside it"),
+    M("causal_mask_sees_next", "decoder", "opd/models/decoder.py",
+      (("causal = jnp.tril(jnp.ones((T, T), bool))", "causal = jnp.tril(jnp.ones((T, T), bool), k=1)"),),
+      _DECODER_TESTS, "causal mask off by one: each query also sees the next token"),
+    M("cache_mask_excludes_self", "decoder", "opd/models/decoder.py",
+      (("causal = slots[None, :] <= (index + jnp.arange(T))[:, None]",
+        "causal = slots[None, :] < (index + jnp.arange(T))[:, None]"),),
+      _DECODER_TESTS, "cached decoding: a query does not attend to its own slot"),
+    M("rope_rotation_reversed", "decoder", "opd/models/decoder.py",
+      (("rotated = jnp.concatenate([-x2, x1], axis=-1)", "rotated = jnp.concatenate([x2, -x1], axis=-1)"),),
+      _DECODER_TESTS, "RoPE rotates the other way (positions enter with the wrong sign)"),
+    # --- sampler --------------------------------------------------------------
+    M("top_p_keeps_one_too_few", "sampler", "opd/rollout/sampler.py",
+      (("threshold = jnp.take_along_axis(sorted_vals, n_keep - 1, axis=-1)",
+        "threshold = jnp.take_along_axis(sorted_vals, jnp.maximum(n_keep - 2, 0), axis=-1)"),),
+      _SAMPLER_TESTS, "the nucleus drops the token that makes its mass reach top_p"),
+    M("temperature_not_applied", "sampler", "opd/rollout/sampler.py",
+      (("logits = logits.astype(jnp.float32) / temperature\n  V = logits.shape[-1]",
+        "logits = logits.astype(jnp.float32)\n  V = logits.shape[-1]"),),
+      _SAMPLER_TESTS, "sampling ignores the temperature"),
+    M("reported_logprob_untempered", "sampler", "opd/rollout/sampler.py",
+      (("reported = logits / sampling.temperature", "reported = logits"),),
+      _SAMPLER_TESTS, "reported log-probs are not at the sampling temperature"),
+    M("top_k_off_by_one", "sampler", "opd/rollout/sampler.py",
+      (("k = min(top_k, V) if top_k > 0 else V", "k = min(top_k + 1, V) if top_k > 0 else V"),),
+      _SAMPLER_TESTS, "top-k keeps k + 1 tokens"),
+    M("decode_position_off_by_one", "sampler", "opd/rollout/sampler.py",
+      (("(prompt_len + t)[:, None]", "(prompt_len + t + 1)[:, None]"),),
+      _SAMPLER_TESTS, "decode steps use RoPE position p + 1"),
+    # --- GRPO loss and advantages (run last: the module layout was moving) ---
+    M("clip_sides_swapped", "grpo", "opd/rl/loss.py",
+      (("jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)",
+        "jnp.clip(ratio, 1.0 - clip_eps_high, 1.0 + clip_eps_low)"),),
+      _GRPO_TESTS, "clip range with eps_low and eps_high swapped"),
+    M("pessimistic_min_is_max", "grpo", "opd/rl/loss.py",
+      (("pg = -jnp.minimum(ratio * A, clipped * A)", "pg = -jnp.maximum(ratio * A, clipped * A)"),),
+      _GRPO_TESTS, "the clipped surrogate takes the optimistic side"),
+    M("kl_direction", "grpo", "opd/rl/loss.py",
+      (("jnp.clip(ref_logp - logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)",
+        "jnp.clip(logp - ref_logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)"),),
+      _GRPO_TESTS, "k3 estimator of the wrong KL direction"),
+    M("kl_coef_ignored", "grpo", "opd/rl/loss.py",
+      (("per_token = pg + kl_coef * kl", "per_token = pg + kl"),),
+      _GRPO_TESTS, "KL penalty added with weight 1"),
+    M("token_mean_over_all_tokens", "grpo", "opd/rl/loss.py",
+      (("jnp.sum(per_token * w) / jnp.where(total > 0, total, 1.0)",
+        "jnp.sum(per_token * w) / per_token.size"),),
+      _GRPO_TESTS, "token_mean divides by every position, padding included"),
+    M("sequence_mean_by_batch", "grpo", "opd/rl/loss.py",
+      (("jnp.sum(jnp.where(rows, seq, 0.0)) / jnp.maximum(count, 1)",
+        "jnp.sum(jnp.where(rows, seq, 0.0)) / per_token.shape[0]"),),
+      _GRPO_TESTS, "sequence_mean counts empty rows"),
+    M("advantage_mean_mixes_prompts", "grpo", "opd/rl/advantages.py",
+      (("adv = r - r.mean(axis=1, keepdims=True)", "adv = r - r.mean()"),),
+      _GRPO_TESTS, "advantages centred on the batch mean, not the prompt's group"),
+    M("advantage_std_mixes_prompts", "grpo", "opd/rl/advantages.py",
+      (("std = np.where(flat, 1.0, r.std(axis=1))[:, None]",
+        "std = np.where(flat, 1.0, r.std())[:, None]"),),
+      _GRPO_TESTS, "advantages scaled by the batch std, not the group's"),
+    M("advantage_not_scaled", "grpo", "opd/rl/advantages.py",
+      (("adv = adv / (std + eps)", "adv = adv"),),
+      _GRPO_TESTS, "scale_by_std ignored"),
+    # --- distillation loss ----------------------------------------------------
+    M("token_estimator_plain_logprob_grad", "distill", "opd/distill/loss.py",
+      (("pg = jax.lax.stop_gradient(est) * est", "pg = est"),),
+      _DISTILL_TESTS, "token-level estimator: gradient of a_t instead of a_t ∇log p_s(y_t)"),
+    M("teacherless_tokens_kept", "distill", "opd/distill/loss.py",
+      (("& (jnp.sum(weights, axis=-1) > 0))", ")"),),
+      _DISTILL_TESTS, "tokens no teacher answered count in the mean"),
+    M("distill_sequence_mean_by_batch", "distill", "opd/distill/loss.py",
+      (("return jnp.sum(rows * has) / jnp.maximum(jnp.sum(has), 1.0)",
+        "return jnp.sum(rows * has) / has.shape[0]"),),
+      _DISTILL_TESTS, "sequence_mean counts rows without trained tokens"),
+)
+GROUPS = ("kernels", "decoder", "sampler", "grpo", "distill")
+
+
+def make_scratch(worktree: bool) -> pathlib.Path:
+  """A copy of the repository to mutate (without .git, .venv, outputs)."""
+  root = pathlib.Path(tempfile.mkdtemp(prefix="mutants_"))
+  if worktree:
+    ignore = shutil.ignore_patterns(".git", ".venv", "__pycache__", "benchmark_results",
+                                    "workdirs", "runs", "*.egg-info", ".pytest_cache")
+    shutil.copytree(REPO, root, ignore=ignore, dirs_exist_ok=True)
+  else:
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", "HEAD"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
+  return root
+
+
+def _env(root: pathlib.Path) -> dict:
+  env = os.environ.copy()
+  env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+  env["PYTHONDONTWRITEBYTECODE"] = "1"
+  return env
+
+
+def check_shadowing(root: pathlib.Path) -> None:
+  """Raises unless ``import opd, pallas_kernels`` resolve inside the scratch copy."""
+  out = subprocess.run(
+      [sys.executable, "-c", "import opd, pallas_kernels; print(opd.__file__); "
+       "print(pallas_kernels.__file__)"],
+      cwd=root, env=_env(root), capture_output=True, text=True, check=True).stdout.split()
+  if not all(pathlib.Path(p).resolve().is_relative_to(root.resolve()) for p in out):
+    raise RuntimeError(f"the scratch copy is shadowed: modules load from {out}, not {root}")
+
+
+def run_tests(root: pathlib.Path, tests: list[str], timeout: float) -> dict:
+  """``pytest -x -q`` of ``tests`` in ``root``: status, first failing test, seconds."""
+  cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p", "no:cacheprovider",
+         "-p", "no:randomly", *tests]
+  t0 = time.perf_counter()
+  try:
+    proc = subprocess.run(cmd, cwd=root, env=_env(root), capture_output=True, text=True,
+                          timeout=timeout)
+  except subprocess.TimeoutExpired:
+    return {"failed": True, "by": f"timeout after {timeout:.0f} s", "seconds": timeout, "rc": None}
+  seconds = time.perf_counter() - t0
+  failed_ids = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.M)
+  # rc 1: a test failed; 2: collection/import error (also a kill); 4/5: usage / nothing ran.
+  if proc.returncode in (4, 5):
+    return {"failed": None, "by": f"pytest rc={proc.returncode}: {proc.stdout[-300:]}",
+            "seconds": seconds, "rc": proc.returncode}
+  return {"failed": proc.returncode != 0, "by": failed_ids[0] if failed_ids else
+          (proc.stdout.strip().splitlines() or [""])[-1], "seconds": seconds, "rc": proc.returncode}
+
+
+def apply_edits(text: str, edits) -> str | None:
+  """``text`` with every edit applied, or None if an original is not found exactly once."""
+  for original, mutated in edits:
+    if text.count(original) != 1:
+      return None
+    text = text.replace(original, mutated)
+  return text
+
+
+def run(mutants, root: pathlib.Path, timeout: float, log=print) -> list[dict]:
+  """Runs ``mutants`` in ``root``; returns one result row per mutant."""
+  baselines: dict[tuple, dict] = {}
+  rows = []
+  for mut in mutants:
+    row = {"mutant": mut.name, "group": mut.group, "module": mut.path, "why": mut.why}
+    tests = [t for t in mut.tests if (root / t.split("::")[0]).exists()]
+    target = root / mut.path
+    original = target.read_text() if target.exists() else None
+    mutated = apply_edits(original, mut.edits) if original is not None else None
+    if not tests:
+      row.update(status="tests not found", killed_by="", seconds=0.0, tests=list(mut.tests))
+    elif mutated is None:
+      row.update(status="snippet not found", killed_by="", seconds=0.0, tests=tests)
+    else:
+      key = tuple(tests)
+      if key not in baselines:
+        baselines[key] = run_tests(root, tests, timeout)
+        log(f"  baseline {' '.join(tests)}: "
+            f"{'FAILS' if baselines[key]['failed'] else 'passes'} "
+            f"({baselines[key]['seconds']:.0f} s)")
+      if baselines[key]["failed"] is not False:
+        row.update(status="baseline failed", killed_by=baselines[key]["by"], seconds=0.0,
+                   tests=tests)
+      else:
+        try:
+          target.write_text(mutated)
+          res = run_tests(root, tests, timeout)
+        finally:
+          target.write_text(original)
+        status = {True: "killed", False: "survived", None: "error"}[res["failed"]]
+        row.update(status=status, killed_by=res["by"] if res["failed"] else "",
+                   seconds=res["seconds"], tests=tests)
+    log(f"{row['mutant']:36s} {row['status']:18s} {row['seconds']:6.1f} s  {row['killed_by']}")
+    rows.append(row)
+  return rows
+
+
+def _table(rows) -> str:
+  lines = ["| mutant | module | status | killed by | time (s) |", "|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {r['mutant']} | {r['module']} | {r['status']} | {r['killed_by']} | "
+                 f"{r['seconds']:.0f} |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--only", nargs="+", choices=GROUPS, help="groups to run (default: all)")
+  parser.add_argument("--mutant", nargs="+", help="mutant names to run")
+  parser.add_argument("--worktree", action="store_true",
+                      help="mutate a copy of the working tree instead of the committed HEAD")
+  parser.add_argument("--timeout", type=float, default=900, help="seconds per pytest run")
+  parser.add_argument("--out", default=str(REPO / "benchmark_results"))
+  parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+  args = parser.parse_args(argv)
+  selected = [m for m in MUTANTS if (not args.only or m.group in args.only)
+              and (not args.mutant or m.name in args.mutant)]
+  if args.mutant and len(selected) != len(set(args.mutant)):
+    unknown = sorted(set(args.mutant) - {m.name for m in selected})
+    raise SystemExit(f"--mutant: unknown names {unknown}")
+  if args.list:
+    for m in selected:
+      print(f"{m.name:36s} {m.path:32s} {m.why}")
+    return {}
+  root = make_scratch(args.worktree)
+  try:
+    check_shadowing(root)
+    print(f"scratch copy: {root} ({'working tree' if args.worktree else 'HEAD'})")
+    t0 = time.perf_counter()
+    rows = run(selected, root, args.timeout)
+    total = time.perf_counter() - t0
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  counts = {s: sum(r["status"] == s for r in rows) for s in sorted({r["status"] for r in rows})}
+  print()
+  print(_table(rows))
+  print(f"\n{counts} in {total / 60:.1f} min")
+  survivors = [r["mutant"] for r in rows if r["status"] != "killed"]
+  if survivors:
+    print("not killed: " + ", ".join(survivors))
+  commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+  payload = {"source": "worktree" if args.worktree else f"HEAD {commit}", "rows": rows,
+             "counts": counts, "total_s": total}
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "mutants.json").write_text(json.dumps(payload, indent=2))
+  print(f"wrote {out / 'mutants.json'}")
+  return payload
+
+
+if __name__ == "__main__":
+  main()
