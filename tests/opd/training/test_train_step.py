@@ -1,7 +1,13 @@
-"""Tests for opd/train_step.py on 8 fake CPU devices (tests/conftest.py).
+"""Tests for opd/training/train_step.py on 8 fake CPU devices (tests/conftest.py).
 
-The single-device run is the reference; every mesh must reproduce its losses
-and parameters after 3 AdamW steps. Compiled steps are shared between
+The single-device run is the reference. Every mesh must reproduce its
+first-step gradients (captured inside the compiled step) to a relative
+tolerance derived from float32 eps and the reduction lengths, and its params
+after 3 AdamW steps to within a bound derived from the learning rates: Adam
+divides by sqrt(v), so a gradient element that is pure reduction-order noise
+may flip sign between meshes and move its parameter by up to ~2 lr per step.
+Comparing post-Adam params with a hard 1e-5 was tuned to one CPU (see
+docs/DEVELOPING.md, "Choosing tolerances"). Compiled steps are shared between
 assertions through module-scoped fixtures. Compiles use XLA's backend
 optimisation level 0: at this size compile time dominates, and the level
 changes code generation only, not the SPMD partitioning under test.
@@ -11,6 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from opd.parallel import sharding
@@ -66,20 +73,100 @@ def _max_diff(a, b):
   return max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+def _global_norm(tree):
+  return math.sqrt(sum(float(np.sum(np.square(x, dtype=np.float64))) for x in jax.tree.leaves(tree)))
+
+
+def _rel_diff(a, b):
+  """||a - b|| / ||b|| over the whole pytree (global L2 norms)."""
+  return _global_norm(jax.tree.map(np.subtract, a, b)) / _global_norm(b)
+
+
+EPS32 = float(np.finfo(np.float32).eps)
+# Float32 sums of n terms taken in another order differ by ~sqrt(n) eps
+# relative to the sum of |terms| (random-walk rounding). A mesh re-orders the
+# token sum (data/fsdp shards) and the head/MLP/attention contractions (tensor
+# shards); the loss and every gradient element are fed by at most n = N*V
+# rounded terms (N = B*T tokens, V the longest contraction, the LM head).
+REORDER_RTOL = math.sqrt(B * T * CFG.vocab_size) * EPS32  # ~3e-5
+LOSS0_RTOL = REORDER_RTOL
+# The backward pass chains ~8 such sums per layer over 2 layers; independent
+# errors add in quadrature, so sqrt(16) = 4 times one sum's. A wiring error (a
+# dropped psum, a mis-sharded param, a lost token) is >= 1/N ~ 4e-3 relative.
+GRAD_RTOL = 4 * REORDER_RTOL
+
+
+def _adam_step_bound(b1, b2, t):
+  """max |m_hat_t / sqrt(v_hat_t)| over all gradient sequences, by Cauchy-Schwarz.
+
+  m_hat = sum_i w_i g_i and v_hat = sum_i u_i g_i^2 with the bias-corrected
+  weights w_i = (1-b1) b1^(t-i) / (1-b1^t), u_i = (1-b2) b2^(t-i) / (1-b2^t);
+  so |m_hat| <= sqrt(sum_i w_i^2 / u_i) sqrt(v_hat). At t = 1 it is exactly 1.
+  """
+  w = [(1 - b1) * b1 ** (t - i) / (1 - b1 ** t) for i in range(1, t + 1)]
+  u = [(1 - b2) * b2 ** (t - i) / (1 - b2 ** t) for i in range(1, t + 1)]
+  return math.sqrt(sum(wi * wi / ui for wi, ui in zip(w, u)))
+
+
+def _adam_param_bound(lrs):
+  """Bound on |p_a - p_b| after AdamW steps with rates ``lrs`` from equal params.
+
+  Each run's normalised step is at most lr_t * A_t per element (A_t from
+  ``_adam_step_bound``), whatever its gradients, so two runs differ by at most
+  2 lr_t A_t per step; decoupled weight decay multiplies an existing gap by
+  (1 - lr_t wd), which can only shrink it, but we allow (1 + lr_t wd).
+  A run whose moments are sharded unlike their params (m of one element, v
+  of another) or that applies another rate breaks this bound.
+  """
+  bound = 0.0
+  for t, lr in enumerate(lrs, start=1):
+    bound = bound * (1 + lr * OPT_CFG.weight_decay) + 2 * lr * _adam_step_bound(OPT_CFG.b1, OPT_CFG.b2, t)
+  return bound
+
+
+def _capture_grads() -> optax.GradientTransformation:
+  """An optax stage that passes the gradients on unchanged and keeps them in
+  its state, which the step shards like the params: the gradients the compiled
+  sharded step really computed, readable after the step."""
+  return optax.GradientTransformation(init=lambda params: jax.tree.map(jnp.zeros_like, params),
+                                      update=lambda grads, state, params=None: (grads, grads))
+
+
 def _train(mesh, init_params_host=None, grad_accum_steps=1, rules=sharding.DEFAULT_RULES):
-  optimizer = make_optimizer(OPT_CFG)
+  optimizer = optax.chain(_capture_grads(), make_optimizer(OPT_CFG))
   state, shardings = init_train_state(CFG, optimizer, mesh, rules, rng=0, params=init_params_host,
                                       compiler_options=FAST)
   init_host = _host(state.params)
   step = make_train_step(_loss_fn, optimizer, mesh, shardings, rules=rules,
                          grad_accum_steps=grad_accum_steps, compiler_options=FAST)
-  losses, metrics = [], []
+  losses, metrics, grads = [], [], None
   for batch in _batches():
     state, m = step(state, shard_batch(batch, mesh, rules))
     losses.append(float(m["loss"]))
     metrics.append(_host(m))
-  return dict(state=state, shardings=shardings, step=step, losses=np.asarray(losses),
-              params=_host(state.params), init_params=init_host, metrics=metrics)
+    if grads is None:  # the first step's gradients, taken at the shared initial params
+      grads = _host(state.opt_state[0])
+  return dict(state=state, shardings=shardings, step=step, optimizer=optimizer,
+              losses=np.asarray(losses), params=_host(state.params), init_params=init_host,
+              metrics=metrics, grads=grads)
+
+
+def _assert_same_training(run, ref):
+  """``run`` reproduces ``ref`` (same initial params, same batches) to within
+  float32 reduction-order noise: see REORDER_RTOL, GRAD_RTOL, _adam_param_bound."""
+  assert _rel_diff(run["grads"], ref["grads"]) < GRAD_RTOL
+  # Only the first loss is a function of equal params; later ones follow from
+  # the params, which are checked directly below.
+  np.testing.assert_allclose(run["losses"][0], ref["losses"][0], rtol=LOSS0_RTOL)
+  lrs = [float(m["lr"]) for m in ref["metrics"]]
+  np.testing.assert_allclose([float(m["lr"]) for m in run["metrics"]], lrs, rtol=4 * EPS32)
+  diff = np.concatenate([np.abs(a - b).ravel() for a, b in
+                         zip(jax.tree.leaves(run["params"]), jax.tree.leaves(ref["params"]))])
+  assert diff.max() <= _adam_param_bound(lrs)
+  # An element whose gradient is well above the noise gets the same normalised
+  # step to within its relative gradient noise (~GRAD_RTOL); at least half of
+  # the elements are such, so the median gap is far below the worst case.
+  assert np.median(diff) <= _adam_param_bound(lrs) * GRAD_RTOL
 
 
 @pytest.fixture(scope="module")
@@ -106,10 +193,10 @@ def test_sharded_step_matches_single_device(shape, reference, sharded_222):
     run = sharded_222
   else:
     run = _train(sharding.make_mesh(shape), reference["init_params"])
-  np.testing.assert_allclose(run["losses"], reference["losses"], rtol=0, atol=1e-5)
-  assert _max_diff(run["params"], reference["params"]) < 1e-5
-  # The loss went down and the update was really applied.
-  assert _max_diff(run["params"], reference["init_params"]) > 1e-4
+  _assert_same_training(run, reference)
+  # The update was really applied (Adam's first step moves every decayed
+  # param by ~lr/2 here) and the loss went down.
+  assert _max_diff(run["params"], reference["init_params"]) > 0.25 * OPT_CFG.lr
   assert reference["losses"][-1] < reference["losses"][0]
   assert int(run["state"].step) == STEPS
 
@@ -118,7 +205,8 @@ def test_metrics_report_lr_schedule_and_grad_norm(reference):
   lrs = [float(m["lr"]) for m in reference["metrics"]]
   # Warmup (s+1)/W * lr for s < W=2; step 2 starts the cosine decay at the peak.
   expected = [1e-3 * 1 / 2, 1e-3 * 2 / 2, 1e-3]
-  np.testing.assert_allclose(lrs, expected, rtol=1e-6)
+  # A few float32 ops, each rounding by <= eps/2 relative.
+  np.testing.assert_allclose(lrs, expected, rtol=4 * EPS32)
   for m in reference["metrics"]:
     assert bool(m["finite"]) and bool(m["loss_finite"]) and bool(m["grads_finite"])
     assert float(m["grad_norm"]) > 0
@@ -176,10 +264,11 @@ def test_check_sharded_fails_on_replicated_large_param(reference):
 
 def test_grad_accumulation_equals_full_batch(sharded_222):
   run = _train(sharding.make_mesh((2, 2, 2)), sharded_222["init_params"], grad_accum_steps=2)
-  np.testing.assert_allclose(run["losses"], sharded_222["losses"], rtol=0, atol=1e-5)
-  assert _max_diff(run["params"], sharded_222["params"]) < 1e-5
+  # The mean of two microbatch gradients equals the full-batch gradient up to
+  # the order of the token sum: the same tolerances as across meshes.
+  _assert_same_training(run, sharded_222)
   # Microbatches that do not divide the batch are refused by name.
-  bad = make_train_step(_loss_fn, make_optimizer(OPT_CFG), sharding.make_mesh((2, 2, 2)),
+  bad = make_train_step(_loss_fn, run["optimizer"], sharding.make_mesh((2, 2, 2)),
                         run["shardings"], grad_accum_steps=3, compiler_options=FAST)
   with pytest.raises(ValueError, match=r"grad_accum_steps=3"):
     bad(run["state"], _batches()[0])
@@ -278,4 +367,7 @@ def test_schedule_matches_reference(kind):
 
   sched = make_schedule(cfg)
   got = [float(sched(s)) for s in range(16)]
-  np.testing.assert_allclose(got, [ref(s) for s in range(16)], rtol=1e-6)
+  # float32 cos/mul/add, each rounding by <= eps/2; near the end of the cosine
+  # 1 + cos(pi frac) cancels, so the error is absolute (~eps * lr) against a
+  # value >= end_lr_ratio * lr: 8 eps relative covers both.
+  np.testing.assert_allclose(got, [ref(s) for s in range(16)], rtol=8 * EPS32)
