@@ -15,14 +15,23 @@ verifiers meet. GRPO, evaluation and on-policy distillation all consume the
   logprobs      [N]  the sampler's ``log_softmax(logits / T)`` at policy
                      tokens, 0 elsewhere (GRPO's ``logp_old``).
 
+Single-turn and multi-turn is a property of the task (``Task.multi_turn``):
+single-turn examples are sampled in one call and verified, each distinct
+(example, response) once; multi-turn examples run in their task's
+environment (``opd.rollout.agent``).
+
 Shapes stay static for ``jit``: prompts are left-padded to a multiple of
-``prompt_bucket`` and the batch is padded to the size it started with, so an
-agent episode whose active set shrinks does not recompile the sampler.
+``prompt_bucket`` and the batch is padded to a fixed number of rows, so an
+agent episode whose active set shrinks does not recompile the sampler. With
+``chunked=True`` any number of examples runs in fixed-size chunks (the
+evaluation harness): every sampler call has exactly ``batch_size`` rows and
+all single-turn prompts share one padded length.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -31,8 +40,8 @@ import numpy as np
 from opd import tasks as tasks_lib
 from opd.models import ModelConfig
 from opd.rollout.sampler import SamplingConfig, generate
-from opd.tasks import AgentEnv, AgentRewardConfig, Example, Reward, RewardStats
-from opd.text.tokenizers import ASSISTANT, END, EOS, TOOL, TOOL_RESULT_CLOSE, TOOL_RESULT_OPEN
+from opd.tasks import AgentRewardConfig, AgentTask, Example, Reward, RewardStats, Task
+from opd.text.tokenizers import END, EOS
 
 
 @dataclasses.dataclass
@@ -117,125 +126,146 @@ def sample(model_cfg: ModelConfig, params, tokenizer, prompts: Sequence[np.ndarr
   return completions
 
 
-def rollout(model_cfg: ModelConfig, params, tokenizer, examples: Sequence[Example], rng,
-            sampling: SamplingConfig, *, stats: RewardStats | None = None,
-            agent_config: AgentRewardConfig | None = None,
-            task_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
-            prompt_bucket: int = 32, batch_size: int | None = None, mesh=None, rules=None,
-            verify: bool = True) -> list[Episode]:
-  """One episode per example (repeat examples for groups), verified.
-
-  Single-turn domains are sampled in one batch; agent examples run the
-  multi-turn loop (``rollout_agent``). Verifier crashes score 0 with a
-  counted reason (``stats``), never raise. ``batch_size`` fixes the number
-  of sampler rows (padded) so calls with fewer examples reuse the compile.
-  """
-  task_kwargs = dict(task_kwargs or {})
-  single = [i for i, e in enumerate(examples) if e.domain != "agent"]
-  multi = [i for i, e in enumerate(examples) if e.domain == "agent"]
-  episodes: list[Episode | None] = [None] * len(examples)
-  key_single, key_multi = jax.random.split(_as_key(rng))
-  if single:
-    prompts = [prompt_ids(tokenizer, examples[i]) for i in single]
-    comps = sample(model_cfg, params, tokenizer, prompts, key_single, sampling,
-                   batch_size=batch_size, prompt_bucket=prompt_bucket, mesh=mesh, rules=rules)
-    if verify:
-      # A group of samples often repeats itself: verify each distinct
-      # (example, response) once (code responses each cost a sandbox run).
-      by_domain: dict[str, dict[tuple[str, str], int]] = {}
-      for j, i in enumerate(single):
-        by_domain.setdefault(examples[i].domain, {}).setdefault(
-            (examples[i].id, comps[j].text), j)
-      verified: dict[tuple[str, str], Reward] = {}
-      for domain, firsts in by_domain.items():
-        task = tasks_lib.get_task(domain, **task_kwargs.get(domain, {}))
-        js = list(firsts.values())
-        got = tasks_lib.safe_verify_batch(task, [examples[single[j]] for j in js],
-                                          [comps[j].text for j in js])
-        verified.update(zip(firsts, got))
-      rewards = {j: verified[examples[i].id, comps[j].text] for j, i in enumerate(single)}
-      if stats is not None:
-        for j in range(len(single)):
-          stats.add(rewards[j])
-    for j, (i, c) in enumerate(zip(single, comps)):
-      episodes[i] = Episode(examples[i], prompts[j], c.ids, np.ones(len(c.ids), bool),
-                            c.logprobs, [c.text], not c.finished,
-                            rewards[j] if verify else None)
-  if multi:
-    agent_eps = rollout_agent(model_cfg, params, tokenizer, [examples[i] for i in multi],
-                              key_multi, sampling, config=agent_config, stats=stats,
-                              prompt_bucket=prompt_bucket, batch_size=batch_size, mesh=mesh,
-                              rules=rules)
-    for i, ep in zip(multi, agent_eps):
-      episodes[i] = ep
-  return episodes  # type: ignore[return-value]
-
-
-def _as_key(rng):
+def as_key(rng):
+  """``rng`` as a ``jax.random`` key (ints are seeds)."""
   if isinstance(rng, (int, np.integer)):
     return jax.random.key(int(rng))
   return rng
 
 
-def rollout_agent(model_cfg: ModelConfig, params, tokenizer, examples: Sequence[Example], rng,
-                  sampling: SamplingConfig, *, config: AgentRewardConfig | None = None,
-                  stats: RewardStats | None = None, prompt_bucket: int = 32,
-                  batch_size: int | None = None, mesh=None, rules=None) -> list[Episode]:
-  """Batched multi-turn tool-use episodes (``opd.tasks.AgentEnv``).
+def rollout(model_cfg: ModelConfig, params, tokenizer, examples: Sequence[Example], rng,
+            sampling: SamplingConfig, *, stats: RewardStats | None = None,
+            agent_config: AgentRewardConfig | None = None,
+            task_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+            prompt_bucket: int = 32, batch_size: int | None = None, chunked: bool = False,
+            verify_cache: dict[tuple[str, str], Reward] | None = None,
+            timings: dict[str, float] | None = None, mesh=None, rules=None,
+            verify: bool = True) -> list[Episode]:
+  """One episode per example (repeat examples for groups), verified.
 
-  Each turn samples the next assistant turn for every unfinished episode,
-  steps its environment, and appends the tool reply as non-policy tokens
-  ``<|tool|><tool_result>…</tool_result><|end|><|assistant|>``. An episode
-  ends when the environment says so (answer, malformed turn, turn limit) or
-  when a turn hits ``max_new_tokens`` without closing (truncated, reward
-  from the turns so far).
+  Args:
+    model_cfg, params, tokenizer: the policy.
+    examples: any mix of domains; multi-turn tasks run in their environment.
+    rng: int seed or key. Unchunked, the single-turn call and the multi-turn
+      loop use the two halves of ``jax.random.split(rng)``; chunked, chunk c
+      (single-turn chunks first, then multi-turn ones) uses
+      ``jax.random.fold_in(rng, c)``.
+    sampling: a ``SamplingConfig`` (``sampling_for_chat``).
+    stats: counts every episode's reward reason.
+    agent_config: reward weights of the agent task (shorthand for
+      ``task_kwargs={"agent": {"config": agent_config}}``).
+    task_kwargs: domain -> task constructor arguments (e.g. the code sandbox).
+    prompt_bucket: prompts are left-padded to a multiple of this.
+    batch_size: sampler rows per call (padded), so calls with fewer
+      examples reuse the compile. Unchunked it must hold all single-turn
+      examples (default: their number).
+    chunked: run single-turn examples in chunks of exactly ``batch_size``
+      rows, all at the padded length of the longest single-turn prompt, and
+      multi-turn examples in chunks of ``batch_size`` episodes (a short chunk
+      is padded with copies of its first example, then dropped).
+    verify_cache: (example id, response) -> Reward, read and extended, so
+      repeated calls verify each distinct pair once.
+    timings: accumulates seconds under "generate" (sampling and environment
+      steps) and "verify".
+    mesh, rules: passed to the sampler.
+    verify: False skips single-turn verification (``reward`` stays None).
+
+  Verifier crashes score 0 with a counted reason, never raise.
   """
-  envs = [AgentEnv(config) for _ in examples]
-  for env, ex in zip(envs, examples):
-    env.reset(ex)
-  prompts = [prompt_ids(tokenizer, ex) for ex in examples]
-  pieces: list[list[tuple[np.ndarray, np.ndarray, bool]]] = [[] for _ in examples]
-  turns: list[list[str]] = [[] for _ in examples]
-  truncated = [False] * len(examples)
-  active = list(range(len(examples)))
-  key = _as_key(rng)
-  while active:
-    key, sub = jax.random.split(key)
-    contexts = [np.concatenate([prompts[i]] + [p[0] for p in pieces[i]]) for i in active]
-    comps = sample(model_cfg, params, tokenizer, contexts, sub, sampling,
-                   batch_size=batch_size or len(examples), prompt_bucket=prompt_bucket,
-                   mesh=mesh, rules=rules)
-    still = []
-    for i, c in zip(active, comps):
-      pieces[i].append((c.ids, c.logprobs, True))
-      turns[i].append(c.text)
-      result, done, _ = envs[i].step(c.text)
-      if not c.finished:
-        # The turn ran out of tokens: it is judged as written (it may still
-        # parse) and the episode stops here, scored on its turns so far.
-        truncated[i] = True
-        continue
-      if done:
-        continue
-      feedback = (f"{TOOL}{TOOL_RESULT_OPEN}{result if result is not None else ''}"
-                  f"{TOOL_RESULT_CLOSE}{END}{ASSISTANT}")
-      fb_ids = np.asarray(tokenizer.encode(feedback), np.int32)
-      pieces[i].append((fb_ids, np.zeros(len(fb_ids), np.float32), False))
-      still.append(i)
-    active = still
-  episodes = []
-  for i, ex in enumerate(examples):
-    ids = np.concatenate([p[0] for p in pieces[i]]).astype(np.int32)
-    logps = np.concatenate([p[1] for p in pieces[i]]).astype(np.float32)
-    pmask = np.concatenate([np.full(len(p[0]), p[2], bool) for p in pieces[i]])
-    try:
-      reward = envs[i].reward()
-    except Exception as e:  # noqa: BLE001 - count, score 0, never crash a trainer
-      reward = Reward(0.0, 0.0, {}, f"verifier_error:{type(e).__name__}: {e}"[:300])
+  if chunked and (batch_size is None or batch_size < 1):
+    raise ValueError(f"rollout(chunked=True) needs batch_size >= 1, got {batch_size!r}")
+  tasks = _tasks(examples, task_kwargs, agent_config, verify)
+  is_multi = [e.domain in tasks and tasks[e.domain].multi_turn for e in examples]
+  single = [i for i, m in enumerate(is_multi) if not m]
+  multi = [i for i, m in enumerate(is_multi) if m]
+  key = as_key(rng)
+  prompts = {}
+  for i in single:
+    if examples[i].id not in prompts:
+      prompts[examples[i].id] = prompt_ids(tokenizer, examples[i])
+  if chunked:
+    single_chunks = [single[c:c + batch_size] for c in range(0, len(single), batch_size)]
+    multi_chunks = [multi[c:c + batch_size] for c in range(0, len(multi), batch_size)]
+    keys = [jax.random.fold_in(key, c) for c in range(len(single_chunks) + len(multi_chunks))]
+    single_keys, multi_keys = keys[:len(single_chunks)], keys[len(single_chunks):]
+    longest = max((len(p) for p in prompts.values()), default=1)
+    single_bucket = prompt_bucket * math.ceil(longest / prompt_bucket)
+  else:
+    single_chunks, multi_chunks = [single] if single else [], [multi] if multi else []
+    key_single, key_multi = jax.random.split(key)
+    single_keys, multi_keys, single_bucket = [key_single], [key_multi], prompt_bucket
+  timings = timings if timings is not None else {}
+  episodes: list[Episode | None] = [None] * len(examples)
+  for idx, k in zip(single_chunks, single_keys):
+    t0 = time.perf_counter()
+    comps = sample(model_cfg, params, tokenizer, [prompts[examples[i].id] for i in idx], k,
+                   sampling, batch_size=batch_size, prompt_bucket=single_bucket, mesh=mesh,
+                   rules=rules)
+    timings["generate"] = timings.get("generate", 0.0) + time.perf_counter() - t0
+    for i, c in zip(idx, comps):
+      episodes[i] = Episode(examples[i], prompts[examples[i].id], c.ids,
+                            np.ones(len(c.ids), bool), c.logprobs, [c.text], not c.finished)
+  if verify and single:
+    t0 = time.perf_counter()
+    _verify([episodes[i] for i in single], tasks,
+            verify_cache if verify_cache is not None else {}, stats)
+    timings["verify"] = timings.get("verify", 0.0) + time.perf_counter() - t0
+  from opd.rollout import agent  # agent builds on this module's Episode and sample
+  for idx, k in zip(multi_chunks, multi_keys):
+    chunk = [examples[i] for i in idx]
+    if chunked:
+      chunk += [chunk[0]] * (batch_size - len(chunk))
+    t0 = time.perf_counter()
+    eps = agent.rollout_multi_turn(model_cfg, params, tokenizer, chunk, k, sampling, tasks=tasks,
+                                   prompt_bucket=prompt_bucket, batch_size=batch_size,
+                                   mesh=mesh, rules=rules)
+    timings["generate"] = timings.get("generate", 0.0) + time.perf_counter() - t0
+    for i, ep in zip(idx, eps):
+      episodes[i] = ep
+      if stats is not None:
+        stats.add(ep.reward)
+  return episodes  # type: ignore[return-value]
+
+
+def _tasks(examples: Sequence[Example], task_kwargs, agent_config, verify: bool
+           ) -> dict[str, Task]:
+  """Domain -> task for the domains of ``examples`` that need one: multi-turn
+  domains always, single-turn ones when verifying. Unknown domains (custom
+  prompts scored by the caller) are single-turn and need ``verify=False``."""
+  kwargs = {d: dict(v) for d, v in (task_kwargs or {}).items()}
+  if agent_config is not None:
+    own = kwargs.setdefault(AgentTask.domain, {})
+    if "config" in own:
+      raise ValueError(f"agent_config and task_kwargs[{AgentTask.domain!r}]['config'] are both "
+                       "set; pass one")
+    own["config"] = agent_config
+  tasks = {}
+  for domain in dict.fromkeys(e.domain for e in examples):
+    if domain in tasks_lib.ALL_DOMAINS and (verify or tasks_lib.is_multi_turn(domain)):
+      tasks[domain] = tasks_lib.get_task(domain, **kwargs.get(domain, {}))
+    elif verify:
+      tasks_lib.get_task(domain)  # raises: unknown domain
+  return tasks
+
+
+def _verify(episodes: Sequence[Episode], tasks: Mapping[str, Task],
+            cache: dict[tuple[str, str], Reward], stats: RewardStats | None) -> None:
+  """Sets ``ep.reward`` of single-turn episodes. A group of samples often
+  repeats itself: each distinct (example, response) is verified once (code
+  responses each cost a sandbox run), and ``cache`` carries over calls."""
+  todo: dict[str, dict[tuple[str, str], Example]] = {}
+  for ep in episodes:
+    k = (ep.example.id, ep.turns[0])
+    if k not in cache:
+      todo.setdefault(ep.example.domain, {})[k] = ep.example
+  for domain, pairs in todo.items():
+    got = tasks_lib.safe_verify_batch(tasks[domain], list(pairs.values()),
+                                      [text for _, text in pairs])
+    cache.update(zip(pairs, got))
+  for ep in episodes:
+    ep.reward = cache[ep.example.id, ep.turns[0]]
     if stats is not None:
-      stats.add(reward)
-    episodes.append(Episode(ex, prompts[i], ids, pmask, logps, turns[i], truncated[i], reward))
-  return episodes
+      stats.add(ep.reward)
 
 
 def batch_episodes(episodes: Sequence[Episode], *, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:

@@ -242,7 +242,7 @@ def test_scripted_greedy_only_and_sampled_only(monkeypatch):
   r = ev.evaluate(CFG, None, TOK, cfg)
   assert set(r.domains["math"].metrics) == {"mean@2", "solved@2", "format@2"}
   # One of two samples right per example: exactly 50 with zero spread.
-  assert r.score("math", "solved@2") == ev.Score(50.0, 0.0)
+  assert r.score("math", "solved@2") == ev.Estimate(50.0, 0.0)
   assert r.domains["agent"].transcripts[0]["reward"] == pytest.approx(1.0)
 
 

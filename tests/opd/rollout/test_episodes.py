@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from opd.rollout import episodes as rl
+from opd.rollout.agent import rollout_multi_turn
 from opd.models import ModelConfig, forward, init_params, token_logprobs
 from opd.tasks import get_task
 from opd.text.tokenizers import ByteTokenizer
@@ -66,7 +67,7 @@ def test_agent_loop_with_scripted_policy(monkeypatch):
 
   monkeypatch.setattr(rl, "sample", scripted)
   sampling = rl.sampling_for_chat(TOK, max_new_tokens=80)
-  eps = rl.rollout_agent(CFG, None, TOK, examples, jax.random.key(0), sampling)
+  eps = rollout_multi_turn(CFG, None, TOK, examples, jax.random.key(0), sampling)
   for ep, ex in zip(eps, examples):
     assert ep.reward.reward == pytest.approx(1.0), ep.reward
     text = TOK.decode(ep.response_ids)

@@ -1,0 +1,69 @@
+"""Bootstrap statistics of evaluation scores (docs/DESIGN.md §10).
+
+Every score is a mean over examples with a bootstrap standard error:
+examples are resampled with replacement (an example's N samples stay
+together, so the SE reflects the spread between problems, not only sampling
+noise), and the SE is the standard deviation of the resampled means.
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import numpy as np
+
+from opd.config.fields import check_int
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """A mean and its bootstrap standard error, both on the 0-100 scale."""
+  value: float
+  se: float
+
+  def __str__(self) -> str:
+    return f"{self.value:.1f} ± {self.se:.1f}"
+
+
+def bootstrap_seed(seed: int, domain: str) -> tuple[int, int]:
+  """The ``np.random.default_rng`` seed of a domain's resamples. It does not
+  depend on the model, so models are compared on the same resamples."""
+  return (int(seed), zlib.crc32(domain.encode()))
+
+
+def bootstrap_se(values, num_resamples: int, seed) -> float:
+  """Bootstrap standard error of the mean over examples.
+
+  Args:
+    values: ``[n]`` one value per example, or ``[n, N]`` N values per
+      example that are resampled together (the row mean is the example's
+      value).
+    num_resamples: B >= 2 resamples of n examples drawn with replacement.
+    seed: anything ``np.random.default_rng`` takes; resample b uses the
+      b-th row of ``rng.integers(0, n, size=(B, n))``.
+
+  Returns:
+    The standard deviation (ddof=1) of the B resampled means, in the units
+    of ``values``.
+  """
+  x = np.asarray(values, np.float64)
+  if x.ndim not in (1, 2) or x.shape[0] == 0 or x.size == 0:
+    raise ValueError(f"values must be a non-empty [n] or [n, N] array, got shape {x.shape}")
+  if not np.all(np.isfinite(x)):
+    raise ValueError("values must be finite")
+  num_resamples = check_int("bootstrap_se", "num_resamples", num_resamples, min_value=2)
+  if x.ndim == 2:
+    x = x.mean(axis=1)
+  n = x.shape[0]
+  rng = np.random.default_rng(seed)
+  # Blocks bound memory (B * n indices); rows come off the stream in order.
+  rows = max(1, (1 << 22) // n)
+  means = np.concatenate([x[rng.integers(0, n, size=(min(rows, num_resamples - b), n))].mean(1)
+                          for b in range(0, num_resamples, rows)])
+  return float(means.std(ddof=1))
+
+
+def estimate(values, num_resamples: int, seed) -> Estimate:
+  """``Estimate`` of the mean of ``values`` in [0, 1] (``bootstrap_se``'s
+  shapes), both scaled to 0-100."""
+  return Estimate(100.0 * float(np.mean(values)), 100.0 * bootstrap_se(values, num_resamples, seed))
