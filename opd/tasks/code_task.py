@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import ast
 import concurrent.futures
+import logging
 import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from opd.text import parsers
-from opd.tasks.sandbox.api import Sandbox, SandboxLimits
+from opd.tasks.sandbox.api import (KERNEL_ISOLATION, IsolationUnavailable, Sandbox,
+                                   SandboxLimits)
 from opd.tasks.base import Draft, Example, Reward, Task, _check_batch, malformed
 
 N_TESTS = 6
@@ -121,20 +123,48 @@ def _same(a: Any, b: Any) -> bool:
 
 class CodeTask(Task):
   domain = "code"
+  # Model-written programs need kernel-enforced file-system, network and
+  # process isolation (docs/DESIGN.md §7); see opd.tasks.sandbox.api.
+  required_isolation = KERNEL_ISOLATION
 
-  def __init__(self, sandbox: Sandbox | None = None, *, workers: int = 2):
-    """Args: sandbox: runs the programs (default: ``Sandbox()`` created on first
-    use, "auto" isolation, 1 s CPU, 2 s wall); workers: parallel sandbox runs
-    in ``verify_batch``."""
+  def __init__(self, sandbox: Sandbox | None = None, *, workers: int = 2,
+               allow_weak_isolation: bool = False):
+    """Creates the task.
+
+    Args:
+      sandbox: runs the programs (default: a ``Sandbox`` created on first use,
+        "auto" isolation, 1 s CPU, 2 s wall, requiring ``required_isolation``).
+      workers: parallel sandbox runs in ``verify_batch``.
+      allow_weak_isolation: explicit, logged opt-in to a sandbox without
+        ``required_isolation`` (e.g. "rlimits" where namespaces are missing).
+
+    Raises:
+      IsolationUnavailable: ``sandbox`` (here) or the default sandbox (on
+        first use) lacks ``required_isolation`` and ``allow_weak_isolation``
+        is False; the message names what is missing and how to get it.
+    """
     if not isinstance(workers, int) or workers < 1:
       raise ValueError(f"workers must be a positive int, got {workers!r}")
+    self.allow_weak_isolation = bool(allow_weak_isolation)
+    if isinstance(sandbox, Sandbox):
+      missing = [r for r in self.required_isolation if r not in sandbox.provides]
+      if missing:
+        message = (f"CodeTask needs kernel-enforced {', '.join(missing)} isolation, which "
+                   f"isolation={sandbox.isolation!r} does not give; build the Sandbox with a "
+                   "namespaces level (see opd.tasks.sandbox.api) or pass "
+                   "allow_weak_isolation=True")
+        if not self.allow_weak_isolation:
+          raise IsolationUnavailable(message)
+        logging.getLogger(__name__).warning("allow_weak_isolation=True: %s", message)
     self._sandbox = sandbox
     self.workers = workers
 
   @property
   def sandbox(self) -> Sandbox:
     if self._sandbox is None:
-      self._sandbox = Sandbox(SandboxLimits(cpu_s=1.0, wall_s=2.0))
+      self._sandbox = Sandbox(SandboxLimits(cpu_s=1.0, wall_s=2.0),
+                              require=self.required_isolation,
+                              allow_weaker=self.allow_weak_isolation)
     return self._sandbox
 
   def draft(self, rng: random.Random, difficulty: int) -> Draft:

@@ -1,7 +1,10 @@
 """Runs untrusted programs in a subprocess with kernel-enforced isolation and resource limits.
 
-``api`` is the caller's side; ``launcher`` is the child-side program, run by
-file path with ``python -I -S`` and kept free of heavy imports.
+``api`` is the caller's side (``outcome`` reads and classifies a run,
+``cgroup`` makes the per-run control groups); ``launcher`` is the child-side
+program, run by file path with ``python -I -S`` and kept free of heavy
+imports, and ``guard`` the audit hook it installs.
 """
-from opd.tasks.sandbox.api import (ISOLATION_LEVELS, UID_BASE, Sandbox, SandboxLimits,
-                                   SandboxResult, isolation_report, probe_isolation)
+from opd.tasks.sandbox.api import (ISOLATION_LEVELS, KERNEL_ISOLATION, UID_BASE,
+                                   IsolationUnavailable, Sandbox, SandboxLimits, SandboxResult,
+                                   isolation_report, probe_isolation)

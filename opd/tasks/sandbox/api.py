@@ -1,62 +1,81 @@
 """Sandbox for executing model-written programs (docs/DESIGN.md §7 "Sandbox", §9 code domain).
 
 A program runs in a fresh subprocess with CPU-time, wall-time, memory,
-output-size, file-size, open-file and process-count limits, in a private
-temporary directory, and is killed with its whole process group when it
-exceeds the wall time or the output cap. The caller is never affected: every
-hazard comes back as a failed ``SandboxResult`` with a reason.
+output-size, file-size, open-file and process-count limits, and is killed
+with everything it started when it exceeds the wall time or the output cap.
+The caller is never affected: every hazard comes back as a failed
+``SandboxResult`` with a reason.
 
 Isolation levels (``Sandbox.isolation``; ``"auto"`` picks the first that
-works here, probed once per process; ``Sandbox.enforced`` lists the layers):
+works here, probed once per process; ``Sandbox.enforced`` lists the layers,
+``Sandbox.provides`` the kernel-enforced properties of ``KERNEL_ISOLATION``):
 
 ``"namespaces-root"`` (the caller is root with CAP_SYS_ADMIN)
-  New mount, pid, network, IPC and UTS namespaces. Every mount is made
-  read-only recursively (``mount_setattr``, Linux >= 5.12) and the work
-  directory is a size-limited tmpfs, the only writable place. The network
-  namespace has only a down loopback, so no connection can be made. The
-  program runs as pid >= 2 under a tiny init; when init exits the kernel
-  kills every process of the namespace, so nothing outlives the run. The
-  program runs as an unprivileged uid, by default a fresh one per run drawn
-  from ``[UID_BASE, UID_BASE + 2**20)`` (a range no real account uses): no
-  capabilities, other users' files protected by permissions, and RLIMIT_NPROC
-  enforced per run (the kernel exempts uid 0 from it and counts per uid, so a
-  fresh uid is what makes the limit real and private to the run). If the
-  interpreter lives under a directory that uid may not enter (pyenv under a
-  0700 ``/root``), that directory is covered by an empty tmpfs in the
-  namespace and only the interpreter prefix is bound back.
+  New mount, pid, network, IPC and UTS namespaces and a minimal root built
+  the way bubblewrap builds one: a small tmpfs holding read-only binds of
+  ``/usr`` (with the ``/bin``, ``/lib*`` links or directories), the
+  dynamic-linker cache and the interpreter's prefix; ``/dev`` with only
+  ``null``, ``zero`` and ``urandom``; a fresh procfs of the run's pid
+  namespace (only the run's own processes are visible); and the work
+  directory ``/sandbox``, a size-limited tmpfs and the only writable place.
+  The host root is detached (``pivot_root``): no ``/tmp``, ``/run``, home,
+  ``workdirs``, or socket file of the host exists for the program, and the
+  network namespace has only a down loopback (abstract Unix sockets are per
+  network namespace too), so no connection can be made. The program runs as
+  pid >= 2 under a tiny init; when init exits the kernel kills every process
+  of the namespace. It runs as an unprivileged uid, by default a fresh one
+  per run from ``[UID_BASE, UID_BASE + 2**20)`` (a range no real account
+  uses): no capabilities, and RLIMIT_NPROC per run (the kernel exempts uid 0
+  and counts per uid).
 ``"namespaces-user"`` (unprivileged user namespaces)
-  The same inside a new user namespace mapping the caller's uid to 0 (a root
-  caller first switches to the per-run uid); the program's capabilities are
-  dropped with ``capset`` before it runs, and RLIMIT_NPROC counts per
-  (user namespace, uid), i.e. per run.
-``"rlimits"`` (no namespaces)
-  Resource limits, a private work directory, process-group kill and, for a
-  root caller whose interpreter other users can read, the uid drop. The
-  kernel does NOT enforce here: network isolation, a read-only file system,
-  or killing processes that leave the process group with ``setsid``.
+  The same root and namespaces inside a new user namespace mapping the
+  caller's uid (a root caller first switches to the per-run uid) to 0; the
+  program's capabilities are dropped with ``capset`` before it runs.
+``"rlimits"`` (no namespaces; weaker, see below)
+  Resource limits, a private work directory, process-group kill and the
+  uid drop. It never runs a program as root: for a root caller whose
+  interpreter the per-run uid cannot read (pyenv under a 0700 ``/root``)
+  the level is unavailable. The kernel does NOT enforce here: file-system
+  or network isolation, or killing processes that leave the process group
+  with ``setsid`` (a per-run cgroup, where there is one, still kills them).
+
+Fail closed: ``Sandbox(require=KERNEL_ISOLATION)`` (what ``CodeTask``
+requires) raises ``IsolationUnavailable`` at construction when the level
+lacks any of them, naming what is missing and how to get it, unless
+``allow_weaker=True``, which logs a warning and runs with what is there.
+
+Memory and processes per run: where the caller may create a cgroup (v2
+with ``memory`` and ``pids`` delegated, else the v1 hierarchies; see
+``opd.tasks.sandbox.cgroup``) every process of the run, launcher included,
+shares one ``memory_bytes`` budget and one pids budget, and the kernel's
+OOM kills are reported as ``memory_limit``. Elsewhere only per-process
+RLIMIT_AS applies (a run of n processes may use n x ``memory_bytes``), and
+``enforced`` says ``rlimit_address_space_per_process`` without the
+``cgroup_*`` layers.
+
+Trusted status: set-up failures and the program's end come only through a
+private pipe the program never holds (``opd.tasks.sandbox.outcome``); a
+program printing a set-up error and exiting with any code is scored as a
+failed program, never as an infrastructure error.
 
 Python guard (``python_guard=True``; Python programs only; every level): an
-audit hook (``sys.addaudithook``; Python code cannot remove it) terminates the
-program on process creation (``os.fork``, ``os.system``, ``os.exec*``,
-``os.posix_spawn``, ``subprocess``), signals, sockets, ``ctypes``,
-``resource.setrlimit`` and file-system writes (open for writing, rename,
-remove, mkdir, chmod, ...) outside the work directory. It is defence in depth,
-not a boundary: introspection can defeat Python-level hooks, so the kernel
-layers above are the boundary wherever they are available.
+audit hook (``opd.tasks.sandbox.guard``) terminates the program on process
+creation, signals, sockets, ``ctypes``, ``resource.setrlimit``, new threads,
+object-graph introspection (``gc``) and file-system writes outside the work
+directory. It captures what it consults at start-up and keeps its deny
+action out of the program's reach, but it is defence in depth, not a
+boundary: no property in ``provides`` rests on it.
 
-Reads are restricted only by file permissions (and, as root, by the covering
-tmpfs described above). The child side (namespaces, mounts, uid drop, rlimits, the guard) lives in
-``opd.tasks.sandbox.launcher``, run as ``python -I -S sandbox_launcher.py CONFIG``
+The child side (namespaces, root, uid drop, rlimits) lives in
+``opd.tasks.sandbox.launcher``, run as ``python -I -S launcher.py CONFIG``
 and kept to light imports because its start-up is paid on every run.
 """
 import dataclasses
+import logging
 import marshal
-import math
 import os
 import random
-import selectors
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -66,11 +85,22 @@ import uuid
 from collections.abc import Mapping, Sequence
 
 from opd.config.fields import check_float, check_int, set_field
+from opd.tasks.sandbox import cgroup, outcome
 from opd.tasks.sandbox import launcher as sandbox_launcher
-from opd.tasks.sandbox.launcher import _FORBIDDEN_EXIT, _GUARD_MARK, _SETUP_EXIT, _blocked_ancestor
+from opd.tasks.sandbox.launcher import _blocked_ancestor
 
 ISOLATION_LEVELS = ("namespaces-root", "namespaces-user", "rlimits")
 UID_BASE = 0x5A000000  # per-run uids come from [UID_BASE, UID_BASE + 2**20)
+# What a task may require (``Sandbox(require=...)``), each enforced by the kernel.
+KERNEL_ISOLATION = ("filesystem", "network", "processes")
+_PROVIDES = {"namespaces-root": KERNEL_ISOLATION, "namespaces-user": KERNEL_ISOLATION,
+             "rlimits": ()}
+_HOW_TO_GET = ("kernel isolation needs a namespaces level: 'namespaces-root' runs the caller as "
+               "root (CAP_SYS_ADMIN); 'namespaces-user' needs unprivileged user namespaces "
+               "(sysctl user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1 on "
+               "Debian kernels, kernel.apparmor_restrict_unprivileged_userns=0 on Ubuntu >= "
+               "23.10); or pass allow_weaker=True to run with what is there (logged)")
+_LOG = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,12 +111,15 @@ class SandboxLimits:
     cpu_s: CPU seconds (RLIMIT_CPU, rounded up to whole seconds; SIGKILL one
       second after SIGXCPU).
     wall_s: wall-clock seconds for the whole run, set-up included.
-    memory_bytes: address-space limit of the program (RLIMIT_AS).
+    memory_bytes: address-space limit of each process of the program
+      (RLIMIT_AS) and, where a per-run cgroup is available
+      (``"cgroup_memory_per_run"`` in ``Sandbox.enforced``), the memory of
+      the whole run.
     output_bytes: stdout + stderr bytes kept; one more byte kills the run.
     file_bytes: largest file the program may write (RLIMIT_FSIZE) and, with
       namespaces, the size of the tmpfs work directory.
-    max_processes: processes and threads the program's uid may have
-      (RLIMIT_NPROC).
+    max_processes: processes and threads the program may have (RLIMIT_NPROC
+      of its uid and, with a cgroup, the run's pids.max plus the launcher's two).
     max_open_files: RLIMIT_NOFILE.
   """
   cpu_s: float = 1.0
@@ -118,8 +151,10 @@ class SandboxResult:
     reason: ``"ok"``, ``"wall_time_limit"``, ``"cpu_time_limit"``,
       ``"memory_limit"``, ``"output_limit"``, ``"file_size_limit"``,
       ``"forbidden:<audit event>"``, ``"exit_code:<n>"``, ``"signal:<NAME>"``,
-      or ``"sandbox_error:<message>"`` when the sandbox itself failed (an
-      infrastructure error, not the program's fault).
+      ``"supervisor_killed"`` (only where the program can reach it, see
+      ``opd.tasks.sandbox.outcome``), or ``"sandbox_error:<message>"`` when
+      the sandbox itself failed (an infrastructure error, not the program's
+      fault; only ever on the word of the private status pipe).
     returncode: exit status, ``-signal`` if a signal ended it, ``None`` if it
       never ran or the parent killed it.
     stdout, stderr: captured output (UTF-8, undecodable bytes replaced).
@@ -141,11 +176,16 @@ class SandboxResult:
     return self.reason.startswith("sandbox_error")
 
 
+class IsolationUnavailable(ValueError):
+  """The sandbox cannot give the isolation a caller requires (see ``Sandbox``)."""
+
+
 class Sandbox:
   """Runs programs under ``limits`` at one isolation level. Thread-safe."""
 
   def __init__(self, limits: SandboxLimits | None = None, *, isolation: str = "auto",
-               python_guard: bool = True, sandbox_uid: int | None = None):
+               python_guard: bool = True, sandbox_uid: int | None = None,
+               require: Sequence[str] = (), allow_weaker: bool = False):
     """Creates a sandbox.
 
     Args:
@@ -156,40 +196,65 @@ class Sandbox:
       sandbox_uid: uid (and gid) programs run as when the caller is root;
         None draws a fresh one per run from ``[UID_BASE, UID_BASE + 2**20)``,
         so concurrent runs never share an RLIMIT_NPROC budget.
+      require: properties of ``KERNEL_ISOLATION`` the caller needs enforced
+        by the kernel; a level without them raises ``IsolationUnavailable``.
+      allow_weaker: run anyway when ``require`` is not met, with a logged
+        warning (an explicit opt-in; never the default).
     """
     self.limits = SandboxLimits() if limits is None else limits
     if not isinstance(self.limits, SandboxLimits):
       raise ValueError(f"limits must be a SandboxLimits, got {type(limits).__name__}")
-    if isolation == "auto":
-      isolation = probe_isolation()
-    elif isolation not in ISOLATION_LEVELS:
-      raise ValueError(f"isolation must be 'auto' or one of {ISOLATION_LEVELS}, got {isolation!r}")
-    elif problem := _level_problem(isolation):
-      raise ValueError(f"isolation={isolation!r} is not available here: {problem}")
-    self.isolation = isolation
-    self.python_guard = bool(python_guard)
+    if isinstance(require, str) or not set(require) <= set(KERNEL_ISOLATION):
+      raise ValueError(f"require must be a subset of {KERNEL_ISOLATION}, got {require!r}")
     if sandbox_uid is not None and (not isinstance(sandbox_uid, int) or sandbox_uid <= 0):
       raise ValueError(f"sandbox_uid must be a positive int or None, got {sandbox_uid!r}")
+    if isolation == "auto":
+      isolation = probe_isolation()
+      if isolation is None:
+        raise IsolationUnavailable(f"no isolation level works here: {isolation_report()}")
+    elif isolation not in ISOLATION_LEVELS:
+      raise ValueError(f"isolation must be 'auto' or one of {ISOLATION_LEVELS}, got {isolation!r}")
+    elif problem := _level_problem(isolation, sandbox_uid):
+      raise IsolationUnavailable(f"isolation={isolation!r} is not available here: {problem}")
+    missing = [r for r in require if r not in _PROVIDES[isolation]]
+    if missing:
+      message = (f"isolation={isolation!r} does not give kernel-enforced {', '.join(missing)} "
+                 f"isolation, which is required here. {_HOW_TO_GET}. Levels here: "
+                 f"{isolation_report()}")
+      if not allow_weaker:
+        raise IsolationUnavailable(message)
+      _LOG.warning("allow_weaker=True, running anyway: %s", message)
+    self.isolation = isolation
+    self.python_guard = bool(python_guard)
     self.sandbox_uid = sandbox_uid
-    self._drops_uid = _drops_uid(isolation, sandbox_uid)
+    self._drops_uid = _drops_uid(isolation)
+    # A cgroup the program's own uid could write is no limit (rlimits, no uid drop).
+    self._cgroup = cgroup.problem() is None and (isolation != "rlimits" or self._drops_uid)
+
+  @property
+  def provides(self) -> tuple[str, ...]:
+    """The properties of ``KERNEL_ISOLATION`` the kernel enforces at this level."""
+    return _PROVIDES[self.isolation]
 
   @property
   def enforced(self) -> tuple[str, ...]:
     """The layers every run gets (see the module docstring)."""
-    layers = ["rlimit_cpu", "rlimit_address_space", "rlimit_file_size", "rlimit_open_files",
-              "wall_timeout_kill_process_group", "output_cap", "private_workdir", "no_new_privs"]
+    layers = ["rlimit_cpu", "rlimit_address_space_per_process", "rlimit_file_size",
+              "rlimit_open_files", "wall_timeout_kill_process_group", "output_cap",
+              "private_workdir", "no_new_privs", "trusted_status_pipe"]
+    if self._cgroup:
+      layers += ["cgroup_memory_per_run", "cgroup_pids_per_run", "cgroup_kill"]
     if self._drops_uid:
       layers.append("uid_drop")
     if self.isolation != "rlimits":
-      layers += ["pid_namespace", "network_namespace", "mount_namespace_readonly_root",
-                 "tmpfs_workdir", "capabilities_dropped"]
+      layers += ["minimal_root", "fresh_proc", "pid_namespace", "network_namespace",
+                 "ipc_namespace", "readonly_root", "tmpfs_workdir", "capabilities_dropped"]
     if self._drops_uid or self.isolation == "namespaces-user":
       layers.append("rlimit_nproc")
-    elif os.geteuid() != 0:
-      # Shared with the caller's own processes: the limit is set to their
-      # current count + max_processes.
+    else:
+      # A non-root caller's uid: shared with its own processes, the limit is
+      # set to their current count + max_processes.
       layers.append("rlimit_nproc_shared_with_caller")
-    # (else root keeping uid 0: the kernel exempts it from RLIMIT_NPROC.)
     if self.python_guard:
       layers.append("python_audit_guard")
     return tuple(layers)
@@ -232,26 +297,44 @@ class Sandbox:
       shutil.rmtree(base, ignore_errors=True)
 
   def _run_in(self, base, run_id, program, stdin, files) -> SandboxResult:
-    workdir = os.path.join(base, "work")
-    os.mkdir(workdir, 0o700)
+    start = time.monotonic()
     drop_uid = None
     if self._drops_uid:
       drop_uid = self.sandbox_uid or UID_BASE + random.randrange(2**20)
-    if drop_uid is not None:
-      os.chmod(base, 0o711)  # the dropped uid must reach its directory by path
-      if self.isolation != "namespaces-root":  # (there, the tmpfs gets the owner)
+      os.chmod(base, 0o711)  # the launcher reaches its directories by path after the drop
+    workdir = os.path.join(base, "work")
+    if self.isolation == "rlimits":
+      os.mkdir(workdir, 0o700)
+      if drop_uid is not None:
         os.chown(workdir, drop_uid, drop_uid)
+    else:
+      os.mkdir(os.path.join(base, "root"), 0o755)  # the mount point of the program's root
+    group = None
+    if self._cgroup:
+      try:
+        group = cgroup.RunCgroup.create(f"opd-sandbox-{run_id}", self.limits.memory_bytes,
+                                        self.limits.max_processes + 2)
+      except OSError as e:
+        return SandboxResult(False, f"sandbox_error:cgroup: {e}", None, "", "",
+                             time.monotonic() - start, self.enforced, run_id)
+    try:
+      return self._launch(base, run_id, program, stdin, files, workdir, drop_uid, group, start)
+    finally:
+      if group is not None:
+        group.remove()
+
+  def _launch(self, base, run_id, program, stdin, files, workdir, drop_uid, group,
+              start) -> SandboxResult:
     status_r, status_w = os.pipe()
     cfg = {"mode": self.isolation, "workdir": workdir, "base": base, "program": program,
            "stdin": stdin, "files": files, "status_fd": status_w, "drop_uid": drop_uid,
            "guard": self.python_guard, "limits": dataclasses.asdict(self.limits),
-           "python_prefixes": [os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)]}
+           "root_plan": _root_plan(), "cgroup_procs": group.procs_files if group else []}
     cfg_path = os.path.join(base, "config.marshal")
     with open(os.open(cfg_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
       marshal.dump(cfg, f)
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir,
            "TMPDIR": workdir, "PYTHONIOENCODING": "utf-8"}
-    start = time.monotonic()
     try:
       proc = subprocess.Popen(
           [sys.executable, "-I", "-S", "-B", os.path.abspath(sandbox_launcher.__file__), cfg_path, run_id],
@@ -264,118 +347,21 @@ class Sandbox:
     finally:
       os.close(status_w)
     try:
-      out, err, killed = _collect(proc, start + self.limits.wall_s, self.limits.output_bytes)
+      out, err, killed = outcome.collect(proc, start + self.limits.wall_s, self.limits.output_bytes)
     finally:
-      _kill_group(proc.pid)
+      outcome.kill_group(proc.pid)
+      if group is not None:
+        group.kill()
       proc.wait()
-      status = _read_all(status_r)
+      status = outcome.read_all(status_r)
       os.close(status_r)
     stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
-    reason, returncode = _classify(killed, status, proc.returncode, stderr, self.limits)
+    reason, returncode = outcome.classify(
+        killed, status, stderr, cpu_limit_s=self.limits.cpu_s,
+        oom_kills=group.oom_kills() if group else 0,
+        supervisor_reachable=self.isolation == "rlimits" and not self._drops_uid)
     return SandboxResult(reason == "ok", reason, returncode, stdout, stderr,
                          time.monotonic() - start, self.enforced, run_id)
-
-
-def _collect(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bytes, str | None]:
-  """Reads stdout/stderr until EOF, the deadline or the output cap.
-
-  Once the launcher has exited its process group is killed, so pipes held
-  open by stragglers (possible in "rlimits" mode) cannot stall the run.
-  """
-  bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
-  sel = selectors.DefaultSelector()
-  for pipe in bufs:
-    os.set_blocking(pipe.fileno(), False)
-    sel.register(pipe, selectors.EVENT_READ)
-  killed, total, reaped = None, 0, False
-  try:
-    while sel.get_map() and killed is None:
-      remaining = deadline - time.monotonic()
-      if remaining <= 0:
-        killed = "wall_time_limit"
-        break
-      for key, _ in sel.select(timeout=min(remaining, 0.05)):
-        chunk = os.read(key.fd, 65536)
-        if not chunk:
-          sel.unregister(key.fileobj)
-          continue
-        bufs[key.fileobj] += chunk[:max(0, cap - total)]
-        total += len(chunk)
-        if total > cap:
-          killed = "output_limit"
-          break
-      if not reaped and proc.poll() is not None:
-        reaped = True
-        _kill_group(proc.pid)
-    if killed is None:
-      try:
-        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-      except subprocess.TimeoutExpired:
-        killed = "wall_time_limit"
-  finally:
-    sel.close()
-    if killed:
-      _kill_group(proc.pid)
-    for pipe in bufs:
-      pipe.close()
-  return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), killed
-
-
-def _kill_group(pgid: int):
-  try:
-    os.killpg(pgid, signal.SIGKILL)
-  except (ProcessLookupError, PermissionError):
-    pass
-
-
-def _read_all(fd: int) -> str:
-  os.set_blocking(fd, False)
-  chunks = []
-  while True:
-    try:
-      chunk = os.read(fd, 4096)
-    except BlockingIOError:
-      break
-    if not chunk:
-      break
-    chunks.append(chunk)
-  return b"".join(chunks).decode("utf-8", "replace")
-
-
-def _classify(killed: str | None, status: str, launcher_rc: int | None, stderr: str,
-              limits: SandboxLimits) -> tuple[str, int | None]:
-  """(reason, returncode) from the parent's kill, the status line and stderr."""
-  if killed:
-    return killed, None
-  lines = status.strip().splitlines()
-  if not lines:
-    return f"sandbox_error:no status (launcher exit {launcher_rc}): {stderr[-300:]!r}", None
-  kind, _, rest = lines[-1].partition(" ")
-  if kind == "setup_error":
-    return f"sandbox_error:{rest}", None
-  value, cpu = rest.split()
-  value, cpu = int(value), float(cpu)
-  tail = stderr[-2000:]
-  if kind == "signal":
-    if value == signal.SIGXCPU or (value == signal.SIGKILL and cpu >= math.ceil(limits.cpu_s) - 0.05):
-      return "cpu_time_limit", -value
-    if value == signal.SIGXFSZ:
-      return "file_size_limit", -value
-    try:
-      return f"signal:{signal.Signals(value).name}", -value
-    except ValueError:
-      return f"signal:{value}", -value
-  if value == 0:
-    return "ok", 0
-  if value == _FORBIDDEN_EXIT and _GUARD_MARK in stderr:
-    return f"forbidden:{(stderr.rsplit(_GUARD_MARK, 1)[1].split() or ['?'])[0]}", value
-  if value == _SETUP_EXIT and "sandbox worker set-up failed" in tail:
-    return f"sandbox_error:{tail.strip().splitlines()[-1]}", value
-  if "MemoryError" in tail or "Cannot allocate memory" in tail:
-    return "memory_limit", value
-  if "File too large" in tail:
-    return "file_size_limit", value
-  return f"exit_code:{value}", value
 
 
 # ----------------------------------------------------------------------------
@@ -385,19 +371,38 @@ _PROBE_LOCK = threading.Lock()
 _PROBE_CACHE: dict[str, str | None] = {}
 
 
-def _drops_uid(level: str, sandbox_uid: int | None) -> bool:
-  """Whether programs at ``level`` run under a uid of their own."""
-  if os.geteuid() != 0:
-    return False
-  if level == "rlimits":
-    # No mount namespace to expose the interpreter with: it must be readable as is.
-    prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)}
-    return not any(_blocked_ancestor(p, sandbox_uid or UID_BASE) for p in prefixes)
-  return True
+def _drops_uid(level: str) -> bool:
+  """Whether programs at ``level`` run under a uid of their own (always, for root)."""
+  return os.geteuid() == 0
 
 
-def _level_problem(level: str) -> str | None:
+def _root_plan() -> list[list[str]]:
+  """``[kind, host path, link target]`` entries of the program's root (see the docstring)."""
+  plan = []
+  for path in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
+               "/etc/ld.so.cache", "/dev/null", "/dev/zero", "/dev/urandom"):
+    if os.path.islink(path):
+      plan.append(["symlink", path, os.readlink(path)])
+    elif os.path.exists(path):
+      plan.append(["bind", path, ""])
+  bound = [path for kind, path, _ in plan if kind == "bind"]
+  for prefix in sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)}):
+    if not any(prefix == b or prefix.startswith(b + "/") for b in bound):
+      plan.append(["bind", prefix, ""])
+      bound.append(prefix)
+  return plan
+
+
+def _level_problem(level: str, sandbox_uid: int | None = None) -> str | None:
   """None when ``level`` works here, else why not."""
+  if level == "rlimits" and os.geteuid() == 0:
+    # No mount namespace to expose the interpreter with: the per-run uid must
+    # read it as it is, since rlimits never runs a program as root.
+    for prefix in {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)}:
+      if blocked := _blocked_ancestor(prefix, sandbox_uid or UID_BASE):
+        return (f"it would have to run programs as root: the sandbox uid cannot enter {blocked}, "
+                f"which holds the interpreter {prefix} (use a Python other users can read, or "
+                "a namespaces level)")
   with _PROBE_LOCK:
     if level not in _PROBE_CACHE:
       _PROBE_CACHE[level] = _try_level(level)
@@ -413,20 +418,20 @@ def _try_level(level: str) -> str | None:
     return "not running as root"
   sandbox = object.__new__(Sandbox)
   sandbox.limits, sandbox.isolation, sandbox.python_guard = SandboxLimits(wall_s=10.0), level, False
-  sandbox.sandbox_uid = None
-  sandbox._drops_uid = _drops_uid(level, None)
+  sandbox.sandbox_uid, sandbox._drops_uid, sandbox._cgroup = None, _drops_uid(level), False
   # Importing a module the launcher has not loaded proves the program can
-  # still read the standard library after the uid drop.
+  # still read the standard library inside its root after the uid drop.
   result = sandbox.run_python("import fractions; print('probe-ok')")
   if result.ok and result.stdout.strip() == "probe-ok":
     return None
   return f"{result.reason} {result.stderr[-300:]!r}"
 
 
-def probe_isolation() -> str:
-  """The strongest isolation level that works on this machine."""
-  order = ("namespaces-root", "namespaces-user") if os.geteuid() == 0 else ("namespaces-user",)
-  return next((level for level in order if _level_problem(level) is None), "rlimits")
+def probe_isolation() -> str | None:
+  """The strongest isolation level that works on this machine (None: none does)."""
+  order = ("namespaces-root",) if os.geteuid() == 0 else ()
+  return next((level for level in order + ("namespaces-user", "rlimits")
+               if _level_problem(level) is None), None)
 
 
 def isolation_report() -> dict[str, str]:

@@ -1,32 +1,33 @@
 """Child side of ``opd.tasks.sandbox.api``: the launcher that sets up isolation and runs a program.
 
-Run as ``python -I -S sandbox_launcher.py CONFIG RUN_ID`` by
-``opd.tasks.sandbox.api.Sandbox``; never imported by user code except for the shared
-exit-code constants. Its imports stay light (no json, signal, subprocess,
-dataclasses: they pull in re/enum/inspect and would triple the start-up
-time that every sandboxed run pays). See ``opd.tasks.sandbox.api`` for the isolation
-levels and what each enforces.
+Run as ``python -I -S -B launcher.py CONFIG RUN_ID`` by
+``opd.tasks.sandbox.api.Sandbox``; never imported by user code. It joins the
+run's cgroup, enters the namespaces, builds the program's root and pivots
+into it (as pid 1 of the new pid namespace, the supervisor), then forks the
+worker that drops privileges, sets the rlimits, installs the guard
+(``guard.py``, loaded by path) and runs the program. Set-up failures and the
+program's end are reported on the private status pipe only. Its imports stay
+light (no json, signal, subprocess, dataclasses: they pull in
+re/enum/inspect and would triple the start-up time that every sandboxed run
+pays). See ``opd.tasks.sandbox.api`` for the isolation levels and what each
+enforces.
 """
 import marshal
 import math
 import os
 import sys
 
-# ----------------------------------------------------------------------------
-# Launcher (child side). Imports here stay light: json, signal, subprocess and
-# dataclasses pull in re/enum/inspect, which would triple the start-up time.
-
-_FORBIDDEN_EXIT = 86  # the guard stopped the program; stderr names the event
-_GUARD_MARK = "sandbox-guard: forbidden "
-_SETUP_EXIT = 87
+_SETUP_EXIT = 87  # the launcher's own exit status on a set-up failure (never trusted)
+WORKDIR = "/sandbox"  # the work directory's path inside the program's root
 _SIGKILL = 9
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
-_MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
 _MNT_DETACH = 2
 _AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = -100, 0x8000, 1
 _SYS_MOUNT_SETATTR = 442  # same on every architecture (syscalls >= 424 are unified)
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 
 
 def _libc():
@@ -87,32 +88,14 @@ def _blocked_ancestor(path: str, uid: int) -> str | None:
   return None
 
 
-def _expose_python(cfg: dict, libc):
-  """Covers directories hiding the interpreter; binds its prefix back."""
-  uid = cfg["drop_uid"]
-  plan = [(p, _blocked_ancestor(p, uid)) for p in sorted(set(cfg["python_prefixes"]))]
-  plan = [(p, d) for p, d in plan if d is not None]
-  covers = {d for _, d in plan}
-  covers = [d for d in covers if not any(d.startswith(c.rstrip("/") + "/") for c in covers)]
-  staged = []
-  for i, (prefix, _) in enumerate(plan):
-    stage = os.path.join(cfg["base"], f"stage{i}")
-    os.mkdir(stage, 0o700)
-    _check(libc.mount(prefix.encode(), stage.encode(), None, _MS_BIND | _MS_REC, None),
-           f"bind {prefix}")
-    staged.append((prefix, stage))
-  for d in covers:
-    _check(libc.mount(b"tmpfs", d.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
-                      b"mode=0755,size=1m"), f"cover {d}")
-  for prefix, stage in staged:
-    os.makedirs(prefix, mode=0o755, exist_ok=True)
-    _check(libc.mount(stage.encode(), prefix.encode(), None, _MS_BIND | _MS_REC, None),
-           f"rebind {prefix}")
-    _check(libc.umount2(stage.encode(), _MNT_DETACH), f"unmount {stage}")
+def _build_root(cfg: dict):
+  """Builds the program's root and pivots into it (see the api module docstring).
 
-
-def _setup_mounts(cfg: dict):
-  """Private read-only view of every mount; the work directory a tmpfs."""
+  A size-limited tmpfs holds: read-only binds of the interpreter prefix and
+  system library directories (``cfg["root_plan"]``), null/zero/urandom in
+  ``/dev``, a fresh procfs of the run's pid namespace at ``/proc`` and the
+  tmpfs work directory ``WORKDIR``. The host root is detached afterwards.
+  """
   ctypes, libc = _libc()
 
   class MountAttr(ctypes.Structure):
@@ -123,17 +106,43 @@ def _setup_mounts(cfg: dict):
     _check(libc.syscall(_SYS_MOUNT_SETATTR, _AT_FDCWD, path, flags, ctypes.byref(attr),
                         ctypes.sizeof(attr)), what)
 
-  work = cfg["workdir"].encode()
+  def mount(src, dst: str, fstype, flags: int, data, what: str):
+    _check(libc.mount(src, dst.encode(), fstype, flags, data), what)
+
   # Private first, so that nothing below propagates back to the host.
-  _check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "make / private")
-  if cfg["mode"] == "namespaces-root":
-    _expose_python(cfg, libc)
+  mount(b"none", "/", None, _MS_REC | _MS_PRIVATE, None, "make / private")
+  root = os.path.join(cfg["base"], "root")
+  mount(b"tmpfs", root, b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=0755,size=1m", "root tmpfs")
+  for kind, path, target in cfg["root_plan"]:
+    inner = root + path
+    os.makedirs(os.path.dirname(inner), mode=0o755, exist_ok=True)
+    if kind == "symlink":
+      os.symlink(target, inner)
+      continue
+    if os.path.isdir(path):
+      os.mkdir(inner, 0o755)
+    else:
+      os.close(os.open(inner, os.O_WRONLY | os.O_CREAT, 0o644))
+    mount(path.encode(), inner, None, _MS_BIND | _MS_REC, None, f"bind {path}")
+  os.mkdir(root + "/proc", 0o555)
+  mount(b"proc", root + "/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None, "mount proc")
+  for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                       ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+    os.symlink(target, f"{root}/dev/{name}")
   owner = cfg["drop_uid"] if cfg["mode"] == "namespaces-root" else 0
+  work = root + WORKDIR
+  os.mkdir(work, 0o700)
   opts = f"size={cfg['limits']['file_bytes']},mode=0700,uid={owner},gid={owner}".encode()
-  _check(libc.mount(b"tmpfs", work, b"tmpfs", _MS_NOSUID | _MS_NODEV, opts), "mount tmpfs")
+  mount(b"tmpfs", work, b"tmpfs", _MS_NOSUID | _MS_NODEV, opts, "work tmpfs")
+  cfg["workdir"] = work
   _write_files(cfg)
+  cfg["workdir"] = WORKDIR
+  os.chdir(root)
+  _check(libc.syscall(_SYS_PIVOT_ROOT[os.uname().machine], b".", b"."), "pivot_root")
+  _check(libc.umount2(b".", _MNT_DETACH), "detach the host root")
+  os.chdir("/")
   set_attr(b"/", _AT_RECURSIVE, MountAttr(_MOUNT_ATTR_RDONLY, 0, 0, 0), "read-only /")
-  set_attr(work, 0, MountAttr(0, _MOUNT_ATTR_RDONLY, 0, 0), "writable workdir")
+  set_attr(WORKDIR.encode(), 0, MountAttr(0, _MOUNT_ATTR_RDONLY, 0, 0), "writable workdir")
 
 
 def _write_files(cfg: dict):
@@ -164,6 +173,9 @@ def _drop_privileges(cfg: dict):
     _check(libc.capset(ctypes.byref(Header(0x20080522, 0)), (Data * 2)()), "capset")
   elif cfg["drop_uid"] is not None:
     _become(cfg["drop_uid"])
+  # The supervisor made itself (and so this fork) non-dumpable; the program
+  # gets its own /proc/self back.
+  _check(libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl(DUMPABLE)")
   _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
 
 
@@ -200,86 +212,44 @@ def _owned(path: str, uid: int) -> bool:
     return False
 
 
-def _install_guard(workdir: str):
-  """The audit-hook guard of the module docstring. Cannot be removed."""
-  root = os.path.realpath(workdir)
-  write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-  # Threads are refused too: with a second thread a program could swap a
-  # symlink between the check below and the actual open.
-  forbidden = frozenset((
-      "os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
-      "os.kill", "os.killpg", "subprocess.Popen", "pty.spawn", "socket.__new__",
-      "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.sendto", "ctypes.dlopen",
-      "ctypes.dlsym", "ctypes.dlsym/handle", "ctypes.call_function", "ctypes.cdata",
-      "resource.setrlimit", "resource.prlimit", "os.chroot", "sys.remote_exec",
-      "_thread.start_new_thread"))
-  path_events = {"os.rename": (0, 1), "os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,),
-                 "os.link": (0, 1), "os.chmod": (0,), "os.chown": (0,), "os.truncate": (0,),
-                 "os.utime": (0,), "os.mkfifo": (0,), "os.mknod": (0,),
-                 "shutil.copyfile": (1,), "shutil.rmtree": (0,)}
-  blocked_imports = frozenset(("ctypes", "_ctypes", "_posixsubprocess"))
-  write, exit_ = os.write, os._exit
-
-  def deny(event):
-    write(2, f"\n{_GUARD_MARK}{event}\n".encode())
-    exit_(_FORBIDDEN_EXIT)
-
-  def inside(path) -> bool:
-    if isinstance(path, int):
-      return True  # an already-open descriptor (only workdir ones can exist, see below)
-    try:
-      real = os.path.realpath(os.fsdecode(path))
-    except Exception:  # noqa: BLE001 - an unreadable path is outside
-      return False
-    return real == root or real.startswith(root + os.sep)
-
-  def hook(event, args):
-    if event in forbidden:
-      deny(event)
-    elif event == "open":
-      path, mode, flags = (tuple(args) + (None, None, None))[:3]
-      writing = ((isinstance(mode, str) and any(c in mode for c in "wax+"))
-                 or (isinstance(flags, int) and flags > 0 and flags & write_flags))
-      if not inside(path) and (writing or (isinstance(path, (str, bytes)) and os.path.isdir(path))):
-        # A descriptor of an outside directory would let dir_fd= calls write
-        # there under a relative name, so such directories cannot be opened.
-        deny("open")
-    elif event in path_events:
-      if any(i < len(args) and not inside(args[i]) for i in path_events[event]):
-        deny(event)
-    elif event == "os.symlink" and len(args) >= 2:
-      link = os.fsdecode(args[1]) if isinstance(args[1], (str, bytes)) else ""
-      target = os.path.join(os.path.dirname(link), os.fsdecode(args[0]))
-      if not (inside(link) and inside(target)):
-        deny(event)
-    elif event == "import" and args and args[0] in blocked_imports:
-      deny(f"import:{args[0]}")
-
-  for name in (*blocked_imports, "ctypes.util", "ctypes._endian"):
-    sys.modules.pop(name, None)
-  # Python < 3.13 raises no audit event for new threads: replace the primitive.
-  import _thread
-  for name in ("start_new_thread", "start_joinable_thread", "start_new"):
-    if hasattr(_thread, name):
-      setattr(_thread, name, lambda *a, **k: deny("_thread.start_new_thread"))
-  sys.addaudithook(hook)
+def _load_guard():
+  """The guard module (``guard.py`` next to this file), loaded without ``opd``."""
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "guard.py")
+  with open(path, encoding="utf-8") as f:
+    code = compile(f.read(), path, "exec")
+  namespace = {"__name__": "opd_sandbox_guard"}
+  exec(code, namespace)  # noqa: S102 - our own file
+  return namespace["install"]
 
 
-def _worker(cfg: dict):
+def _report(cfg: dict, line: str):
+  """One line on the private status pipe (the program never holds it)."""
+  os.write(cfg["status_fd"], (line.replace("\n", " ") + "\n").encode())
+
+
+def _worker(cfg: dict, install_guard):
   """The program's process: stdin, privileges, limits, program. Never returns."""
   try:
-    os.close(cfg["status_fd"])
     stdin_path = os.path.join(cfg["workdir"], ".sandbox_stdin")
     fd = os.open(stdin_path, os.O_RDONLY)
     os.dup2(fd, 0)
     os.close(fd)
     os.unlink(stdin_path)
     os.chdir(cfg["workdir"])
+    os.environ["HOME"] = os.environ["TMPDIR"] = cfg["workdir"]
     _drop_privileges(cfg)
     _set_rlimits(cfg)
-  except BaseException as e:  # noqa: BLE001 - reported through the exit code
-    os.write(2, f"sandbox worker set-up failed: {e!r}\n".encode())
-    os._exit(_SETUP_EXIT)
+    excepthook = sys.__excepthook__  # C-level printer, captured before the program runs
+    compiled = compile(cfg["program"]["python"], "<sandbox>", "exec") \
+        if "python" in cfg["program"] else None
+  except BaseException as e:  # noqa: BLE001 - an infrastructure error, on the trusted pipe
+    if isinstance(e, SyntaxError):
+      compiled = e  # the program's own fault, reported like Python would
+    else:
+      _report(cfg, f"setup_error worker set-up failed: {e!r}")
+      os._exit(_SETUP_EXIT)
+  _report(cfg, "started")
+  os.close(cfg["status_fd"])
   program = cfg["program"]
   if "argv" in program:
     try:
@@ -289,17 +259,18 @@ def _worker(cfg: dict):
       os._exit(127)
   code = 0
   try:
-    compiled = compile(program["python"], "<sandbox>", "exec")
+    if isinstance(compiled, SyntaxError):
+      raise compiled
     sys.argv = ["<sandbox>"]
     if cfg["guard"]:
-      _install_guard(cfg["workdir"])
+      install_guard(cfg["workdir"])
     exec(compiled, {"__name__": "__main__", "__builtins__": __builtins__})  # noqa: S102
   except SystemExit as e:
     code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
   except BaseException as e:  # noqa: BLE001 - the program's own error, printed like Python would
-    import traceback
     # tb_next skips this launcher frame: the trace starts in "<sandbox>".
-    traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+    e.__traceback__ = e.__traceback__.tb_next
+    excepthook(type(e), e, e.__traceback__)
     code = 1
   try:
     sys.stdout.flush()
@@ -309,11 +280,17 @@ def _worker(cfg: dict):
   os._exit(code & 0xFF)
 
 
-def _supervise(cfg: dict) -> int:
-  """Forks the worker, reaps it, reports ``exit|signal N CPU_S`` on the status fd."""
+def _supervise(cfg: dict, install_guard) -> int:
+  """Forks the worker, reaps it, reports ``exit|signal N CPU_S`` on the status fd.
+
+  The supervisor is made non-dumpable first: a program running under the
+  same uid cannot then open ``/proc/<supervisor>/fd`` to reach the pipe.
+  """
+  _, libc = _libc()
+  _check(libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(DUMPABLE)")
   pid = os.fork()
   if pid == 0:
-    _worker(cfg)
+    _worker(cfg, install_guard)
   status = "setup_error worker not reaped"
   while True:
     try:
@@ -328,36 +305,36 @@ def _supervise(cfg: dict) -> int:
         status = f"exit {os.WEXITSTATUS(wstatus)} {cpu}"
       if cfg["mode"] != "rlimits":
         break  # pid 1 exiting kills whatever the program left behind
-  os.write(cfg["status_fd"], (status + "\n").encode())
+  _report(cfg, status)
   return 0
-
-
-def _report_setup_error(cfg: dict, e: BaseException) -> int:
-  os.write(cfg["status_fd"], f"setup_error {e!r}\n".replace("\n", " ").encode() + b"\n")
-  return _SETUP_EXIT
 
 
 def _launcher_main(config_path: str) -> int:
   with open(config_path, "rb") as f:
     cfg = marshal.load(f)
   try:
+    for procs in cfg["cgroup_procs"]:  # before any fork: every process of the run is inside
+      _write_proc(procs, str(os.getpid()))
+    install_guard = _load_guard() if cfg["guard"] else None
     if cfg["mode"] == "rlimits":
       _write_files(cfg)
-      return _supervise(cfg)
+      return _supervise(cfg, install_guard)
     _enter_namespaces(cfg)
     init = os.fork()
     if init == 0:
       try:
         _, libc = _libc()
         _check(libc.prctl(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
-        _setup_mounts(cfg)
-        os._exit(_supervise(cfg))
+        _build_root(cfg)
+        os._exit(_supervise(cfg, install_guard))
       except BaseException as e:  # noqa: BLE001
-        os._exit(_report_setup_error(cfg, e))
+        _report(cfg, f"setup_error {e!r}")
+        os._exit(_SETUP_EXIT)
     _, wstatus = os.waitpid(init, 0)
     return os.WEXITSTATUS(wstatus) if os.WIFEXITED(wstatus) else 1
   except BaseException as e:  # noqa: BLE001
-    return _report_setup_error(cfg, e)
+    _report(cfg, f"setup_error {e!r}")
+    return _SETUP_EXIT
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Sandbox hazards: each is contained, reported with a reason, and harmless to us.
 
-Two sandboxes are exercised: the default one (strongest isolation level
-available here plus the Python guard) and the same level with the guard off,
-so that the kernel layers are tested on their own. Kernel-layer tests check
-the claims of ``Sandbox.enforced``: where a layer is claimed it must hold,
-and where it is not claimed it must not be listed.
+The whole hazard list runs at every isolation level this machine offers
+(``LEVELS``), each with the Python guard on and off, so that the kernel
+layers are tested on their own. Kernel-layer tests check the claims of
+``Sandbox.enforced``: where a layer is claimed it must hold, and where it is
+not claimed it must not be listed. Hostile programs aimed at the hardening
+(host sockets, /proc, forged status, guard bypasses, per-run memory, fail
+closed) are in ``test_sandbox_hostile.py``.
 """
 import glob
 import os
@@ -23,16 +25,22 @@ from opd.tasks.sandbox.api import (ISOLATION_LEVELS, Sandbox, SandboxLimits, iso
 
 LIMITS = SandboxLimits(cpu_s=1, wall_s=1.0, max_processes=8)
 TIME_REASONS = ("cpu_time_limit", "wall_time_limit")
+LEVELS = [level for level, state in isolation_report().items() if state == "available"]
+
+
+@pytest.fixture(scope="module", params=LEVELS)
+def level(request):
+  return request.param
 
 
 @pytest.fixture(scope="module")
-def guarded():
-  return Sandbox(LIMITS)
+def guarded(level):
+  return Sandbox(LIMITS, isolation=level)
 
 
 @pytest.fixture(scope="module")
-def kernel_only():
-  return Sandbox(LIMITS, python_guard=False)
+def kernel_only(level):
+  return Sandbox(LIMITS, isolation=level, python_guard=False)
 
 
 def survivors(run_id: str, wait_s: float = 2.0) -> list[int]:
@@ -160,9 +168,16 @@ def test_write_outside_blocked_by_guard(guarded, outside):
 def test_write_outside_blocked_by_kernel(kernel_only, outside):
   target = outside
   r = kernel_only.run_python(f"open({str(target / 'pwned')!r}, 'w').write('x')")
-  if "mount_namespace_readonly_root" in kernel_only.enforced:
-    assert not r.ok and "Read-only file system" in r.stderr, r
+  if "filesystem" in kernel_only.provides:
+    # The host directory does not exist in the program's root at all.
+    assert not r.ok and "No such file or directory" in r.stderr, r
     assert not (target / "pwned").exists()
+  r = kernel_only.run_python("open('/usr/pwned', 'w').write('x')")
+  if "readonly_root" in kernel_only.enforced:
+    assert not r.ok and "Read-only file system" in r.stderr, r
+    assert not os.path.exists("/usr/pwned")
+  if "filesystem" in kernel_only.provides:
+    assert "readonly_root" in kernel_only.enforced
   else:
     # Documented: without a mount namespace only the Python guard stops writes.
     assert kernel_only.isolation == "rlimits"
@@ -207,10 +222,13 @@ def test_setsid_escapee_is_killed(kernel_only):
     assert kernel_only.isolation == "rlimits"
 
 
-def test_guard_alone_contains_python_hazards(outside):
-  """With no namespaces at all the guard still stops writes, sockets and forks."""
-  sandbox = Sandbox(LIMITS, isolation="rlimits")
-  target = outside
+def test_guard_contains_python_hazards(guarded, outside):
+  """The guard stops writes, sockets and forks itself (the reason names it),
+  at every level: with no namespaces it is all there is."""
+  sandbox = guarded
+  # A directory that exists where the program runs (the host's temp dir is
+  # not in a namespaces level's root at all), so only the guard can stop it.
+  target = outside if "filesystem" not in sandbox.provides else pathlib.Path("/usr")
   assert sandbox.run_python(f"open({str(target / 'p')!r}, 'w')").reason == "forbidden:open"
   assert not (target / "p").exists()
   assert sandbox.run_python("import socket; socket.socket()").reason == "forbidden:socket.__new__"
@@ -249,10 +267,11 @@ def test_caller_is_unaffected(guarded):
 
 def test_isolation_probe_is_consistent():
   report = isolation_report()
-  assert set(report) == set(ISOLATION_LEVELS) and report["rlimits"] == "available"
+  assert set(report) == set(ISOLATION_LEVELS)
   level = probe_isolation()
   assert report[level] == "available"
   assert Sandbox(LIMITS).isolation == level
+  assert level == next(lv for lv in ISOLATION_LEVELS if report[lv] == "available")
   for other in ISOLATION_LEVELS:
     if report[other] != "available":
       with pytest.raises(ValueError, match="not available"):
@@ -260,6 +279,8 @@ def test_isolation_probe_is_consistent():
 
 
 def test_bad_arguments_raise(guarded):
+  with pytest.raises(ValueError, match="require"):
+    Sandbox(LIMITS, require=("filesystem", "gpu"))
   with pytest.raises(ValueError, match="cpu_s"):
     SandboxLimits(cpu_s=0)
   with pytest.raises(ValueError, match="memory_bytes"):
