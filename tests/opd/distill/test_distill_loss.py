@@ -1,0 +1,256 @@
+"""The OPD loss (opd.distill.loss) against a numpy reference on materialised logits.
+
+Models are tiny (V=128, student D=32 x 2 layers, teacher D=48 x 1 layer);
+the LM heads are scaled up so that logits are O(1) and the teachers differ
+visibly from the student (at init std 0.02 every distribution is nearly
+uniform and every KL nearly 0, which would let wrong code pass).
+"""
+import functools
+
+import numpy as np
+import optax
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from opd.distill import loss as loss_lib
+from opd.distill import schedule
+from opd.models import ModelConfig, forward, head_matrix, init_params
+from opd.parallel import sharding
+from opd.training.train_step import init_train_state, make_train_step
+
+EPS32 = np.finfo(np.float32).eps
+V, B, T = 128, 4, 12
+STUDENT = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+WIDE = ModelConfig(vocab_size=V, d_model=48, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=96)
+
+
+def _model(cfg, seed, head_scale=40.0):
+  p = init_params(cfg, jax.random.key(seed))
+  return {**p, "lm_head": p["lm_head"] * head_scale}
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "grad"))
+def _run(params, batch, heads, cfg=loss_lib.OPDLossConfig(), grad=False):
+  """(loss, metrics, grads or None); one compile per (K, widths, cfg, grad)."""
+  fn = loss_lib.make_opd_loss(STUDENT, heads, cfg, teacher_names=[f"t{i}" for i in range(len(heads))])
+  if not grad:
+    return (*fn(params, batch, None), None)
+  (loss, metrics), grads = jax.value_and_grad(fn, has_aux=True)(params, batch, None)
+  return loss, metrics, grads
+
+
+def _hidden(cfg, params, tokens, mask):
+  return forward(cfg, params, tokens, None, mask, return_logits=False, return_hidden=True).hidden
+
+
+@pytest.fixture(scope="module")
+def setup():
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, V, size=(B, T + 1)).astype(np.int32)
+  mask = np.ones((B, T), bool)
+  mask[1, 9:] = False  # a shorter row
+  loss_mask = np.zeros((B, T), np.float32)
+  loss_mask[:, 4:] = 1.0  # the prompt is 5 tokens; targets 4.. are response tokens
+  batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask,
+           "loss_mask": loss_mask * mask}
+  student = _model(STUDENT, 0)
+  teachers = [(STUDENT, _model(STUDENT, 1)), (WIDE, _model(WIDE, 2)), (STUDENT, _model(STUDENT, 3))]
+  hidden = [_hidden(c, p, batch["tokens"], mask) for c, p in teachers]
+  heads = [head_matrix(c, p) for c, p in teachers]
+  weights = rng.random((B, T, 3)).astype(np.float32)
+  return dict(batch=batch, student=student, hidden=hidden, heads=heads, weights=weights)
+
+
+def _log_softmax(z):
+  m = z.max(-1, keepdims=True)
+  return z - m - np.log(np.exp(z - m).sum(-1, keepdims=True))
+
+
+def _reference(setup, weights, keep, tau, top_k=None):
+  """Per-token reverse KL, forward KL, token estimate and top-k KL in float64 numpy."""
+  h_s = np.asarray(_hidden(STUDENT, setup["student"], setup["batch"]["tokens"],
+                           setup["batch"]["mask"]), np.float64)
+  lp = _log_softmax(h_s @ np.asarray(head_matrix(STUDENT, setup["student"]), np.float64) / tau)
+  w = np.where(keep[..., None], weights, 0.0).astype(np.float64)
+  w = w / np.maximum(w.sum(-1, keepdims=True), 1e-300)
+  y = setup["batch"]["targets"][..., None]
+  rkl = fkl = topk = 0.0
+  token = np.take_along_axis(lp, y, -1)[..., 0]
+  for k, (h, hd) in enumerate(zip(setup["hidden"], setup["heads"])):
+    x = np.asarray(h, np.float64) @ np.asarray(hd, np.float64) / tau
+    lq = _log_softmax(x)
+    rkl = rkl + w[..., k] * (np.exp(lp) * (lp - lq)).sum(-1)
+    fkl = fkl + w[..., k] * (np.exp(lq) * (lq - lp)).sum(-1)
+    token = token - w[..., k] * np.take_along_axis(lq, y, -1)[..., 0]
+    if top_k:
+      idx = np.argsort(-x, -1)[..., :top_k]
+      lp_t = _log_softmax(np.take_along_axis(lp, idx, -1))
+      lq_t = _log_softmax(np.take_along_axis(lq, idx, -1))
+      topk = topk + w[..., k] * (np.exp(lp_t) * (lp_t - lq_t)).sum(-1)
+  return rkl, fkl, token, topk, lp
+
+
+def _tol(setup, tau=1.0):
+  # float32 cancellation in KL = E_p[z - x] - lse(z) + lse(x): a few eps of the
+  # largest |logit| and of log V, per token; a mean over tokens does not grow it.
+  zmax = max(float(jnp.abs(h @ w).max()) for h, w in zip(setup["hidden"], setup["heads"]))
+  return 64 * EPS32 * (zmax / tau + np.log(V))
+
+
+def _batch(setup, weights, hidden=None):
+  return {**setup["batch"], "teacher_hidden": tuple(hidden or setup["hidden"]),
+          "teacher_weights": jnp.asarray(weights)}
+
+
+def _keep(setup, weights):
+  b = setup["batch"]
+  return (b["loss_mask"] > 0) & b["mask"] & (np.asarray(weights).sum(-1) > 0)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
+def test_full_loss_matches_numpy(setup, aggregation):
+  weights = setup["weights"].copy()
+  weights[2] = 0.0  # a row no teacher answered: out of the mean entirely
+  cfg = loss_lib.OPDLossConfig(temperature=1.5, aggregation=aggregation, forward_kl_coef=0.25)
+  loss, metrics, _ = _run(setup["student"], _batch(setup, weights), tuple(setup["heads"]), cfg)
+  keep = _keep(setup, weights)
+  rkl, fkl, _, _, lp = _reference(setup, weights, keep, 1.5)
+  per_tok = np.where(keep, rkl + 0.25 * fkl, 0.0)
+  if aggregation == "token_mean":
+    expect = per_tok.sum() / keep.sum()
+  else:
+    rows = keep.sum(1) > 0
+    expect = (per_tok.sum(1)[rows] / keep.sum(1)[rows]).mean()
+  assert abs(float(loss) - expect) <= _tol(setup, 1.5)
+  assert float(metrics["opd_tokens"]) == keep.sum()
+  assert float(metrics["opd_rows"]) == 3
+  ent = -(np.exp(lp) * lp).sum(-1)
+  assert abs(float(metrics["student_entropy"]) - ent[keep].mean()) <= _tol(setup, 1.5)
+
+
+def test_topk_and_token_estimators_match_numpy(setup):
+  weights = setup["weights"]
+  keep = _keep(setup, weights)
+  _, _, token, topk, lp = _reference(setup, weights, keep, 1.0, top_k=8)
+  for est, per_tok in (("top_k", topk), ("token", token)):
+    cfg = loss_lib.OPDLossConfig(estimator=est, top_k=8)
+    loss, _, _ = _run(setup["student"], _batch(setup, weights), tuple(setup["heads"]), cfg)
+    assert abs(float(loss) - per_tok[keep].mean()) <= _tol(setup), est
+
+
+def test_token_estimator_gradient_is_the_policy_gradient(setup):
+  """grad = mean_t sg(a_t) ∇ log p_s(y_t), a_t = log p_s(y_t) − Σ ŵ log q_k(y_t)."""
+  weights = setup["weights"]
+  keep = _keep(setup, weights)
+  _, _, token, _, _ = _reference(setup, weights, keep, 1.0)
+  adv = jnp.asarray(np.where(keep, token, 0.0), jnp.float32)
+  b = setup["batch"]
+
+  def reference(params):  # materialised logits, plain jnp
+    logits = forward(STUDENT, params, b["tokens"], None, b["mask"]).logits
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), b["targets"][..., None], -1)[..., 0]
+    return jnp.sum(adv * logp) / keep.sum()
+
+  got = _run(setup["student"], _batch(setup, weights), tuple(setup["heads"]),
+             loss_lib.OPDLossConfig(estimator="token"), grad=True)[2]
+  want = jax.jit(jax.grad(reference))(setup["student"])
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    scale = float(jnp.abs(r).max())
+    np.testing.assert_allclose(g, r, rtol=0, atol=64 * EPS32 * np.log(V) * max(scale, 1.0) +
+                               _tol(setup) * scale)
+
+
+def test_student_equal_to_teacher_gives_zero_loss_and_gradient(setup):
+  b = setup["batch"]
+  same = _hidden(STUDENT, setup["student"], b["tokens"], b["mask"])
+  head = head_matrix(STUDENT, setup["student"])
+  w = jnp.ones((B, T, 1))
+  grads = {}
+  for name, hidden, heads in (("same", same, head), ("other", setup["hidden"][0],
+                                                      setup["heads"][0])):
+    loss, _, grads[name] = _run(setup["student"], _batch(setup, w, [hidden]), (heads,),
+                                grad=True)
+    if name == "same":
+      assert abs(float(loss)) <= _tol(setup)
+    else:
+      assert float(loss) > 100 * _tol(setup)  # the comparison case has signal
+  norm = lambda g: float(optax.tree.norm(g))
+  # The gradient is linear in the logit difference z − x: rounding-level
+  # (≤ layers · D · eps relative, x16 headroom) for equal models, O(1) otherwise.
+  assert norm(grads["same"]) <= 16 * STUDENT.n_layers * STUDENT.d_model * EPS32 * norm(
+      grads["other"])
+
+
+def test_one_hot_weights_equal_the_single_teacher_call(setup):
+  one_hot = np.zeros((B, T, 3), np.float32)
+  one_hot[..., 1] = 1.0
+  l3, _, g3 = _run(setup["student"], _batch(setup, one_hot), tuple(setup["heads"]), grad=True)
+  l1, _, g1 = _run(setup["student"], _batch(setup, np.ones((B, T, 1), np.float32),
+                                            setup["hidden"][1:2]), (setup["heads"][1],), grad=True)
+  assert abs(float(l3) - float(l1)) <= _tol(setup)
+  for a, b in zip(jax.tree.leaves(g3), jax.tree.leaves(g1)):
+    np.testing.assert_allclose(a, b, rtol=0, atol=_tol(setup) * max(float(jnp.abs(b).max()), 1))
+
+
+def test_renormalisation_after_a_skip_equals_a_pool_without_that_teacher(setup):
+  available = np.ones((B, 3), bool)
+  available[:, 1] = False  # teacher 1 skipped for the batch
+  w, _ = schedule.apply_availability(setup["weights"], available)
+  zeroed = list(setup["hidden"])
+  zeroed[1] = jnp.zeros_like(zeroed[1])  # what the fault layer hands over
+  l3 = _run(setup["student"], _batch(setup, w, zeroed), tuple(setup["heads"]), grad=True)[0]
+  keep_two = [0, 2]
+  l2 = _run(setup["student"], _batch(setup, setup["weights"][..., keep_two],
+                                     [setup["hidden"][k] for k in keep_two]),
+            tuple(setup["heads"][k] for k in keep_two))[0]
+  assert abs(float(l3) - float(l2)) <= _tol(setup)
+
+
+def test_sharded_222_step_equals_single_device(setup):
+  fn = loss_lib.make_opd_loss(STUDENT, setup["heads"])
+  batch = {k: np.asarray(v) for k, v in _batch(setup, setup["weights"]).items()
+           if k != "teacher_hidden"}
+  batch["teacher_hidden"] = tuple(np.asarray(h) for h in setup["hidden"])
+  out = {}
+  for name, devices, shape in (("one", jax.devices()[:1], (1, 1, 1)),
+                               ("mesh", jax.devices(), (2, 2, 2))):
+    mesh = sharding.make_mesh(shape, devices)
+    opt = optax.sgd(1.0)  # new params = params - grads
+    state, shardings = init_train_state(STUDENT, opt, mesh, sharding.DEFAULT_RULES, rng=0,
+                                        params=setup["student"])
+    step = make_train_step(fn, opt, mesh, shardings, donate=False)
+    new, metrics = step(state, batch)
+    out[name] = (float(metrics["loss"]), jax.device_get(new.params))
+  assert abs(out["one"][0] - out["mesh"][0]) <= _tol(setup)
+  # The sharded reduction re-associates sums over the B*T tokens and the D
+  # contraction: eps x (B*T + D) of the gradient's scale.
+  for a, b in zip(jax.tree.leaves(out["one"][1]), jax.tree.leaves(out["mesh"][1])):
+    scale = float(np.abs(a).max())
+    np.testing.assert_allclose(a, b, rtol=0, atol=4 * EPS32 * (B * T + STUDENT.d_model) * scale)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(estimator="beam"), r"OPDLossConfig.estimator must be one of .*'beam'"),
+    (dict(temperature=0.0), r"OPDLossConfig.temperature must be .*0.0"),
+    (dict(top_k=0), r"OPDLossConfig.top_k must be .*0"),
+    (dict(forward_kl_coef=-1.0), r"OPDLossConfig.forward_kl_coef must be .*-1.0"),
+])
+def test_bad_config_names_the_field(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    loss_lib.OPDLossConfig(**kwargs)
+
+
+def test_bad_heads_and_batch_name_the_field(setup):
+  with pytest.raises(ValueError, match=r"teacher_heads\[0\].shape=\(48, 100\).*V=128"):
+    loss_lib.make_opd_loss(STUDENT, [jnp.zeros((48, 100))])
+  with pytest.raises(ValueError, match="teacher_heads=()"):
+    loss_lib.make_opd_loss(STUDENT, [])
+  fn = loss_lib.make_opd_loss(STUDENT, setup["heads"])
+  bad = _batch(setup, setup["weights"][..., :2])
+  with pytest.raises(ValueError, match=r"teacher_weights'\].shape=\(4, 12, 2\).*\(4, 12, 3\)"):
+    fn(setup["student"], bad, None)
+  missing = {k: v for k, v in _batch(setup, setup["weights"]).items() if k != "loss_mask"}
+  with pytest.raises(ValueError, match=r"missing \['loss_mask'\]"):
+    fn(setup["student"], missing, None)
