@@ -28,8 +28,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --durations=25 tests
 
+# Every CPU benchmark at its default sizes (~10-15 min on 2 cores); tables
+# printed, JSON under benchmark_results/. BENCH_ARGS=--quick for smoke sizes.
 bench: $(STAMP)
-	$(PY) -m experiments.benchmarks.run_all
+	$(PY) -m experiments.benchmarks.run_all $(BENCH_ARGS)
+
+# Hand-written mutants of the core math against their tests (~20-40 min on
+# 2 cores; not in CI). Table printed and written to benchmark_results/mutants.json.
+.PHONY: mutants
+mutants: $(STAMP)
+	$(PY) tools/mutants.py $(MUTANTS_ARGS)
 
 clean:
 	rm -rf $(VENV) workdirs .pytest_cache
