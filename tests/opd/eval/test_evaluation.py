@@ -1,15 +1,13 @@
-"""Evaluation harness: bootstrap SEs against numpy and the binomial formula,
-scores of a scripted policy against frequencies counted here, a real tiny
-model end to end with a bounded number of sampler calls and compiles, and
-the written table/JSON/PNG read back."""
+"""Evaluation runner: scores of a scripted policy against frequencies counted
+here, a real tiny model end to end with a bounded number of sampler calls and
+compiles, and evaluate's keys and prompts as documented (the same episodes as
+``opd.rollout.rollout`` with those keys)."""
 import collections
 import math
-import re
 
 import jax
 import numpy as np
 import pytest
-from PIL import Image
 
 from opd.eval import evaluation as ev
 from opd.rollout import episodes as rl
@@ -21,76 +19,6 @@ from opd.text.tokenizers import ByteTokenizer
 TOK = ByteTokenizer()
 CFG = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                   d_ff=64)
-
-
-# --- bootstrap ---------------------------------------------------------------
-
-def _loop_bootstrap(values, B, seed):
-  """Independent reference: one resample at a time, the mean of every value
-  of the drawn examples (all samples of a drawn example included)."""
-  values = np.asarray(values, np.float64)
-  rows = values.reshape(len(values), -1)
-  rng = np.random.default_rng(seed)
-  means = []
-  for _ in range(B):
-    idx = rng.integers(0, len(rows), size=len(rows))
-    means.append(rows[idx].ravel().mean())
-  m = np.asarray(means)
-  return math.sqrt(((m - m.mean()) ** 2).sum() / (B - 1))
-
-
-@pytest.mark.parametrize("shape,B", [((37,), 500), ((23, 4), 300), ((3000,), 1500)],
-                         ids=lambda x: str(x))
-def test_bootstrap_se_matches_numpy_loop(shape, B):
-  """Same seed, same resamples: equal to 1e-12. (3000,) x 1500 crosses the
-  4M-index block boundary, so the blocked draw must continue the stream."""
-  x = np.random.default_rng(1).random(shape)
-  seed = ev.bootstrap_seed(5, "math")
-  assert ev.bootstrap_se(x, B, seed) == pytest.approx(_loop_bootstrap(x, B, seed), rel=1e-12)
-
-
-@pytest.mark.parametrize("n,k", [(50, 17), (200, 20)])
-def test_bootstrap_se_matches_binomial(n, k):
-  """For 0/1 values the bootstrap SE estimates sqrt(p(1-p)/n) (plug-in p).
-  With B = 40000 resamples the SE of the SE is about 1/sqrt(2B) = 0.35%
-  relative; the tolerance is 2%."""
-  x = np.zeros(n)
-  x[np.random.default_rng(n).choice(n, k, replace=False)] = 1.0
-  p = k / n
-  assert ev.bootstrap_se(x, 40_000, 0) == pytest.approx(math.sqrt(p * (1 - p) / n), rel=0.02)
-
-
-def test_bootstrap_se_rejects_bad_input():
-  with pytest.raises(ValueError, match="shape"):
-    ev.bootstrap_se(np.zeros((2, 2, 2)), 10, 0)
-  with pytest.raises(ValueError, match="shape"):
-    ev.bootstrap_se([], 10, 0)
-  with pytest.raises(ValueError, match="num_resamples"):
-    ev.bootstrap_se([1.0, 0.0], 1, 0)
-
-
-# --- config -------------------------------------------------------------------
-
-@pytest.mark.parametrize("field,value", [
-    ("domains", ("math", "poetry")), ("domains", ()), ("domains", "math"),
-    ("domains", ("math", "math")), ("n_per_domain", 0), ("n_per_domain", 2.5),
-    ("difficulty", 4), ("seed", -1), ("num_samples", -1), ("temperature", 0.0),
-    ("top_p", 1.5), ("max_new_tokens", 0), ("bootstrap_samples", 1), ("batch_size", 0),
-    ("prompt_bucket", 0), ("solved_threshold", 0.0), ("greedy", 1),
-])
-def test_config_rejects(field, value):
-  with pytest.raises(ValueError, match=rf"(?s)EvalConfig\.{field}\b.*{re.escape(repr(value))}"):
-    ev.EvalConfig(**{field: value})
-
-
-def test_config_nothing_to_do():
-  with pytest.raises(ValueError, match="nothing to evaluate"):
-    ev.EvalConfig(greedy=False, num_samples=0)
-
-
-def test_config_error_names_unknown_domain():
-  with pytest.raises(ValueError, match="'poetry'"):
-    ev.EvalConfig(domains=("math", "poetry"))
 
 
 # --- scripted policy ----------------------------------------------------------
@@ -292,79 +220,39 @@ def test_real_tiny_model_all_domains(monkeypatch):
   assert r1.name == "other"
 
 
-# --- outputs ------------------------------------------------------------------
-
-def _parse_table(md: str, metric: str):
-  """{model: {column: (value, se)}} from the first table for ``metric``."""
-  lines = [ln for ln in md.splitlines() if ln.startswith("|")]
-  start = next(i for i, ln in enumerate(lines) if ln.startswith(f"| {metric} |"))
-  header = [c.strip() for c in lines[start].strip("|").split("|")]
-  out = {}
-  for ln in lines[start + 2:]:
-    cells = [c.strip() for c in ln.strip("|").split("|")]
-    if cells[0] == header[0] or not re.match(r"[-\d.]+ ± [\d.]+", cells[1]):
-      break
-    out[cells[0]] = {h: tuple(map(float, c.split(" ± "))) for h, c in zip(header[1:], cells[1:])}
-  return out
-
-
-def test_save_results_markdown_json_heatmap(scripted_results, tmp_path):
-  results = [run[0] for run in scripted_results]
-  paths = ev.save_results(results, str(tmp_path / "out"))
-  # JSON round-trips exactly.
-  loaded = ev.load_results(paths["json"])
-  assert [r.to_dict() for r in loaded] == [r.to_dict() for r in results]
-  md = open(paths["markdown"]).read()
-  for metric in SCRIPT_CFG.metrics:
-    table = _parse_table(md, metric)
-    assert list(table) == [r.name for r in results]
-    for r in results:
-      row = table[r.name]
-      for d in ALL_DOMAINS:
-        s = r.score(d, metric)
-        assert row[d] == pytest.approx((s.value, s.se), abs=0.051)
-      values = [r.score(d, metric).value for d in ALL_DOMAINS]
-      ses = [r.score(d, metric).se for d in ALL_DOMAINS]
-      avg = (np.mean(values), np.sqrt(np.sum(np.square(ses))) / len(ses))
-      assert row["avg"] == pytest.approx(avg, abs=0.051)
-  # Heatmap: the PNG is written at figure size x dpi, and the cell labels
-  # carry each model's numbers in grid order.
-  png = ev.heatmap(results, str(tmp_path / "plots" / "h.png"), metric="mean@3")
-  fig = ev.heatmap_figure(results, metric="mean@3")
-  with Image.open(png) as im:
-    assert im.format == "PNG"
-    assert im.size == tuple(int(round(v * 100)) for v in fig.get_size_inches())
-  texts = [t.get_text() for t in fig.axes[0].texts]
-  expected = [f"{r.score(d, 'mean@3').value:.1f}\n±{r.score(d, 'mean@3').se:.1f}"
-              for r in results for d in ALL_DOMAINS]
-  assert texts == expected
-
-
-def test_outputs_reject_bad_metric(scripted_results, tmp_path):
-  results = [run[0] for run in scripted_results]
-  with pytest.raises(ValueError, match="metric='pass@9'"):
-    ev.results_table(results, "pass@9")
-  with pytest.raises(ValueError, match="metric='mean@4'"):
-    ev.heatmap(results, str(tmp_path / "h.png"), metric="mean@4")
-  with pytest.raises(ValueError, match="results must not be empty"):
-    ev.results_table([], "pass@1")
-  with pytest.raises(ValueError, match="no domain 'poetry'"):
-    results[0].score("poetry", "pass@1")
-
-
-def test_table_marks_missing_domains(scripted_results):
-  """Models evaluated on different domains: absent cells show '–'."""
-  full = scripted_results[0][0]
-  part = ev.EvalResult("part", full.config, {"math": full.domains["math"]}, dict(full.seconds))
-  md = ev.results_table([full, part], "pass@1")
-  last = md.strip().splitlines()[-1]
-  cells = [c.strip() for c in last.strip("|").split("|")]
-  assert cells[0] == "part" and cells[1] == str(full.score("math", "pass@1"))
-  assert cells[2:] == ["–"] * (len(ALL_DOMAINS) - 1) + ["–"]
-
-
 def test_evaluate_rejects_bad_arguments():
   with pytest.raises(ValueError, match="cfg must be an EvalConfig"):
     ev.evaluate(CFG, None, TOK, {"domains": ("math",)})
   with pytest.raises(ValueError, match="name"):
     ev.evaluate(CFG, None, TOK, ev.EvalConfig(), name="a|b")
+
+
+
+def test_evaluate_runs_rollout_with_the_documented_keys(monkeypatch):
+  """Greedy pass: the eval examples with key(seed); sampled pass: each
+  example num_samples times with fold_in(key, 1); both chunked at batch_size
+  and sharing one verification cache."""
+  from opd import rollout as rollout_lib
+  examples = ev.eval_examples(SCRIPT_CFG)
+  ids = [ex.id for exs in examples.values() for ex in exs]
+  monkeypatch.setattr(rl, "sample", _scripted_sampler(examples, dict.fromkeys(ids, True),
+                                                      dict.fromkeys(ids, 1), []))
+  seen, real = [], rollout_lib.rollout
+
+  def spy(model_cfg, params, tokenizer, rows, key, sampling, **kw):
+    seen.append(([e.id for e in rows], np.asarray(jax.random.key_data(key)).tolist(),
+                 sampling.temperature, kw))
+    return real(model_cfg, params, tokenizer, rows, key, sampling, **kw)
+
+  monkeypatch.setattr(rollout_lib, "rollout", spy)
+  ev.evaluate(CFG, None, TOK, SCRIPT_CFG)
+  key = jax.random.key(SCRIPT_CFG.seed)
+  data = lambda k: np.asarray(jax.random.key_data(k)).tolist()
+  (g_ids, g_key, g_t, g_kw), (s_ids, s_key, s_t, s_kw) = seen
+  assert g_ids == ids and g_key == data(key) and g_t == 0.0
+  assert s_ids == [i for i in ids for _ in range(N_SAMPLES)]
+  assert s_key == data(jax.random.fold_in(key, 1)) and s_t == SCRIPT_CFG.temperature
+  for kw in (g_kw, s_kw):
+    assert kw["chunked"] and kw["batch_size"] == SCRIPT_CFG.batch_size
+    assert kw["prompt_bucket"] == SCRIPT_CFG.prompt_bucket
+  assert g_kw["verify_cache"] is s_kw["verify_cache"]

@@ -1,11 +1,11 @@
-"""Rollouts: episodes' arrays line up with a full forward pass, and the
-multi-turn agent loop feeds tool results back as non-policy tokens."""
+"""Rollouts: episodes' arrays line up with a full forward pass; chunked mode
+keeps every sampler call at batch_size rows with the documented keys;
+identical responses are verified once, across calls with a cache."""
 import jax
 import numpy as np
 import pytest
 
 from opd.rollout import episodes as rl
-from opd.rollout.agent import rollout_multi_turn
 from opd.models import ModelConfig, forward, init_params, token_logprobs
 from opd.tasks import get_task
 from opd.text.tokenizers import ByteTokenizer
@@ -41,45 +41,6 @@ def test_batch_logprobs_match_full_forward(params):
   # Targets at loss positions are exactly the sampled response tokens.
   for b, ep in enumerate(eps):
     np.testing.assert_array_equal(batch["targets"][b][where[b]], ep.response_ids[ep.policy_mask])
-
-
-def test_agent_loop_with_scripted_policy(monkeypatch):
-  """A policy that replays the reference turns gets reward 1; tool replies
-  are in the response but masked out of the policy tokens."""
-  task = get_task("agent")
-  examples = task.examples("train", 3, seed=2, difficulty=2)
-  by_prompt = {}
-  for ex in examples:
-    by_prompt[ex.prompt] = [c for role, c in ex.reference if role == "assistant"]
-  calls = []
-
-  def scripted(model_cfg, params, tokenizer, prompts, rng, sampling, **kw):
-    calls.append(len(prompts))
-    out = []
-    for p in prompts:
-      text = tokenizer.decode(p)
-      prompt = text.split("<|user|>")[1].split("<|end|>")[0]
-      turn = text.count("<|assistant|>") - 1
-      reply = by_prompt[prompt][turn]
-      ids = np.asarray(tokenizer.encode(reply + "<|end|>"), np.int32)
-      out.append(rl.Completion(ids, np.full(len(ids), -0.5, np.float32), True, reply))
-    return out
-
-  monkeypatch.setattr(rl, "sample", scripted)
-  sampling = rl.sampling_for_chat(TOK, max_new_tokens=80)
-  eps = rollout_multi_turn(CFG, None, TOK, examples, jax.random.key(0), sampling)
-  for ep, ex in zip(eps, examples):
-    assert ep.reward.reward == pytest.approx(1.0), ep.reward
-    text = TOK.decode(ep.response_ids)
-    expected = "".join(
-        c + "<|end|>" if role == "assistant" else f"<|tool|><tool_result>{c}</tool_result><|end|><|assistant|>"
-        for role, c in ex.reference)
-    assert text == expected
-    policy_text = TOK.decode(ep.response_ids[ep.policy_mask])
-    assert "<tool_result>" not in policy_text and policy_text.count("<|end|>") == len(ep.turns)
-    np.testing.assert_array_equal(ep.logprobs[~ep.policy_mask], 0.0)
-  # Turns shrink the active set but the sampler batch stays the same size.
-  assert len(calls) == max(len(v) for v in by_prompt.values())
 
 
 def test_batch_episodes_rejects_overlong():
@@ -119,3 +80,74 @@ def test_identical_responses_are_verified_once(monkeypatch):
   assert calls == [3]  # (ex0, ref), (ex0, wrong), (ex1, bad)
   assert [e.reward.reward for e in eps[:2]] == [1.0, 1.0] and eps[2].reward.reward < 1.0
   assert eps[3].reward == eps[4].reward and stats.total == 5
+
+
+def _reference_sampler(calls):
+  """A fake ``rl.sample`` answering every prompt with the reference's next
+  assistant turn; records (n prompts, batch_size, prompt_bucket, key data)."""
+  def fake(model_cfg, params, tokenizer, prompts, rng, sampling, **kw):
+    calls.append((len(prompts), kw["batch_size"], kw["prompt_bucket"],
+                  np.asarray(jax.random.key_data(rng)).tolist()))
+    out = []
+    for p in prompts:
+      text = tokenizer.decode(p)
+      turn = text.count("<|assistant|>") - 1
+      ex = BY_PROMPT[text.split("<|user|>")[1].split("<|end|>")[0]]
+      reply = [c for role, c in ex.reference if role == "assistant"][turn]
+      ids = np.asarray(tokenizer.encode(reply + "<|end|>"), np.int32)
+      out.append(rl.Completion(ids, np.zeros(len(ids), np.float32), True, reply))
+    return out
+  return fake
+
+
+SINGLE = get_task("math").examples("test", 4, seed=5) + get_task("instruct").examples("test", 3)
+AGENT = get_task("agent").examples("test", 3, seed=5)
+BY_PROMPT = {ex.prompt: ex for ex in SINGLE + AGENT}
+
+
+def test_chunked_rollout_fixed_rows_keys_and_padding(monkeypatch):
+  """7 single-turn + 3 agent examples, batch_size 4: single-turn chunks of
+  4 then 3 rows at one padded length, then one agent chunk padded to 4
+  episodes; chunk c samples with fold_in(rng, c); padding never comes back."""
+  from opd import tasks as tasks_lib
+  calls, verified = [], []
+  monkeypatch.setattr(rl, "sample", _reference_sampler(calls))
+  real = tasks_lib.safe_verify_batch
+  monkeypatch.setattr(tasks_lib, "safe_verify_batch",
+                      lambda task, exs, rs, **kw: verified.append(len(rs)) or real(task, exs, rs))
+  examples = [AGENT[0]] + SINGLE[:4] + AGENT[1:] + SINGLE[4:]
+  key = jax.random.key(11)
+  stats, cache, timings = tasks_lib.RewardStats(), {}, {}
+  eps = rl.rollout(CFG, None, TOK, examples, key, rl.sampling_for_chat(TOK, max_new_tokens=80),
+                   prompt_bucket=16, batch_size=4, chunked=True, verify_cache=cache,
+                   timings=timings, stats=stats)
+  assert [e.example.id for e in eps] == [e.id for e in examples]
+  assert all(e.reward.reward == pytest.approx(1.0) for e in eps)
+  assert stats.total == len(examples) and set(timings) == {"generate", "verify"}
+  longest = max(len(rl.prompt_ids(TOK, e)) for e in SINGLE)
+  bucket = 16 * -(-longest // 16)
+  keys = [np.asarray(jax.random.key_data(jax.random.fold_in(key, c))).tolist() for c in range(3)]
+  assert calls[:2] == [(4, 4, bucket, keys[0]), (3, 4, bucket, keys[1])]
+  # Agent rounds: 4 contexts (3 real + 1 padding copy) at the plain bucket,
+  # keys split off fold_in(rng, 2) round by round.
+  k = jax.random.fold_in(key, 2)
+  for n, bs, pb, kd in calls[2:]:
+    k, sub = jax.random.split(k)
+    assert (bs, pb, kd) == (4, 16, np.asarray(jax.random.key_data(sub)).tolist())
+  assert calls[2][0] == 4
+  assert sum(verified) == len(SINGLE) and len(cache) == len(SINGLE)
+  # A second call with the same cache verifies nothing again.
+  rl.rollout(CFG, None, TOK, SINGLE, 0, rl.sampling_for_chat(TOK, max_new_tokens=80),
+             batch_size=4, chunked=True, verify_cache=cache)
+  assert sum(verified) == len(SINGLE)
+
+
+def test_rollout_rejects_bad_chunking_and_double_agent_config():
+  from opd.tasks import AgentRewardConfig
+  sampling = rl.sampling_for_chat(TOK, max_new_tokens=4)
+  with pytest.raises(ValueError, match="chunked=True.*batch_size >= 1, got None"):
+    rl.rollout(CFG, None, TOK, SINGLE, 0, sampling, chunked=True)
+  with pytest.raises(ValueError, match="agent_config and task_kwargs"):
+    rl.rollout(CFG, None, TOK, AGENT, 0, sampling, agent_config=AgentRewardConfig(),
+               task_kwargs={"agent": {"config": AgentRewardConfig()}})
+

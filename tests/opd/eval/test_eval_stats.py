@@ -1,0 +1,70 @@
+"""Bootstrap standard errors against an independent numpy loop and the
+binomial formula."""
+import math
+
+import numpy as np
+import pytest
+
+from opd.eval import stats
+
+
+# --- bootstrap ---------------------------------------------------------------
+
+def _loop_bootstrap(values, B, seed):
+  """Independent reference: one resample at a time, the mean of every value
+  of the drawn examples (all samples of a drawn example included)."""
+  values = np.asarray(values, np.float64)
+  rows = values.reshape(len(values), -1)
+  rng = np.random.default_rng(seed)
+  means = []
+  for _ in range(B):
+    idx = rng.integers(0, len(rows), size=len(rows))
+    means.append(rows[idx].ravel().mean())
+  m = np.asarray(means)
+  return math.sqrt(((m - m.mean()) ** 2).sum() / (B - 1))
+
+
+@pytest.mark.parametrize("shape,B", [((37,), 500), ((23, 4), 300), ((3000,), 1500)],
+                         ids=lambda x: str(x))
+def test_bootstrap_se_matches_numpy_loop(shape, B):
+  """Same seed, same resamples: equal to 1e-12. (3000,) x 1500 crosses the
+  4M-index block boundary, so the blocked draw must continue the stream."""
+  x = np.random.default_rng(1).random(shape)
+  seed = stats.bootstrap_seed(5, "math")
+  assert stats.bootstrap_se(x, B, seed) == pytest.approx(_loop_bootstrap(x, B, seed), rel=1e-12)
+
+
+@pytest.mark.parametrize("n,k", [(50, 17), (200, 20)])
+def test_bootstrap_se_matches_binomial(n, k):
+  """For 0/1 values the bootstrap SE estimates sqrt(p(1-p)/n) (plug-in p).
+  With B = 40000 resamples the SE of the SE is about 1/sqrt(2B) = 0.35%
+  relative; the tolerance is 2%."""
+  x = np.zeros(n)
+  x[np.random.default_rng(n).choice(n, k, replace=False)] = 1.0
+  p = k / n
+  assert stats.bootstrap_se(x, 40_000, 0) == pytest.approx(math.sqrt(p * (1 - p) / n), rel=0.02)
+
+
+def test_bootstrap_se_rejects_bad_input():
+  with pytest.raises(ValueError, match="shape"):
+    stats.bootstrap_se(np.zeros((2, 2, 2)), 10, 0)
+  with pytest.raises(ValueError, match="shape"):
+    stats.bootstrap_se([], 10, 0)
+  with pytest.raises(ValueError, match="num_resamples"):
+    stats.bootstrap_se([1.0, 0.0], 1, 0)
+
+
+
+
+def test_estimate_scales_mean_and_se_to_percent():
+  x = np.random.default_rng(0).random((7, 3))
+  e = stats.estimate(x, 30, (1, 2))
+  assert e.value == pytest.approx(100 * x.mean(), abs=1e-12)
+  assert e.se == pytest.approx(100 * _loop_bootstrap(x, 30, (1, 2)), abs=1e-9)
+  assert str(stats.Estimate(12.345, 0.96)) == "12.3 ± 1.0"
+
+
+def test_bootstrap_seed_depends_on_domain_not_model():
+  assert stats.bootstrap_seed(3, "math") == stats.bootstrap_seed(3, "math")
+  assert stats.bootstrap_seed(3, "math") != stats.bootstrap_seed(3, "code")
+  assert stats.bootstrap_seed(3, "math") != stats.bootstrap_seed(4, "math")
