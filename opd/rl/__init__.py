@@ -1,5 +1,15 @@
-"""Reinforcement learning: GRPO (loss, group advantages, scoring) on the shared loop."""
-from opd.rl.grpo import GRPORun, PromptStream, reference_logprobs, train_grpo
-from opd.rl.loss import (LOSS_AGGREGATIONS, LOSS_FIELDS, GRPOConfig, RewardFn, Score,
-                         count_reason, group_advantages, grpo_loss, policy_loss, reward_metrics,
-                         score_episodes, token_entropy)
+"""Reinforcement learning: GRPO as a rollout source plus a loss on the shared training loop.
+
+``config`` (GRPOConfig), ``advantages`` (group-normalised, host numpy),
+``scoring`` (episodes -> rewards and their metrics, host), ``loss`` (the
+jitted clipped objective), ``rollout_source`` (prompts -> training batches)
+and ``grpo`` (``train_grpo``, their composition into ``opd.training.loop``).
+"""
+from opd.rl import advantages, config, grpo, loss, rollout_source, scoring
+from opd.rl.advantages import group_advantages
+from opd.rl.config import LOSS_AGGREGATIONS, LOSS_FIELDS, GRPOConfig
+from opd.rl.grpo import GRPORun, train_grpo
+from opd.rl.loss import check_batch, make_grpo_loss, policy_loss, token_entropy
+from opd.rl.rollout_source import (GRPOSource, PromptStream, make_reference_fn,
+                                   reference_logprobs, training_length)
+from opd.rl.scoring import RewardFn, Score, count_reason, reward_metrics, score_episodes

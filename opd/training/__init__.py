@@ -8,6 +8,7 @@ from opd.training.checkpoints import (CheckpointCorruptError, CheckpointManager,
                                       abstract_like, load_params)
 from opd.training.data import lm_dataset, sft_dataset
 from opd.training.lm_trainer import LMTrainConfig, evaluate_loss, train_lm
+from opd.training.loop import RolloutSource, resume, run
 from opd.training.metrics_writer import METRICS_FILE, MetricWriter, histogram_proto, read_metrics
 from opd.training.objectives import lm_loss, next_token_loss
 from opd.training.optim import OptimConfig, make_optimizer, make_schedule

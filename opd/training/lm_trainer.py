@@ -18,12 +18,13 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import jax
 import numpy as np
 
-from opd.training.checkpoints import CheckpointManager
+from opd.config.fields import check_bool, check_int, set_field
 from opd.models import ModelConfig
-from opd.training.objectives import lm_loss
 from opd.training import loop as train_loop
+from opd.training.checkpoints import CheckpointManager
+from opd.training.objectives import lm_loss
 from opd.training.train_step import (OptimConfig, TrainState, init_train_state, make_optimizer,
-                            make_train_step, shard_batch)
+                                     make_train_step, shard_batch)
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,11 @@ class LMTrainConfig:
 
   Attributes:
     steps: total optimizer updates (a resumed run continues to this count).
-    eval_every: held-out loss every this many steps (0: only at the end).
-    save_every: checkpoint every this many steps (0: only at the end).
+    eval_every: held-out loss every this many steps and after the last
+      (0: only after the last).
+    save_every: checkpoint every this many steps and after the last (0: only
+      after the last); the same meaning as in every trainer
+      (``opd.training.loop.run``).
     keep_checkpoints: newest checkpoints kept (plus the best by eval loss).
     fused_loss: apply the LM head inside the fused cross-entropy kernel
       (never materialises ``[B, T, V]``; worth it at large V).
@@ -49,18 +53,24 @@ class LMTrainConfig:
   progress: bool = True
 
   def __post_init__(self):
-    for name in ("steps", "eval_every", "save_every", "keep_checkpoints"):
-      v = getattr(self, name)
-      if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ValueError(f"LMTrainConfig.{name} must be an int >= 0, got {v!r}")
-    if self.keep_checkpoints < 1:
-      raise ValueError(f"LMTrainConfig.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+    for name, lo in (("steps", 0), ("eval_every", 0), ("save_every", 0), ("keep_checkpoints", 1)):
+      set_field(self, name, check_int("LMTrainConfig", name, getattr(self, name), min_value=lo))
+    for name in ("fused_loss", "progress"):
+      set_field(self, name, check_bool("LMTrainConfig", name, getattr(self, name)))
 
 
-def evaluate_loss(loss_fn, params, batches: Sequence[Mapping[str, np.ndarray]], mesh, rules
-                  ) -> dict[str, float]:
-  """Token-weighted mean loss (and accuracy, if reported) over ``batches``."""
-  fn = _jitted_eval(loss_fn)
+def _jit_eval(loss_fn):
+  return jax.jit(lambda p, b: loss_fn(p, b, jax.random.key(0)))
+
+
+def evaluate_loss(loss_fn, params, batches: Sequence[Mapping[str, np.ndarray]], mesh, rules, *,
+                  jitted: Callable | None = None) -> dict[str, float]:
+  """Token-weighted mean loss (and accuracy, if reported) over ``batches``.
+
+  ``jitted``: ``jax.jit`` of ``loss_fn`` with a fixed rng, built by the caller
+  to reuse one compile across calls (by default compiled for this call).
+  """
+  fn = jitted if jitted is not None else _jit_eval(loss_fn)
   total = weighted = acc = 0.0
   for batch in batches:
     loss, metrics = fn(params, shard_batch(batch, mesh, rules))
@@ -74,11 +84,6 @@ def evaluate_loss(loss_fn, params, batches: Sequence[Mapping[str, np.ndarray]], 
   if not np.isnan(acc):
     out["accuracy"] = acc / total
   return out
-
-
-@functools.lru_cache(maxsize=8)
-def _jitted_eval(loss_fn):
-  return jax.jit(lambda p, b: loss_fn(p, b, jax.random.key(0)))
 
 
 def train_lm(model_cfg: ModelConfig, batches: Iterator[Mapping[str, np.ndarray]],
@@ -102,7 +107,8 @@ def train_lm(model_cfg: ModelConfig, batches: Iterator[Mapping[str, np.ndarray]]
       from SFT) instead of a random init.
     eval_batches: held-out batches for ``eval/loss``.
     checkpoint_dir: where to checkpoint and resume from (None: no checkpoints).
-    on_metrics: ``on_metrics(step, metrics)`` for logging.
+    on_metrics: ``on_metrics(step, metrics)`` for logging (eval metrics,
+      prefixed ``eval/``, in the same dict on eval steps).
     extra_eval: ``extra_eval(params) -> metrics`` run with the held-out loss
       (e.g. generation-based task scores during SFT).
     run_config: JSON dict saved with each checkpoint (its ``"model"`` entry
@@ -114,13 +120,15 @@ def train_lm(model_cfg: ModelConfig, batches: Iterator[Mapping[str, np.ndarray]]
   loss_fn = lm_loss(model_cfg, fused=loop.fused_loss)
   optimizer = make_optimizer(optim)
   state, shardings = init_train_state(model_cfg, optimizer, mesh, rules, rng=seed, params=params)
-  step_fn = make_train_step(loss_fn, optimizer, mesh, shardings, rules=rules,
-                            grad_accum_steps=optim.grad_accum_steps)
+  step_fn = make_train_step(loss_fn, optimizer, mesh, shardings, rules=rules)
+
+  jitted_eval = _jit_eval(loss_fn)  # one compile for every eval of this run
 
   def eval_fn(st: TrainState) -> dict[str, float]:
     out = {}
     if eval_batches:
-      out.update(evaluate_loss(loss_fn, st.params, eval_batches, mesh, rules))
+      out.update(evaluate_loss(loss_fn, st.params, eval_batches, mesh, rules,
+                               jitted=jitted_eval))
     if extra_eval is not None:
       out.update(extra_eval(st.params))
     return out
@@ -135,10 +143,9 @@ def train_lm(model_cfg: ModelConfig, batches: Iterator[Mapping[str, np.ndarray]]
   try:
     state = train_loop.run(
         state, step_fn, batches, loop.steps, checkpoint_manager=manager,
-        save_every=(loop.save_every or loop.steps) if manager is not None else None,
-        config=config, on_metrics=on_metrics,
-        eval_fn=eval_fn if has_eval else None,
-        eval_every=(loop.eval_every or loop.steps) if has_eval and loop.steps else None,
+        save_every=loop.save_every if manager is not None else 0, config=config,
+        on_metrics=on_metrics, eval_fn=eval_fn if has_eval else None,
+        eval_every=loop.eval_every if has_eval else 0,
         prepare_batch=functools.partial(shard_batch, mesh=mesh, rules=rules),
         progress=loop.progress)
   finally:

@@ -1,31 +1,81 @@
-"""The host-side training loop shared by pre-training and SFT.
+"""The one host-side training loop: pre-training, SFT and GRPO all run through ``run``.
 
 ``run`` drives a jitted ``step(state, batch) -> (state, metrics)`` (from
-``opd.training.train_step.make_train_step``) over a data iterator: it resumes from the
-latest checkpoint (state *and* iterator position), checks every step's
-``finite`` flag, reports metrics, evaluates, and saves checkpoints. GRPO and
-distillation have their own rollout loops but reuse ``resume`` and
-``raise_if_nonfinite``.
+``opd.training.train_step.make_train_step``) over a batch source, which is
+either
+
+* a plain iterator of host batches (pre-training, SFT: one update per
+  batch), or
+* a ``RolloutSource`` (GRPO): an object that builds each step's batch from
+  the current state (rollouts, rewards, advantages) and may take several
+  updates on it.
+
+A trainer is then a loss function plus a batch source composed into ``run``;
+the loop owns everything else: resume (state *and* source position), the
+checkpoint cadence, eval, NaN/inf checks, metrics (``on_metrics``, a
+``MetricWriter``) and the progress bar.
+
+Steps: ``run`` counts *batches*. A step is one batch and its
+``updates_per_batch`` optimizer updates, so ``state.step ==
+step * updates_per_batch`` (plain iterators: 1 update, a step is an update);
+checkpoints are numbered by step.
+
+Checkpoints, the same in every trainer: with a ``checkpoint_manager``,
+``save_every=k`` saves after every k-th step and after the last one;
+``save_every`` 0 or None saves only after the last step. Eval likewise:
+every ``eval_every`` steps (0 or None: none in between) and after the last.
 
 NaN/inf: the step itself discards a non-finite update, and ``run`` raises
-``NonFiniteError`` naming the step before anything is saved, so the last
-good checkpoint on disk is untouched. The exception carries the (unchanged)
-state as ``err.state``.
+``NonFiniteError`` naming the step (1-based, as metrics are reported)
+before anything is saved, so the last good checkpoint on disk is untouched.
+The exception carries the state as ``err.state``.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator, Mapping
+import time
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import jax
 import numpy as np
 
+from opd.config.fields import check_int
 from opd.training.checkpoints import CheckpointManager
+from opd.training.metrics_writer import MetricWriter
 from opd.training.train_step import NonFiniteError, TrainState, raise_if_nonfinite
 
 log = logging.getLogger(__name__)
 
-__all__ = ["run", "resume", "NonFiniteError"]
+__all__ = ["RolloutSource", "run", "resume", "NonFiniteError"]
+
+
+@runtime_checkable
+class RolloutSource(Protocol):
+  """A batch source that needs the current state (e.g. GRPO's rollouts).
+
+  Attributes:
+    updates_per_batch: optimizer updates ``run`` takes on each batch.
+  """
+  updates_per_batch: int
+
+  def next_batch(self, state: TrainState, step: int) -> tuple[Any, dict[str, float]] | None:
+    """The batch for 0-based ``step`` (built from ``state``) and host-side
+    metrics about it; None when the source is exhausted."""
+
+  def step_metrics(self, host_metrics: dict[str, float], train_metrics: dict[str, float], *,
+                   batch_time_s: float, train_time_s: float) -> dict[str, float]:
+    """The metrics reported for a step, from ``next_batch``'s host metrics,
+    the mean over the step's updates of the train step's metrics and the
+    seconds spent in ``next_batch`` and in the updates."""
+
+  def texts(self, step: int) -> Mapping[str, str]:
+    """Text summaries of the 1-based ``step`` just taken for the writer (may be empty)."""
+
+  def get_state(self) -> Mapping[str, Any]:
+    """The source's position (JSON), saved with each checkpoint."""
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    """Restores a position from ``get_state``."""
 
 
 def _host_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -40,11 +90,11 @@ def resume(state: TrainState, checkpoint_manager: CheckpointManager | None, data
            expected_config: Mapping | None = None) -> TrainState:
   """Restores the latest checkpoint onto ``state``'s shardings, if there is one.
 
-  The data iterator's position is restored too (``set_state``). Returns
+  The batch source's position is restored too (``set_state``). Returns
   ``state`` itself when the directory holds no checkpoint.
 
   Raises:
-    ValueError: the checkpoint holds an iterator position but ``data_iterator``
+    ValueError: the checkpoint holds a source position but ``data_iterator``
       has no ``set_state`` (re-reading data from the start silently would bias
       the run).
   """
@@ -61,15 +111,35 @@ def resume(state: TrainState, checkpoint_manager: CheckpointManager | None, data
   return restored.state
 
 
+def _check_source(source) -> bool:
+  """Whether ``source`` is a ``RolloutSource`` (else a plain iterator)."""
+  if not hasattr(source, "next_batch"):
+    return False
+  if not isinstance(source, RolloutSource):
+    missing = [n for n in ("updates_per_batch", "next_batch", "step_metrics", "texts",
+                           "get_state", "set_state") if not hasattr(source, n)]
+    raise ValueError(f"{type(source).__name__} has next_batch but lacks {missing} of the "
+                     "RolloutSource protocol")
+  check_int(type(source).__name__, "updates_per_batch", source.updates_per_batch, min_value=1)
+  return True
+
+
+def _mean_metrics(per_update: Sequence[Mapping[str, float]]) -> dict[str, float]:
+  if len(per_update) == 1:
+    return dict(per_update[0])
+  return {k: float(np.mean([m[k] for m in per_update])) for k in per_update[0]}
+
+
 def run(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState, Mapping]],
-        data_iterator: Iterator, num_steps: int, *,
+        data_iterator: Iterator | RolloutSource, num_steps: int, *,
         checkpoint_manager: CheckpointManager | None = None, save_every: int | None = None,
-        config: Mapping | None = None,
+        config: Mapping | None = None, match_config: Sequence[str] = ("model",),
         on_metrics: Callable[[int, dict[str, float]], None] | None = None,
+        writer: MetricWriter | None = None,
         eval_fn: Callable[[TrainState], Mapping[str, Any]] | None = None,
         eval_every: int | None = None, prepare_batch: Callable[[Any], Any] | None = None,
-        progress: bool = True) -> TrainState:
-  """Trains until ``state.step == num_steps``; returns the final state.
+        progress: bool = True, desc: str = "train", progress_key: str = "loss") -> TrainState:
+  """Trains until ``num_steps`` steps are done; returns the final state.
 
   Args:
     state: the initial state, or its abstract form (``abstract_train_state``)
@@ -78,91 +148,117 @@ def run(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState
     step_fn: ``step(state, batch) -> (state, metrics)``; metrics must hold
       ``finite``, ``loss_finite``, ``grads_finite`` and ``loss`` (as
       ``make_train_step``'s do).
-    data_iterator: yields host batches; if it has ``get_state``/``set_state``
-      (grain iterators do) its position is checkpointed and restored.
-    num_steps: total number of updates (counting those before a resume).
+    data_iterator: the batch source: an iterator of host batches or a
+      ``RolloutSource``. If it has ``get_state``/``set_state`` (grain
+      iterators and rollout sources do) its position is checkpointed and
+      restored.
+    num_steps: total number of steps (counting those before a resume).
     checkpoint_manager: where to resume from and save to.
-    save_every: save after every this many updates, and after the last one;
-      None never saves (the manager is then only resumed from).
-    config: JSON dict saved with each checkpoint; on resume its ``"model"``
-      entry (if any) must match the checkpoint's.
-    on_metrics: ``on_metrics(step, metrics)`` with python floats, after each
-      update (``step`` = updates done so far) and after each eval (keys
-      prefixed ``eval/``).
-    eval_fn: ``eval_fn(state) -> metrics``, every ``eval_every`` updates.
-    prepare_batch: applied to each batch before the step (e.g.
-      ``functools.partial(shard_batch, mesh=mesh, rules=rules)``, needed with
-      several processes).
-    progress: show a tqdm bar (process 0 only).
+    save_every: save after every this many steps and after the last one
+      (0 or None: only after the last); needs ``checkpoint_manager``.
+    config: JSON dict saved with each checkpoint.
+    match_config: the ``config`` entries that must equal the checkpoint's on
+      resume (those present in ``config``).
+    on_metrics: ``on_metrics(step, metrics)`` with python floats after each
+      step (``step`` = steps done so far); on eval steps the eval metrics are
+      included, prefixed ``eval/``.
+    writer: each step's metrics go to its ``write_scalars`` (and a rollout
+      source's ``texts`` to ``write_texts``); flushed, not closed, at the end.
+    eval_fn: ``eval_fn(state) -> metrics``, every ``eval_every`` steps (0 or
+      None: none in between) and after the last step.
+    prepare_batch: applied to each plain iterator's batch before the step
+      (e.g. ``functools.partial(shard_batch, mesh=mesh, rules=rules)``).
+    progress: show a tqdm bar (process 0 only), labelled ``desc`` and
+      showing the metric ``progress_key``.
 
   Raises:
     NonFiniteError: a step had a NaN/inf loss or gradient; names the step.
-      Nothing is saved for that step; ``err.state`` is the state before it.
+      Nothing is saved for that step; ``err.state`` is the state the
+      discarded update left (equal to the state before it).
+    ValueError: bad arguments, or an abstract ``state`` with no checkpoint.
   """
-  if not isinstance(num_steps, int) or num_steps < 0:
-    raise ValueError(f"num_steps must be a non-negative int, got {num_steps!r}")
-  for name, value in (("save_every", save_every), ("eval_every", eval_every)):
-    if value is not None and (not isinstance(value, int) or value < 1):
-      raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-  if save_every is not None and checkpoint_manager is None:
-    raise ValueError("save_every is set but checkpoint_manager is None")
-  if eval_every is not None and eval_fn is None:
-    raise ValueError("eval_every is set but eval_fn is None")
+  num_steps = check_int("run", "num_steps", num_steps, min_value=0)
+  save_every = check_int("run", "save_every", save_every, min_value=0, allow_none=True) or 0
+  eval_every = check_int("run", "eval_every", eval_every, min_value=0, allow_none=True) or 0
+  if save_every and checkpoint_manager is None:
+    raise ValueError(f"save_every={save_every} is set but checkpoint_manager is None")
+  if eval_every and eval_fn is None:
+    raise ValueError(f"eval_every={eval_every} is set but eval_fn is None")
+  is_source = _check_source(data_iterator)
+  updates = int(data_iterator.updates_per_batch) if is_source else 1
 
-  expected = {"model": config["model"]} if config and "model" in config else None
-  state = resume(state, checkpoint_manager, data_iterator, expected_config=expected)
+  expected = {k: config[k] for k in match_config if k in config} if config else None
+  state = resume(state, checkpoint_manager, data_iterator, expected_config=expected or None)
   if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state)):
     raise ValueError("state is abstract (ShapeDtypeStructs) but there is no checkpoint to resume "
                      f"from under {getattr(checkpoint_manager, 'directory', None)}")
-  start = int(jax.device_get(state.step))
-  has_position = hasattr(data_iterator, "get_state")
+  done_updates = int(jax.device_get(state.step))
+  if done_updates % updates:
+    raise ValueError(f"state.step={done_updates} is not a multiple of updates_per_batch="
+                     f"{updates}: the checkpoint was written with another updates_per_batch")
+  start = step = done_updates // updates
+  position = (lambda: data_iterator.get_state()) if hasattr(data_iterator, "get_state") \
+      else (lambda: None)
   bar = None
   if progress and jax.process_index() == 0 and start < num_steps:
     from tqdm.auto import tqdm
-    bar = tqdm(total=num_steps, initial=start, desc="train", dynamic_ncols=True)
+    bar = tqdm(total=num_steps, initial=start, desc=desc, dynamic_ncols=True)
 
-  last_saved = start if checkpoint_manager is not None and \
-      checkpoint_manager.latest_step() == start else None
-  step = start
+  manager = checkpoint_manager
+  last_saved = start if manager is not None and manager.latest_step() == start else None
   try:
     while step < num_steps:
-      try:
-        batch = next(data_iterator)
-      except StopIteration:
-        log.warning("data iterator exhausted after %d steps (asked for %d)", step, num_steps)
+      t0 = time.perf_counter()
+      if is_source:
+        out = data_iterator.next_batch(state, step)
+        batch, host_metrics = out if out is not None else (None, None)
+      else:
+        batch, host_metrics = next(data_iterator, None), {}
+      if batch is None:
+        log.warning("batch source exhausted after %d steps (asked for %d)", step, num_steps)
         break
-      if prepare_batch is not None:
+      if prepare_batch is not None and not is_source:
         batch = prepare_batch(batch)
-      new_state, metrics = step_fn(state, batch)
-      metrics = _host_scalars(metrics)
-      try:
-        raise_if_nonfinite(metrics, step)
-      except NonFiniteError as err:
-        err.state = new_state  # equal to the state before the step
-        raise
-      state, step = new_state, step + 1
+      t1 = time.perf_counter()
+      per_update = []
+      for _ in range(updates):
+        new_state, m = step_fn(state, batch)
+        m = _host_scalars(m)
+        try:
+          raise_if_nonfinite(m, step + 1)
+        except NonFiniteError as err:
+          err.state = new_state  # the step discarded the update
+          raise
+        state = new_state
+        per_update.append(m)
+      metrics = _mean_metrics(per_update)
+      if is_source:
+        metrics = data_iterator.step_metrics(host_metrics, metrics, batch_time_s=t1 - t0,
+                                             train_time_s=time.perf_counter() - t1)
+      step += 1
+      if eval_fn is not None and ((eval_every and step % eval_every == 0) or step == num_steps):
+        metrics.update({f"eval/{k}": v for k, v in _host_scalars(eval_fn(state)).items()})
+      if writer is not None:
+        writer.write_scalars(step, metrics)
+        texts = data_iterator.texts(step) if is_source else None
+        if texts:
+          writer.write_texts(step, texts)
       if on_metrics is not None:
         on_metrics(step, metrics)
       if bar is not None:
         bar.update(1)
-        bar.set_postfix(loss=f"{metrics['loss']:.4f}")
-      if eval_fn is not None and eval_every is not None and step % eval_every == 0:
-        eval_metrics = {f"eval/{k}": v for k, v in _host_scalars(eval_fn(state)).items()}
-        metrics.update(eval_metrics)
-        if on_metrics is not None:
-          on_metrics(step, eval_metrics)
-      if save_every is not None and (step % save_every == 0 or step == num_steps):
-        checkpoint_manager.save(step, state,
-                                data_state=data_iterator.get_state() if has_position else None,
-                                config=config, metrics=metrics)
+        if progress_key in metrics:
+          bar.set_postfix({progress_key: f"{metrics[progress_key]:.4f}"})
+      if manager is not None and ((save_every and step % save_every == 0) or step == num_steps):
+        manager.save(step, state, data_state=position(), config=config, metrics=metrics)
         last_saved = step
   finally:
     if bar is not None:
       bar.close()
-  if checkpoint_manager is not None:
-    if save_every is not None and last_saved != step and step > start:
-      checkpoint_manager.save(step, state,
-                              data_state=data_iterator.get_state() if has_position else None,
-                              config=config)
-    checkpoint_manager.wait()
+    if writer is not None:
+      writer.flush()
+  if manager is not None:
+    if last_saved != step and step > start:  # the source ran out before num_steps
+      manager.save(step, state, data_state=position(), config=config)
+    manager.wait()
   return state

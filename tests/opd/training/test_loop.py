@@ -1,4 +1,5 @@
-"""Tests for opd/train_loop.py: metrics, eval, checkpoints, resume, NaN guard.
+"""Tests for opd/training/loop.py: metrics, eval, checkpoints, resume, NaN guard,
+for both kinds of batch source (a plain iterator and a ``RolloutSource``).
 
 One tiny model on one device; the compiled step is shared by every test.
 (Resume across a process exit is tested in test_checkpoints.py.)
@@ -81,22 +82,21 @@ def _listing(root):
 
 
 def test_run_reports_evaluates_and_saves(setup, tmp_path):
-  seen, evals = [], []
-
-  def on_metrics(step, metrics):
-    (evals if "eval/loss" in metrics else seen).append((step, metrics))
-
+  seen = []
   it = ListIterator(_batches(5))
   mngr = CheckpointManager(tmp_path, max_to_keep=2)
   state = run(setup["fresh"](), setup["step"], it, 5, checkpoint_manager=mngr, save_every=2,
-              config={"model": CFG.to_dict()}, on_metrics=on_metrics,
+              config={"model": CFG.to_dict()}, on_metrics=lambda s, m: seen.append((s, m)),
               eval_fn=lambda s: {"loss": jnp.float32(7.0), "norm": jnp.ones(3)}, eval_every=2,
               progress=True)
   assert int(state.step) == 5
   assert [s for s, _ in seen] == [1, 2, 3, 4, 5]
   assert all(m["finite"] == 1.0 and np.isfinite(m["loss"]) and "lr" in m for _, m in seen)
-  assert [(s, m) for s, m in evals] == [(2, {"eval/loss": 7.0, "eval/norm": 1.0}),
-                                        (4, {"eval/loss": 7.0, "eval/norm": 1.0})]
+  # Eval every 2 steps and after the last one, in that step's metrics.
+  evals = [(s, {k: v for k, v in m.items() if k.startswith("eval/")}) for s, m in seen]
+  assert [(s, e) for s, e in evals if e] == [(2, {"eval/loss": 7.0, "eval/norm": 1.0}),
+                                            (4, {"eval/loss": 7.0, "eval/norm": 1.0}),
+                                            (5, {"eval/loss": 7.0, "eval/norm": 1.0})]
   # Saved at 2, 4 and after the last step; max_to_keep=2 dropped 2.
   assert mngr.all_steps() == [4, 5]
   restored = mngr.restore(state, 5)
@@ -105,6 +105,16 @@ def test_run_reports_evaluates_and_saves(setup, tmp_path):
   again = run(setup["fresh"](), setup["step"], ListIterator(_batches(5)), 5,
               checkpoint_manager=mngr, save_every=2, progress=False)
   assert int(again.step) == 5 and mngr.all_steps() == [4, 5]
+
+
+@pytest.mark.parametrize("save_every,num_steps,saved", [
+    (0, 5, [5]), (None, 5, [5]), (2, 5, [2, 4, 5]), (5, 5, [5]), (3, 6, [3, 6])])
+def test_save_every_zero_or_none_means_only_after_the_last_step(setup, tmp_path, save_every,
+                                                                num_steps, saved):
+  mngr = CheckpointManager(tmp_path, max_to_keep=10)
+  run(setup["fresh"](), setup["step"], ListIterator(_batches(num_steps)), num_steps,
+      checkpoint_manager=mngr, save_every=save_every, progress=False)
+  assert mngr.all_steps() == saved
 
 
 def test_resume_with_grain_iterator_continues_the_data(setup, tmp_path):
@@ -133,7 +143,8 @@ def test_nan_raises_naming_step_and_keeps_checkpoints(setup, tmp_path):
       snapshot.update(_listing(tmp_path))
 
   it = ListIterator(_batches(8, poison_at=4), on_next)
-  with pytest.raises(NonFiniteError, match=r"non-finite loss and gradients at step 4") as err:
+  # The fifth step fails: it is named as its metrics would have been (step 5).
+  with pytest.raises(NonFiniteError, match=r"non-finite loss and gradients at step 5") as err:
     run(setup["fresh"](), setup["step"], it, 8, checkpoint_manager=mngr, save_every=2,
         progress=False)
   assert snapshot and mngr.all_steps() == [2, 4]
@@ -165,9 +176,109 @@ def test_resume_needs_set_state_when_position_was_saved(setup, tmp_path):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_steps=-1), "num_steps"),
     (dict(num_steps=2, save_every=1), "checkpoint_manager is None"),
-    (dict(num_steps=2, save_every=0), "save_every"),
+    (dict(num_steps=2, save_every=-1), r"run.save_every must be .* or None, got -1"),
+    (dict(num_steps=2, save_every=True), r"run.save_every must be .* or None, got True"),
     (dict(num_steps=2, eval_every=1), "eval_fn is None"),
 ])
 def test_run_validates_arguments(setup, kwargs, match):
   with pytest.raises(ValueError, match=match):
     run(None, setup["step"], iter([]), **kwargs)
+
+
+class CountingSource:
+  """A ``RolloutSource``: batch k is ``_batches(n)[k]``, trained on twice.
+
+  It records the (step, state.step) it is asked at, so the test sees that
+  the loop hands it the current state and the 0-based step.
+  """
+  updates_per_batch = 2
+
+  def __init__(self, n):
+    self.batches, self.pos, self.asked = _batches(n), 0, []
+
+  def next_batch(self, state, step):
+    if self.pos >= len(self.batches):
+      return None
+    self.asked.append((step, int(state.step)))
+    self.pos += 1
+    return self.batches[self.pos - 1], {"source/pos": float(self.pos)}
+
+  def step_metrics(self, host_metrics, train_metrics, *, batch_time_s, train_time_s):
+    assert batch_time_s >= 0 and train_time_s > 0
+    return {**host_metrics, **{f"train/{k}": v for k, v in train_metrics.items()}}
+
+  def texts(self, step):
+    return {"note": f"step {step}"}
+
+  def get_state(self):
+    return {"pos": self.pos}
+
+  def set_state(self, state):
+    self.pos = state["pos"]
+
+
+class RecordingWriter:
+  def __init__(self):
+    self.scalars, self.texts, self.flushed = [], [], 0
+
+  def write_scalars(self, step, scalars):
+    self.scalars.append((step, dict(scalars)))
+
+  def write_texts(self, step, texts):
+    self.texts.append((step, dict(texts)))
+
+  def flush(self):
+    self.flushed += 1
+
+
+def test_run_drives_a_rollout_source_and_resumes_its_position(setup, tmp_path):
+  """Each step gets a batch built from the current state, takes
+  ``updates_per_batch`` updates on it and reports their mean; checkpoints
+  are numbered by step and restore the source's position."""
+  mngr = CheckpointManager(tmp_path, max_to_keep=5)
+  source, writer = CountingSource(5), RecordingWriter()
+  state = run(setup["fresh"](), setup["step"], source, 3, checkpoint_manager=mngr, save_every=2,
+              writer=writer, progress=False)
+  assert source.asked == [(0, 0), (1, 2), (2, 4)] and int(state.step) == 6
+  assert mngr.all_steps() == [2, 3]
+  assert mngr.restore(state, 3).data_state == {"pos": 3}
+  assert [s for s, _ in writer.scalars] == [1, 2, 3] and writer.flushed == 1
+  assert writer.texts == [(s, {"note": f"step {s}"}) for s in (1, 2, 3)]
+  # The reported loss is the mean of the two updates' losses, recomputed here.
+  reference, losses = setup["fresh"](), []
+  for _ in range(2):
+    reference, m = setup["step"](reference, _batches(5)[0])
+    losses.append(float(m["loss"]))
+  first = writer.scalars[0][1]
+  assert first["source/pos"] == 1.0
+  np.testing.assert_allclose(first["train/loss"], np.mean(losses), rtol=1e-6)
+
+  # Resume: a new source starting at 0 is moved to position 3 by the checkpoint,
+  # and the run ends where an uninterrupted one does.
+  resumed_source = CountingSource(5)
+  resumed = run(setup["fresh"](), setup["step"], resumed_source, 5, checkpoint_manager=mngr,
+                save_every=2, progress=False)
+  assert resumed_source.asked == [(3, 6), (4, 8)] and mngr.all_steps() == [2, 3, 4, 5]
+  straight = run(setup["fresh"](), setup["step"], CountingSource(5), 5, progress=False)
+  # Same compiled step, same inputs, exact restore: bitwise equal.
+  for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(straight.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  class FourUpdates(CountingSource):
+    updates_per_batch = 4
+
+  with pytest.raises(ValueError, match="state.step=10 is not a multiple of updates_per_batch=4"):
+    run(setup["fresh"](), setup["step"], FourUpdates(5), 5, checkpoint_manager=mngr,
+        progress=False)
+
+
+def test_a_source_missing_part_of_the_protocol_is_named(setup):
+  class Half:
+    updates_per_batch = 1
+
+    def next_batch(self, state, step):
+      return None
+
+  with pytest.raises(ValueError, match=r"Half has next_batch but lacks \['step_metrics', "
+                                       r"'texts', 'get_state', 'set_state'\]"):
+    run(setup["fresh"](), setup["step"], Half(), 1, progress=False)

@@ -1,0 +1,327 @@
+"""GRPO's batch source (docs/DESIGN.md §5): prompts -> rollouts -> scored, advantaged batches.
+
+``GRPOSource`` is a ``opd.training.loop.RolloutSource``. For GRPO step s
+(0-based) ``next_batch(state, s)``:
+
+1. draws P prompts (``PromptStream`` over a list, or any iterator of
+   ``Example``s; malformed prompts score 0 with reason ``bad_example`` and
+   are replaced by the next one, so batch shapes never change);
+2. repeats each G times, consecutively, and ``opd.rollout.rollout``s them
+   with a key folded from ``seed`` and s (a resumed run samples exactly what
+   an uninterrupted one would);
+3. scores them (``opd.rl.scoring.score_episodes``: the task verifiers or a
+   ``reward_fn``); a step whose share of errors exceeds
+   ``max_error_fraction`` raises ``VerifierFailureError`` before any update;
+4. turns the ``[P, G]`` rewards (row p: prompt p's G samples) into
+   group-normalised advantages, the episodes into training arrays
+   (``batch_episodes``) and adds the frozen reference's log-probs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from opd import rollout as rollout_lib
+from opd.models import ModelConfig, forward, token_logprobs
+from opd.parallel import sharding as sharding_lib
+from opd.rl.advantages import group_advantages
+from opd.rl.config import GRPOConfig
+from opd.rl.scoring import RewardFn, count_reason, reward_metrics, score_episodes
+from opd.rollout.episodes import Episode
+from opd.tasks import (ALL_DOMAINS, AgentEnv, AgentRewardConfig, Example, RewardStats,
+                       VerifierFailureError, is_multi_turn)
+from opd.training.train_step import shard_batch
+
+__all__ = ["GRPOSource", "PromptStream", "make_reference_fn", "reference_logprobs",
+           "training_length"]
+
+# Train-step flags that say nothing once the loop has checked them.
+_FLAGS = ("finite", "loss_finite", "grads_finite")
+
+
+class PromptStream:
+  """An endless, resumable iterator over a list of prompts.
+
+  Each epoch visits every item once in an order drawn from ``(seed, epoch)``
+  (or in list order with ``shuffle=False``). ``get_state()`` /
+  ``set_state()`` save and restore the position, so a checkpointed run
+  continues with the prompt it would have drawn next.
+  """
+
+  def __init__(self, items: Sequence[Any], *, seed: int = 0, shuffle: bool = True):
+    if not isinstance(items, Sequence) or isinstance(items, (str, bytes)) or not items:
+      raise ValueError(f"items must be a non-empty sequence of prompts, got {type(items).__name__}"
+                       f" of length {len(items) if hasattr(items, '__len__') else '?'}")
+    self.items, self.seed, self.shuffle = list(items), int(seed), bool(shuffle)
+    self.epoch, self.index = 0, 0
+
+  def _order(self) -> np.ndarray:
+    if getattr(self, "_order_epoch", None) != self.epoch:
+      n = len(self.items)
+      self._order_cache = (np.random.default_rng([self.seed, self.epoch]).permutation(n)
+                           if self.shuffle else np.arange(n))
+      self._order_epoch = self.epoch
+    return self._order_cache
+
+  def __iter__(self) -> "PromptStream":
+    return self
+
+  def __next__(self):
+    if self.index >= len(self.items):
+      self.epoch, self.index = self.epoch + 1, 0
+    item = self.items[int(self._order()[self.index])]
+    self.index += 1
+    return item
+
+  def get_state(self) -> dict:
+    return {"epoch": self.epoch, "index": self.index, "size": len(self.items)}
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    if state.get("size") != len(self.items):
+      raise ValueError(f"PromptStream state {dict(state)} was saved for {state.get('size')} "
+                       f"prompts, this stream has {len(self.items)}")
+    epoch, index = state.get("epoch"), state.get("index")
+    if not (isinstance(epoch, int) and epoch >= 0 and isinstance(index, int)
+            and 0 <= index <= len(self.items)):
+      raise ValueError(f"PromptStream state {dict(state)} has an invalid epoch/index")
+    self.epoch, self.index = epoch, index
+
+
+def _prompt_problem(ex: Any, tokenizer, cfg: GRPOConfig, *, custom_reward: bool,
+                    agent_config: AgentRewardConfig | None) -> str | None:
+  """Why ``ex`` cannot be rolled out and trained on, or None."""
+  if not isinstance(ex, Example):
+    return f"not an Example but {type(ex).__name__}"
+  known = ex.domain in ALL_DOMAINS
+  if not known and not custom_reward:
+    return f"no verifier for domain {ex.domain!r} (domains: {ALL_DOMAINS})"
+  try:
+    if known and is_multi_turn(ex.domain):
+      AgentEnv(agent_config).reset(ex)
+    n = len(rollout_lib.prompt_ids(tokenizer, ex))
+  except Exception as e:  # noqa: BLE001 - a malformed prompt is data, not a crash
+    return f"cannot render: {type(e).__name__}: {e}"
+  if n + cfg.max_new_tokens - 1 > cfg.seq_len:
+    return (f"prompt of {n} tokens + max_new_tokens={cfg.max_new_tokens} does not fit "
+            f"seq_len={cfg.seq_len}")
+  return None
+
+
+def _draw(stream: Iterator, n: int, problem: Callable[[Any], str | None],
+          stats: RewardStats) -> list[Example] | None:
+  """``n`` good prompts (None when the stream ends); bad ones are counted."""
+  out, bad = [], []
+  while len(out) < n:
+    try:
+      ex = next(stream)
+    except StopIteration:
+      return None
+    why = problem(ex)
+    if why is None:
+      out.append(ex)
+      continue
+    count_reason(stats, f"bad_example:{why}"[:300])
+    bad.append(why)
+    if len(bad) > 4 * n:  # never loop forever on a stream of garbage
+      raise VerifierFailureError(f"{len(bad)} malformed prompts while drawing {n} good ones; "
+                                 f"e.g. {bad[0]!r}")
+  return out
+
+
+def training_length(episodes: Sequence[Episode], cfg: GRPOConfig) -> int:
+  """Row length of a step's training arrays: the longest episode (prompt +
+  response − 1 targets) rounded up to ``cfg.length_bucket``, capped at
+  ``cfg.seq_len``."""
+  if not cfg.length_bucket:
+    return cfg.seq_len
+  longest = max(len(ep.prompt_ids) + len(ep.response_ids) - 1 for ep in episodes)
+  return min(cfg.seq_len, cfg.length_bucket * -(-longest // cfg.length_bucket))
+
+
+def _fit(ep: Episode, seq_len: int) -> tuple[Episode, bool]:
+  """Cuts an episode's response so it fits ``seq_len`` (only multi-turn ones can overflow)."""
+  room = seq_len + 1 - len(ep.prompt_ids)
+  if len(ep.response_ids) <= room:
+    return ep, False
+  return dataclasses.replace(ep, response_ids=ep.response_ids[:room],
+                             policy_mask=ep.policy_mask[:room], logprobs=ep.logprobs[:room]), True
+
+
+def make_reference_fn(model_cfg: ModelConfig, temperature: float, *, mesh,
+                      rules=sharding_lib.DEFAULT_RULES) -> Callable[..., jax.Array]:
+  """``fn(params, batch) -> [B, L]`` fp32 ``token_logprobs`` of ``batch['targets']``.
+
+  ``batch`` holds ``tokens``, ``mask``, ``targets`` (host or sharded with
+  ``shard_batch``); the output is batch-sharded. Jitted once here; one
+  compile per batch shape.
+  """
+  rules = sharding_lib.validate_rules(rules)
+
+  def logprobs(params, tokens, mask, targets):
+    with nn.logical_axis_rules(rules):
+      logits = forward(model_cfg, params, tokens, None, mask).logits
+    return token_logprobs(logits, targets, temperature)
+
+  jitted = jax.jit(logprobs, out_shardings=sharding_lib.batch_sharding(mesh, rules, 2))
+
+  def fn(params, batch: Mapping[str, Any]) -> jax.Array:
+    with jax.set_mesh(mesh):
+      return jitted(params, batch["tokens"], batch["mask"], batch["targets"])
+
+  return fn
+
+
+def reference_logprobs(model_cfg: ModelConfig, params, batch: Mapping[str, Any],
+                       temperature: float, *, mesh, rules=sharding_lib.DEFAULT_RULES) -> jax.Array:
+  """One-off ``make_reference_fn(...)(params, batch)``. ``[B, L]`` fp32, batch-sharded."""
+  return make_reference_fn(model_cfg, float(temperature), mesh=mesh, rules=rules)(params, batch)
+
+
+def _rollout_text(episodes, scores, tokenizer, n: int, group_size: int) -> str:
+  parts = []
+  for i in range(0, min(len(episodes), n * group_size), group_size):
+    ep, s = episodes[i], scores[i]
+    head = (f"**{ep.example.domain}** `{ep.example.id}` reward {s.reward:.3f} ({s.reason})"
+            f"{' truncated' if ep.truncated else ''}")
+    parts.append(f"{head}\n\n    {ep.example.prompt!r}\n\n    "
+                 f"{tokenizer.decode(ep.response_ids)!r}")
+  return "\n\n---\n\n".join(parts)
+
+
+def _place(params, shardings):
+  """``params`` (boxed or not) on ``shardings``; ValueError if the trees differ."""
+  params = nn.meta.unbox(params)
+  if jax.tree.structure(params) != jax.tree.structure(shardings):
+    raise ValueError(f"ref_params do not have the model's parameter tree: got "
+                     f"{jax.tree.structure(params)}, expected {jax.tree.structure(shardings)}")
+  return jax.tree.map(jax.device_put, params, shardings)
+
+
+class GRPOSource:
+  """GRPO rollout batches for ``opd.training.loop.run`` (module docstring).
+
+  Args:
+    model_cfg: the policy's model.
+    cfg: GRPO settings.
+    prompts: an iterator of ``Example``s (e.g. a ``PromptStream``);
+      checkpointing needs its ``get_state``/``set_state``.
+    tokenizer: renders prompts, decodes text samples.
+    ref_params: the frozen reference's params, placed on ``param_shardings``
+      (the policy's) here (None: no ``ref_logprobs`` in the batch; only
+      with ``kl_coef == 0``).
+    mesh, rules: the mesh and validated logical rules.
+    seed: the per-step sampling keys are ``fold_in(key(seed), step)``.
+    reward_fn, agent_config, task_kwargs: as ``opd.rl.grpo.train_grpo``.
+    text_every: ``texts`` returns rollouts for the first step taken and every
+      this many steps (0: the first only).
+  """
+
+  def __init__(self, model_cfg: ModelConfig, cfg: GRPOConfig, prompts: Iterator, *, tokenizer,
+               ref_params, param_shardings, mesh, rules, seed: int = 0, reward_fn: RewardFn | None = None,
+               agent_config: AgentRewardConfig | None = None,
+               task_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+               text_every: int = 10):
+    self.model_cfg, self.cfg, self.prompts, self.tokenizer = model_cfg, cfg, prompts, tokenizer
+    self.mesh, self.rules = mesh, rules
+    self.ref_params = _place(ref_params, param_shardings) if ref_params is not None else None
+    self.reward_fn, self.agent_config, self.task_kwargs = reward_fn, agent_config, task_kwargs
+    self.updates_per_batch, self.text_every = cfg.updates_per_batch, text_every
+    self._key = jax.random.key(seed)
+    self._reference = (make_reference_fn(model_cfg, cfg.temperature, mesh=mesh, rules=rules)
+                       if ref_params is not None else None)
+    self._sampling = rollout_lib.sampling_for_chat(
+        tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+        top_k=cfg.top_k, top_p=cfg.top_p)
+    self._problem = functools.partial(_prompt_problem, tokenizer=tokenizer, cfg=cfg,
+                                      custom_reward=reward_fn is not None,
+                                      agent_config=agent_config)
+    self._last = None  # (episodes, scores, real tokens) of the latest batch
+    self._texts_written = False
+
+  def next_batch(self, state, step: int):
+    """``(batch, host_metrics)`` for 0-based GRPO ``step``; None when prompts run out."""
+    cfg, t0 = self.cfg, time.perf_counter()
+    stats = RewardStats()
+    examples = _draw(self.prompts, cfg.prompts_per_step, self._problem, stats)
+    if examples is None:
+      return None
+    # Row p * G + g is sample g of prompt p: the reshape to [P, G] below
+    # relies on this order to normalise within same-prompt groups.
+    group = [ex for ex in examples for _ in range(cfg.group_size)]
+    custom = self.reward_fn is not None
+    episodes = rollout_lib.rollout(
+        self.model_cfg, state.params, self.tokenizer, group,
+        jax.random.fold_in(self._key, step), self._sampling, stats=None if custom else stats,
+        agent_config=self.agent_config, task_kwargs=self.task_kwargs, mesh=self.mesh,
+        rules=self.rules, verify=not custom,
+        # Fixed sampler rows: a mixed batch's single-turn and agent parts
+        # change size from step to step and would otherwise recompile.
+        batch_size=cfg.batch_size)
+    t1 = time.perf_counter()
+    scores = score_episodes(episodes, self.reward_fn, stats=stats if custom else None)
+    t2 = time.perf_counter()
+    try:
+      stats.check(cfg.max_error_fraction)
+    except VerifierFailureError as e:
+      raise VerifierFailureError(f"GRPO step {step + 1}: {e}") from e
+    rewards = np.asarray([s.reward for s in scores]).reshape(cfg.prompts_per_step,
+                                                            cfg.group_size)
+    adv = group_advantages(rewards, scale_by_std=cfg.scale_advantages_by_std,
+                           eps=cfg.advantage_eps)
+    fitted = [_fit(ep, cfg.seq_len) for ep in episodes]
+    kept = [f[0] for f in fitted]
+    host = rollout_lib.batch_episodes(kept, seq_len=training_length(kept, cfg),
+                                      pad_id=self.tokenizer.pad_id)
+    host["advantages"] = adv.reshape(-1)
+    batch = shard_batch(host, self.mesh, self.rules)
+    if self._reference is not None:
+      batch["ref_logprobs"] = jax.block_until_ready(self._reference(self.ref_params, batch))
+    metrics = reward_metrics(scores, episodes, cfg.group_size)
+    metrics.update(stats.metrics())
+    metrics.update({"advantage/abs_mean": float(np.abs(adv).mean()),
+                    "response/overlong_fraction": float(np.mean([f[1] for f in fitted])),
+                    "perf/rollout_time_s": t1 - t0, "perf/reward_time_s": t2 - t1,
+                    "perf/ref_time_s": time.perf_counter() - t2})
+    self._last = (episodes, scores, float(host["mask"].sum()))
+    return batch, metrics
+
+  def step_metrics(self, host_metrics, train_metrics, *, batch_time_s: float,
+                   train_time_s: float) -> dict[str, float]:
+    """Host metrics, ``train/<k>`` means over the updates, ``perf/...`` rates."""
+    metrics = dict(host_metrics)
+    metrics.update({f"train/{k}": v for k, v in train_metrics.items() if k not in _FLAGS})
+    sampled, step_time = metrics["response/policy_tokens"], batch_time_s + train_time_s
+    metrics.update({
+        "perf/step_time_s": step_time, "perf/train_time_s": train_time_s,
+        "perf/tokens_per_s": sampled / max(step_time, 1e-9),
+        "perf/sample_tokens_per_s": sampled / max(metrics["perf/rollout_time_s"], 1e-9),
+        "perf/train_tokens_per_s":
+            self._last[2] * self.updates_per_batch / max(train_time_s, 1e-9)})
+    return metrics
+
+  def texts(self, step: int) -> dict[str, str]:
+    """A few rollouts of the latest batch on the first step taken and every ``text_every``."""
+    due = not self._texts_written or (self.text_every and step % self.text_every == 0)
+    if not (self.cfg.num_text_samples and due and self._last is not None):
+      return {}
+    self._texts_written = True
+    episodes, scores, _ = self._last
+    return {"rollouts": _rollout_text(episodes, scores, self.tokenizer,
+                                      self.cfg.num_text_samples, self.cfg.group_size)}
+
+  def get_state(self) -> dict:
+    if not hasattr(self.prompts, "get_state"):
+      raise ValueError(f"the prompt iterator {type(self.prompts).__name__} has no get_state()")
+    return {"prompts": self.prompts.get_state()}
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    if not hasattr(self.prompts, "set_state") or "prompts" not in state:
+      raise ValueError(f"cannot restore prompt position {dict(state)} into "
+                       f"{type(self.prompts).__name__}")
+    self.prompts.set_state(state["prompts"])
