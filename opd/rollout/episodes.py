@@ -7,8 +7,8 @@ verifiers meet. GRPO, evaluation and on-policy distillation all consume the
   prompt_ids    [P]  BOS + the rendered prompt + ``<|assistant|>``
   response_ids  [N]  everything after the prompt. Single-turn: the sampled
                      completion, ending with ``<|end|>`` when it finished.
-                     Agent: assistant turns interleaved with the tool turns the
-                     environment fed back.
+                     Multi-turn: assistant turns interleaved with the tool
+                     turns the environment fed back.
   policy_mask   [N]  True where the policy sampled the token (trainable);
                      False on tool results and on the role headers between
                      turns.
