@@ -5,11 +5,13 @@ unaffected. Where a level does not claim the property an attack targets
 (``Sandbox.provides`` / ``Sandbox.enforced``), the test checks that it does
 not claim it instead of running the attack.
 """
+import ast
 import logging
 import os
 import pathlib
 import shutil
 import socket
+import sys
 import tempfile
 import uuid
 
@@ -53,6 +55,15 @@ def assert_contained(r):
   assert not r.ok and r.reason.startswith(FAILED) and not r.infrastructure_error, r
 
 
+def accepted(server: socket.socket) -> bool:
+  """Whether a (non-blocking) listener got a connection."""
+  try:
+    server.accept()[0].close()
+    return True
+  except BlockingIOError:
+    return False
+
+
 def test_host_unix_socket_unreachable(sandbox, host_dir):
   """A listener on a host path: no connection, no byte, directly or via CodeTask."""
   path = str(host_dir / "listener.sock")
@@ -69,12 +80,7 @@ def test_host_unix_socket_unreachable(sandbox, host_dir):
     task = CodeTask(sandbox)
     example = task.examples("train", 1, seed=0, difficulty=1)[0]
     reward = task.verify(example, fn)
-    try:
-      conn, _ = server.accept()
-      conn.close()
-      connected = True
-    except BlockingIOError:
-      connected = False
+    connected = accepted(server)
   if sandbox.python_guard or "filesystem" in sandbox.provides:
     assert_contained(r)
     assert "connected" not in r.stdout and not connected
@@ -84,6 +90,47 @@ def test_host_unix_socket_unreachable(sandbox, host_dir):
                                                       "partial:0/6"), reward
   else:
     assert sandbox.isolation == "rlimits"  # documented: host sockets reachable
+
+
+def test_abstract_unix_socket_unreachable(sandbox):
+  """Abstract Unix sockets have no file; the network namespace scopes them."""
+  name = f"\0opd-sandbox-test-{uuid.uuid4().hex}"
+  with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+    server.bind(name)
+    server.listen()
+    server.setblocking(False)
+    r = sandbox.run_python(f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({name!r})\n"
+                           "s.sendall(b'pwned')\nprint('connected')\n")
+    connected = accepted(server)
+  if sandbox.python_guard or "network" in sandbox.provides:
+    assert_contained(r)
+    assert "connected" not in r.stdout and not connected
+  else:
+    assert sandbox.isolation == "rlimits"  # documented: no network isolation
+
+
+def test_root_holds_only_what_the_program_needs(level):
+  """The program's root: system directories, the interpreter, /dev (three
+  devices), a fresh /proc and the work directory; nothing else of the host."""
+  kernel_only = Sandbox(LIMITS, isolation=level, python_guard=False)
+  if "minimal_root" not in kernel_only.enforced:
+    assert "filesystem" not in kernel_only.provides
+    return
+  r = kernel_only.run_python(
+      "import os\nprint(sorted(os.listdir('/')))\nprint(sorted(os.listdir('/dev')))\n"
+      "print(os.getcwd(), open('/dev/null', 'w').write('x'), len(open('/dev/urandom', 'rb')"
+      ".read(4)))\nprint(sorted(os.listdir('/etc')) if os.path.isdir('/etc') else [])\n")
+  assert r.ok, r
+  top, dev, cwd, etc = r.stdout.splitlines()
+  top, dev, etc = (set(ast.literal_eval(x)) for x in (top, dev, etc))
+  system = {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "dev", "proc",
+            "sandbox"}
+  prefix_top = os.path.realpath(sys.base_prefix).split("/")[1]
+  assert top <= system | {prefix_top}, top
+  assert not {"tmp", "run", "home", "var", "work", "workdirs"} & (top - {prefix_top}), top
+  assert dev == {"null", "zero", "urandom", "fd", "stdin", "stdout", "stderr"}, dev
+  assert cwd == "/sandbox 1 4"
+  assert etc <= {"ld.so.cache"}, etc
 
 
 def test_proc_shows_only_the_run(sandbox):
@@ -157,19 +204,29 @@ def test_real_setup_failure_is_an_infrastructure_error(level):
     assert r.infrastructure_error and "No space left" in r.reason, r
 
 
+# Each of these switched an unhardened guard off (its deny action became a
+# no-op, or every path looked like the work directory).
+_NOOP_DENY = ("def _mk():\n  write = exit_ = None\n  def deny(event):\n    (write, exit_)\n"
+              "  return deny\nnoop = _mk()\n")
 GUARD_BYPASSES = {
-    "gc": "import gc\nfor o in gc.get_objects():\n  pass\n",
+    # Find the hook's closure through the object graph and replace deny.
+    "gc": "import gc\nfor o in gc.get_objects():\n"
+          "  for c in (getattr(o, '__closure__', None) or ()):\n"
+          "    if getattr(c.cell_contents, '__name__', '') == 'deny':\n"
+          "      c.cell_contents = lambda event: None\n",
+    # The functions the hook consulted: every path inside, no directory anywhere.
     "realpath": "import os, os.path\nos.path.realpath = lambda p, **k: os.getcwd()\n"
                 "os.path.isdir = lambda p: False\n",
-    "builtins": "import builtins\nbuiltins.isinstance = lambda *a: True\n"
-                "builtins.type = lambda *a: str\nbuiltins.BaseException = KeyError\n",
-    "thread_cell": "import _thread\nh = _thread.start_new_thread\n"
-                   "for c in (getattr(h, '__closure__', None) or ()):\n"
-                   "  c.cell_contents = lambda *a: None\n"
-                   "vars(h).clear() if hasattr(h, '__dict__') else None\n",
-    "code_swap": "def nop(*a):\n  pass\ndef g():\n  pass\ng.__code__ = nop.__code__\n",
-    "frames": "import sys\nf = sys._getframe()\nwhile f is not None:\n"
-              "  f.f_globals.pop('_install_guard', None)\n  f = f.f_back\n",
+    "isinstance": "import builtins\nbuiltins.isinstance = lambda *a: True\n",
+    # The thread stand-ins shared deny's closure cell with the hook.
+    "thread_cell": "import _thread\nfor c in _thread.start_new_thread.__closure__:\n"
+                   "  c.cell_contents = lambda *a: None\n",
+    # A patched function the hook called hands over the hook's frame.
+    "hook_frame": _NOOP_DENY + "import os, sys\norig = os.path.realpath\n"
+                  "def spy(p, **k):\n  f = sys._getframe(1)\n  while f is not None:\n"
+                  "    d = f.f_locals.get('deny')\n    if d is not None:\n"
+                  "      d.__code__ = noop.__code__\n    f = f.f_back\n  return orig(p, **k)\n"
+                  "os.path.realpath = spy\nopen('trigger', 'w').close()\n",
 }
 
 
@@ -232,7 +289,7 @@ def test_weak_isolation_is_refused_without_opt_in(caplog, monkeypatch):
   """Fail closed: rlimits never runs as root, and a task requiring kernel
   isolation refuses a weaker sandbox unless explicitly (and loudly) allowed."""
   if os.geteuid() == 0:
-    prefix = os.path.realpath(os.sys.base_prefix)
+    prefix = os.path.realpath(sys.base_prefix)
     if _blocked_ancestor(prefix, UID_BASE):
       with pytest.raises(IsolationUnavailable, match="root"):
         Sandbox(LIMITS, isolation="rlimits")
