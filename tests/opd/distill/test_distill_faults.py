@@ -1,0 +1,156 @@
+"""Fault injection: every teacher fault is skipped, counted and renormalised (opd.distill.faults)."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+import pallas_kernels
+from opd.distill import FaultTolerantTeachers, SkipCounter, apply_availability, call_with_deadline
+
+EPS32 = np.finfo(np.float32).eps
+B, T, V = 4, 6, 32
+WIDTHS = {"good": 8, "raises": 8, "hangs": 5, "nan": 6, "wrong_width": 7}
+DEADLINE = 0.5
+
+
+def _hidden(seed, width):
+  return np.random.default_rng(seed).normal(size=(B, T, width)).astype(np.float32)
+
+
+@pytest.fixture
+def release():
+  event = threading.Event()
+  yield event
+  event.set()  # let the abandoned thread finish
+
+
+def _teachers(release):
+  def raises(tok, m):
+    raise RuntimeError("teacher OOM")
+
+  def hangs(tok, m):
+    release.wait(30)
+    return _hidden(2, 5)
+
+  def nan(tok, m):
+    h = _hidden(3, 6)
+    h[1, 2, 0] = np.nan  # a real token of row 1
+    h[3, 5, :] = np.inf  # a pad position of row 3: zeroed, row kept
+    return h
+
+  return {"good": lambda tok, m: _hidden(0, 8), "raises": raises, "hangs": hangs, "nan": nan,
+          "wrong_width": lambda tok, m: _hidden(4, 6)}
+
+
+def test_each_fault_is_skipped_counted_and_renormalised(release):
+  mask = np.ones((B, T), bool)
+  mask[3, 5] = False
+  ft = FaultTolerantTeachers(_teachers(release), WIDTHS, deadline_s=DEADLINE)
+  start = time.monotonic()
+  answers = ft(np.zeros((B, T), np.int32), mask)
+  assert time.monotonic() - start < DEADLINE + 5  # the hang cost one deadline, not 30 s
+  assert answers.skipped == {"raises": "error", "hangs": "timeout", "wrong_width": "shape"}
+  assert "teacher OOM" in answers.messages["raises"]
+  assert "(4, 6, 6)" in answers.messages["wrong_width"]
+  expect_avail = np.zeros((B, 5), bool)
+  expect_avail[:, 0] = True
+  expect_avail[:, 3] = [True, False, True, True]
+  np.testing.assert_array_equal(answers.available, expect_avail)
+  assert answers.sample_ok.all() and answers.batch_ok
+  for name, h in answers.hidden.items():
+    assert h.shape == (B, T, WIDTHS[name]) and bool(jnp.isfinite(h).all()), name
+  np.testing.assert_array_equal(answers.hidden["raises"], 0.0)
+  nan_h = _hidden(3, 6)
+  np.testing.assert_array_equal(answers.hidden["nan"][0], nan_h[0])
+  np.testing.assert_array_equal(answers.hidden["nan"][1, 2, 0], 0.0)
+  assert ft.abandoned == 1
+  got = ft.counter.metrics(ft.names)
+  expect = {f"skips/{n}/{r}": 0 for n in WIDTHS for r in ("error", "timeout", "shape", "nonfinite")}
+  expect.update({f"skips/{n}/nonfinite_rows": 0 for n in WIDTHS})
+  expect.update({"skips/raises/error": 1, "skips/hangs/timeout": 1, "skips/wrong_width/shape": 1,
+                 "skips/nan/nonfinite": 1, "skips/nan/nonfinite_rows": 1, "skips/total": 4,
+                 "skips/steps": 0})
+  assert got == expect
+
+  # The loss over the answers equals the loss over the survivors alone.
+  rng = np.random.default_rng(5)
+  heads = {n: rng.normal(size=(d, V)).astype(np.float32) for n, d in WIDTHS.items()}
+  h_s, w_s = rng.normal(size=(B * T, 8)).astype(np.float32), rng.normal(size=(8, V)).astype(
+      np.float32)
+  weights = rng.random((B, T, 5)).astype(np.float32) + 0.1
+  w, row_ok = apply_availability(weights, answers.available)
+  assert np.asarray(row_ok).all()
+  names = list(WIDTHS)
+  flat = lambda h: np.asarray(h).reshape(B * T, -1)
+  got_loss = pallas_kernels.fused_reverse_kl(
+      h_s, w_s, [flat(answers.hidden[n]) for n in names], [heads[n] for n in names],
+      np.asarray(w).reshape(B * T, 5), mask=mask.reshape(-1), impl="reference")
+  survivors = ["good", "nan"]
+  w_ref = weights[..., [0, 3]].copy()
+  w_ref[1, :, 1] = 0.0  # the NaN row of teacher "nan"
+  ref_loss = pallas_kernels.fused_reverse_kl(
+      h_s, w_s, [flat(_hidden(0, 8)), flat(np.nan_to_num(_hidden(3, 6)))],
+      [heads[n] for n in survivors], w_ref.reshape(B * T, 2), mask=mask.reshape(-1),
+      impl="reference")
+  # |logits| = O(|h| |W| sqrt(D)); KL cancellation a few eps of it per token.
+  tol = 64 * EPS32 * (float(np.abs(flat(_hidden(0, 8)) @ heads["good"]).max()) + np.log(V))
+  np.testing.assert_allclose(got_loss, ref_loss, rtol=0, atol=tol)
+
+
+def test_no_teacher_for_a_sample_and_for_the_batch(release):
+  def nan_row0(tok, m):
+    h = _hidden(0, 4)
+    h[0] = np.nan
+    return h
+
+  ft = FaultTolerantTeachers({"a": nan_row0}, {"a": 4}, deadline_s=DEADLINE)
+  answers = ft(np.zeros((B, T)), np.ones((B, T), bool))
+  np.testing.assert_array_equal(answers.sample_ok, [False, True, True, True])
+  assert answers.batch_ok and "a" not in answers.skipped
+  none = FaultTolerantTeachers({"a": _teachers(release)["raises"]}, {"a": 8},
+                               deadline_s=DEADLINE)
+  answers = none(np.zeros((B, T)), np.ones((B, T), bool))
+  assert not answers.batch_ok and not answers.sample_ok.any()
+  assert none.counter.skipped_steps == 1
+
+
+def test_flaky_teacher_counts_every_failure():
+  fails = np.random.default_rng(7).random(20) < 0.3
+  calls = iter(fails)
+
+  def flaky(tok, m):
+    if next(calls):
+      raise ConnectionError("dropped")
+    return _hidden(1, 4)
+
+  counter = SkipCounter()
+  ft = FaultTolerantTeachers({"flaky": flaky, "steady": lambda t, m: _hidden(2, 4)},
+                             {"flaky": 4, "steady": 4}, deadline_s=DEADLINE, counter=counter)
+  ok = [ft(np.zeros((B, T)), np.ones((B, T), bool)).available[:, 0].all() for _ in range(20)]
+  np.testing.assert_array_equal(ok, ~fails)
+  assert counter.metrics(ft.names)["skips/flaky/error"] == fails.sum() > 0
+  assert counter.metrics(ft.names)["skips/steady/error"] == 0
+
+
+def test_call_with_deadline_outcomes():
+  assert call_with_deadline(lambda: 3, 1.0) == (3, None, "")
+  value, reason, detail = call_with_deadline(lambda: 1 / 0, 1.0)
+  assert (value, reason) == (None, "error") and "ZeroDivisionError" in detail
+  event = threading.Event()
+  try:
+    value, reason, detail = call_with_deadline(lambda: event.wait(30), 0.05)
+    assert (value, reason) == (None, "timeout") and "deadline 0.05s" in detail
+  finally:
+    event.set()
+
+
+def test_bad_arguments_name_the_field():
+  with pytest.raises(ValueError, match="deadline_s=0"):
+    FaultTolerantTeachers({"a": None}, {"a": 4}, deadline_s=0)
+  with pytest.raises(ValueError, match="teachers={}"):
+    FaultTolerantTeachers({}, {}, deadline_s=1)
+  with pytest.raises(ValueError, match=r"widths names \['b'\] differ from teachers \['a'\]"):
+    FaultTolerantTeachers({"a": None}, {"b": 4}, deadline_s=1)
