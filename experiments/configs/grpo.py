@@ -15,7 +15,7 @@ import ml_collections
 from experiments.configs import pretrain
 from opd.config import overrides as config_utils
 from opd.config.fields import to_group
-from opd.rl.loss import GRPOConfig
+from opd.rl.config import GRPOConfig
 from opd.tasks import AgentRewardConfig
 from opd.training.optim import OptimConfig
 

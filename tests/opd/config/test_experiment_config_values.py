@@ -15,7 +15,7 @@ from opd.config import overrides as config_utils
 from opd.config.fields import from_group
 from opd.eval.evaluation import EvalConfig
 from opd.models import ModelConfig
-from opd.rl.loss import GRPOConfig
+from opd.rl.config import GRPOConfig
 from opd.tasks import ALL_DOMAINS, AgentRewardConfig
 from opd.training.optim import OptimConfig
 
