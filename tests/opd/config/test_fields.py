@@ -115,3 +115,19 @@ def test_to_group_omit_and_unknown_fields():
       fields.to_group(_Full, **kwargs)
   with pytest.raises(ValueError, match="to_group needs a dataclass"):
     fields.to_group(dict)
+
+
+def test_every_config_dataclass_takes_numpy_ints_and_refuses_bools():
+  """One rule for every config dataclass that validates with these helpers."""
+  from opd.models import ModelConfig
+  from opd.rollout.sampler import SamplingConfig
+  from opd.tasks.sandbox.api import SandboxLimits
+  from opd.training.optim import OptimConfig
+  for cls, name in [(ModelConfig, "n_layers"), (OptimConfig, "grad_accum_steps"),
+                    (SamplingConfig, "max_new_tokens"), (SandboxLimits, "max_processes")]:
+    cfg = cls(**{name: np.int64(3)})
+    assert getattr(cfg, name) == 3 and type(getattr(cfg, name)) is int
+    assert cfg == cls(**{name: 3})
+    with pytest.raises(ValueError, match=rf"{cls.__name__}\.{name} must be a positive int, "
+                                         r"got True"):
+      cls(**{name: True})
