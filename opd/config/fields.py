@@ -33,11 +33,13 @@ T = TypeVar("T")
 
 
 def _bounds(min_value, max_value, min_exclusive: bool, max_exclusive: bool = False) -> str:
+  # A bound reads the same whether the caller wrote 0 or 0.0.
+  show = lambda v: int(v) if isinstance(v, float) and v.is_integer() else v
   parts = []
   if min_value is not None:
-    parts.append(f"{'>' if min_exclusive else '>='} {min_value}")
+    parts.append(f"{'>' if min_exclusive else '>='} {show(min_value)}")
   if max_value is not None:
-    parts.append(f"{'<' if max_exclusive else '<='} {max_value}")
+    parts.append(f"{'<' if max_exclusive else '<='} {show(max_value)}")
   return " and ".join(parts)
 
 

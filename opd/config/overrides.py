@@ -164,7 +164,8 @@ def apply_overrides(config: ml_collections.ConfigDict,
   if isinstance(overrides, Mapping):
     items = [(str(k), v, False) for k, v in overrides.items()]
   elif isinstance(overrides, str):
-    raise ValueError(f"overrides must be a list of 'a.b=value' strings, got one string {overrides!r}")
+    raise ValueError(f"overrides must be a list of 'a.b=value' strings, got one string "
+                     f"{overrides!r}")
   else:
     items = [(*_split_override(o), True) for o in overrides]
   for path, value, is_text in items:

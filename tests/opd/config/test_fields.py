@@ -73,8 +73,9 @@ def test_from_group_defaults_overrides_and_errors():
 def test_check_wording_for_bounds():
   with pytest.raises(ValueError, match=r"Cfg\.n must be a non-negative int or None, got -1"):
     fields.check_int("Cfg", "n", -1, min_value=0, allow_none=True)
-  with pytest.raises(ValueError, match=r"Cfg\.b must be a finite number >= 0 and < 1, got 1\.0"):
-    fields.check_float("Cfg", "b", 1.0, min_value=0, max_value=1, max_exclusive=True)
+  for low, high in ((0, 1), (0.0, 1.0)):  # the bounds read the same as ints or floats
+    with pytest.raises(ValueError, match=r"Cfg\.b must be a finite number >= 0 and < 1, got 1\.0$"):
+      fields.check_float("Cfg", "b", 1.0, min_value=low, max_value=high, max_exclusive=True)
   assert fields.check_float("Cfg", "b", np.float64(0.99), min_value=0, max_value=1,
                             max_exclusive=True) == 0.99
 
