@@ -1,0 +1,53 @@
+"""The hidden-state cache: K teacher forwards per rollout batch, whatever the epochs."""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from opd.distill import (FaultTolerantTeachers, HiddenStateCache, Teacher, TeacherPool, loss_batch,
+                         uniform_weights)
+from opd.models import ModelConfig
+from opd.parallel import sharding
+
+V, B, T = 64, 2, 8
+CFGS = [ModelConfig(vocab_size=V, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32),
+        ModelConfig(vocab_size=V, d_model=24, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)]
+
+
+def test_cache_serves_every_epoch_with_k_teacher_forwards():
+  teachers = [Teacher.random(f"t{i}", cfg, i) for i, cfg in enumerate(CFGS)]
+  mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
+  pool, reference = TeacherPool(teachers, V, mesh), TeacherPool(teachers, V, mesh)
+  # The first call compiles inside the deadline: give it room.
+  cache = HiddenStateCache(FaultTolerantTeachers.from_pool(pool, deadline_s=300.0))
+  rng = np.random.default_rng(0)
+  epochs = 3
+  for rollout in range(2):
+    batch = {"tokens": rng.integers(0, V, (B, T)).astype(np.int32), "mask": np.ones((B, T), bool),
+             "targets": rng.integers(0, V, (B, T)).astype(np.int32),
+             "loss_mask": np.ones((B, T), np.float32)}
+    for _ in range(epochs):
+      cached = cache.get(rollout, batch["tokens"], batch["mask"])
+      assert pool.forward_count == {"t0": rollout + 1, "t1": rollout + 1}
+    direct = {n: np.asarray(reference.hidden_one(n, batch["tokens"], batch["mask"]))
+              for n in pool.names}
+    for name, h in zip(cached.names, cached.hidden):
+      assert h.dtype == jnp.bfloat16
+      # Stored as bf16: exactly the float32 hidden states rounded once.
+      np.testing.assert_array_equal(h, direct[name].astype(jnp.bfloat16))
+  assert cache.computes == 2 and cache.hits == 2 * (epochs - 1)
+  assert cache.bytes_per_token(V) == {"cache/t0": 16 * 2, "cache/t1": 24 * 2, "logits": V * 4}
+
+  out, row_ok = loss_batch(batch, cached, uniform_weights(B, T, 2))
+  assert row_ok.all() and out["teacher_hidden"] is cached.hidden
+  np.testing.assert_array_equal(out["teacher_weights"], np.full((B, T, 2), 0.5))
+  assert set(out) == {"tokens", "targets", "mask", "loss_mask", "teacher_hidden",
+                      "teacher_weights"}
+
+
+def test_cache_dtype_is_configurable_and_checked():
+  with pytest.raises(ValueError, match="dtype='int8' must be a floating dtype"):
+    HiddenStateCache(lambda t, m: None, dtype="int8")
+  with pytest.raises(ValueError, match="holds no batch"):
+    HiddenStateCache(lambda t, m: None, dtype="float32").bytes_per_token(V)
