@@ -9,7 +9,8 @@ top-k / token estimators) and ``diagnostics``.
 """
 from opd.distill import cache, diagnostics, faults, loss, schedule, teachers
 from opd.distill.cache import CachedBatch, HiddenStateCache, loss_batch
-from opd.distill.diagnostics import logit_diagnostics, sample_response_positions, teacher_diagnostics
+from opd.distill.diagnostics import (logit_diagnostics, sample_response_positions,
+                                     teacher_diagnostics)
 from opd.distill.faults import (REASONS, FaultTolerantTeachers, SkipCounter, TeacherAnswers,
                                 call_with_deadline)
 from opd.distill.loss import ESTIMATORS, OPDLossConfig, make_opd_loss

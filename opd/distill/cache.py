@@ -97,7 +97,8 @@ class HiddenStateCache:
     return out
 
 
-def loss_batch(batch: Mapping[str, np.ndarray], cached: CachedBatch, weights) -> tuple[dict, np.ndarray]:
+def loss_batch(batch: Mapping[str, np.ndarray], cached: CachedBatch,
+               weights) -> tuple[dict, np.ndarray]:
   """The OPD loss batch: rollout arrays + cached hidden states + weights.
 
   Args:

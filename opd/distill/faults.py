@@ -100,7 +100,8 @@ def call_with_deadline(fn: Callable[[], object], deadline_s: float):
   thread.start()
   thread.join(deadline_s)
   if thread.is_alive():
-    return None, "timeout", f"no answer after {time.monotonic() - start:.2f}s (deadline {deadline_s}s)"
+    waited = time.monotonic() - start
+    return None, "timeout", f"no answer after {waited:.2f}s (deadline {deadline_s}s)"
   if "error" in box:
     return None, "error", box["error"]
   return box["value"], None, ""

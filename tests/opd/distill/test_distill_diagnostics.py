@@ -28,13 +28,16 @@ def _reference(z, x, tokens, rel):
         "ent": float(-np.sum(p * np.log(p))),
         "argmax_match": float(np.argmax(xi) == y),
     })
-  mean = lambda key, sel=None: float(np.mean([r[key] for r, s in zip(rows, sel if sel is not None
-                                                                        else [True] * len(rows))
-                                               if s]))
+
+  def mean(key, sel=None):
+    sel = np.ones(len(rows), bool) if sel is None else sel
+    return float(np.mean([r[key] for r, s in zip(rows, sel) if s]))
+
   out = {k: mean(k) for k in ("overlap@1", "overlap@8", "teacher_mass@8", "student_mass@8",
                               "argmax_match")}
   out.update(rkl=mean("rkl"), entropy_gap=mean("gap"), student_entropy=mean("ent"),
-             rkl_first=mean("rkl", rel < 0.25), rkl_middle=mean("rkl", (rel >= 0.25) & (rel < 0.75)),
+             rkl_first=mean("rkl", rel < 0.25),
+             rkl_middle=mean("rkl", (rel >= 0.25) & (rel < 0.75)),
              rkl_last=mean("rkl", rel >= 0.75))
   return out
 

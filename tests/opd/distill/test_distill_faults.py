@@ -1,4 +1,4 @@
-"""Fault injection: every teacher fault is skipped, counted and renormalised (opd.distill.faults)."""
+"""Fault injection (opd.distill.faults): every teacher fault is skipped, counted, renormalised."""
 import threading
 import time
 

@@ -34,7 +34,7 @@ def _model(cfg, seed, head_scale=40.0):
 @functools.partial(jax.jit, static_argnames=("cfg", "grad"))
 def _run(params, batch, heads, cfg=loss_lib.OPDLossConfig(), grad=False):
   """(loss, metrics, grads or None); one compile per (K, widths, cfg, grad)."""
-  fn = loss_lib.make_opd_loss(STUDENT, heads, cfg, teacher_names=[f"t{i}" for i in range(len(heads))])
+  fn = loss_lib.make_opd_loss(STUDENT, heads, cfg)
   if not grad:
     return (*fn(params, batch, None), None)
   (loss, metrics), grads = jax.value_and_grad(fn, has_aux=True)(params, batch, None)
