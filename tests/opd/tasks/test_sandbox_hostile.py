@@ -18,7 +18,7 @@ import uuid
 import pytest
 
 from opd.tasks import get_task
-from opd.tasks.code_task import CodeTask, SandboxFailure
+from opd.tasks.code_task import CodeTask
 from opd.tasks.sandbox import api as sandbox_api
 from opd.tasks.sandbox import cgroup
 from opd.tasks.sandbox.api import (KERNEL_ISOLATION, UID_BASE, IsolationUnavailable, Sandbox,
