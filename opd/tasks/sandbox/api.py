@@ -191,7 +191,8 @@ class Sandbox:
     Args:
       limits: resource limits (default ``SandboxLimits()``).
       isolation: ``"auto"`` or one of ``ISOLATION_LEVELS``; a level that does
-        not work on this machine raises ValueError with the reason.
+        not work on this machine raises ``IsolationUnavailable`` (a
+        ValueError) with the reason.
       python_guard: install the audit-hook guard in Python programs.
       sandbox_uid: uid (and gid) programs run as when the caller is root;
         None draws a fresh one per run from ``[UID_BASE, UID_BASE + 2**20)``,
@@ -211,7 +212,8 @@ class Sandbox:
     if isolation == "auto":
       isolation = probe_isolation()
       if isolation is None:
-        raise IsolationUnavailable(f"no isolation level works here: {isolation_report()}")
+        raise IsolationUnavailable(f"no isolation level works here: {isolation_report()}. "
+                                   f"{_HOW_TO_GET}")
     elif isolation not in ISOLATION_LEVELS:
       raise ValueError(f"isolation must be 'auto' or one of {ISOLATION_LEVELS}, got {isolation!r}")
     elif problem := _level_problem(isolation, sandbox_uid):
