@@ -5,9 +5,10 @@ batching), ``faults`` (deadlines, skips, counters), ``schedule`` (weights
 ``[B, T, K]``: routing, confidence, uniform, annealing, renormalisation after
 skips), ``cache`` (the per-rollout-batch hidden-state cache), ``loss`` (the
 OPD loss on ``pallas_kernels.fused_reverse_kl``, docs/DESIGN.md §4, and its
-top-k / token estimators) and ``diagnostics``.
+top-k / token estimators), ``diagnostics`` and ``server`` (out-of-process
+teachers over a Unix socket, used through ``RemoteTeacher``).
 """
-from opd.distill import cache, diagnostics, faults, loss, schedule, teachers
+from opd.distill import cache, diagnostics, faults, loss, schedule, server, teachers
 from opd.distill.cache import CachedBatch, HiddenStateCache, loss_batch
 from opd.distill.diagnostics import (logit_diagnostics, sample_response_positions,
                                      teacher_diagnostics)
@@ -17,13 +18,15 @@ from opd.distill.loss import ESTIMATORS, OPDLossConfig, make_opd_loss
 from opd.distill.schedule import (anneal, apply_availability, confidence_scores,
                                   confidence_weights, normalize, routing_weights, uniform_weights,
                                   weight_metrics)
+from opd.distill.server import RemoteTeacher
 from opd.distill.teachers import PLACEMENTS, Teacher, TeacherPool, check_teachers
 
 __all__ = [
     "CachedBatch", "ESTIMATORS", "FaultTolerantTeachers", "HiddenStateCache", "OPDLossConfig",
-    "PLACEMENTS", "REASONS", "SkipCounter", "Teacher", "TeacherAnswers", "TeacherPool", "anneal",
-    "apply_availability", "cache", "call_with_deadline", "check_teachers", "confidence_scores",
-    "confidence_weights", "diagnostics", "faults", "logit_diagnostics", "loss", "loss_batch",
-    "make_opd_loss", "normalize", "routing_weights", "sample_response_positions", "schedule",
-    "teacher_diagnostics", "teachers", "uniform_weights", "weight_metrics",
+    "PLACEMENTS", "REASONS", "RemoteTeacher", "SkipCounter", "Teacher", "TeacherAnswers",
+    "TeacherPool", "anneal", "apply_availability", "cache", "call_with_deadline",
+    "check_teachers", "confidence_scores", "confidence_weights", "diagnostics", "faults",
+    "logit_diagnostics", "loss", "loss_batch", "make_opd_loss", "normalize", "routing_weights",
+    "sample_response_positions", "schedule", "server", "teacher_diagnostics", "teachers",
+    "uniform_weights", "weight_metrics",
 ]
