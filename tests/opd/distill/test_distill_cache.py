@@ -1,35 +1,50 @@
 """The hidden-state cache: K teacher forwards per rollout batch, whatever the epochs."""
 import numpy as np
+import optax
 import pytest
 
 import jax
 import jax.numpy as jnp
 
 from opd.distill import (FaultTolerantTeachers, HiddenStateCache, Teacher, TeacherPool, loss_batch,
-                         uniform_weights)
+                         make_opd_loss, uniform_weights)
 from opd.models import ModelConfig
 from opd.parallel import sharding
+from opd.training.train_step import init_train_state, make_train_step
 
 V, B, T = 64, 2, 8
 CFGS = [ModelConfig(vocab_size=V, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32),
         ModelConfig(vocab_size=V, d_model=24, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)]
 
 
-def test_cache_serves_every_epoch_with_k_teacher_forwards():
-  teachers = [Teacher.random(f"t{i}", cfg, i) for i, cfg in enumerate(CFGS)]
+def _teacher(name, cfg, seed):
+  t = Teacher.random(name, cfg, seed)  # a sharper head: logits O(1), a KL worth fitting
+  return Teacher(name, cfg, {**t.params, "lm_head": t.params["lm_head"] * 30})
+
+
+def test_cache_serves_every_epoch_of_training_with_k_teacher_forwards():
+  teachers = [_teacher(f"t{i}", cfg, i) for i, cfg in enumerate(CFGS)]
   mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
   pool, reference = TeacherPool(teachers, V, mesh), TeacherPool(teachers, V, mesh)
   # The first call compiles inside the deadline: give it room.
   cache = HiddenStateCache(FaultTolerantTeachers.from_pool(pool, deadline_s=300.0))
+  opt = optax.adam(1e-2)
+  state, shardings = init_train_state(CFGS[0], opt, mesh, sharding.DEFAULT_RULES, rng=9)
+  step = make_train_step(make_opd_loss(CFGS[0], pool.heads, teacher_names=pool.names), opt, mesh,
+                         shardings)
   rng = np.random.default_rng(0)
-  epochs = 3
+  epochs, losses = 3, []
   for rollout in range(2):
     batch = {"tokens": rng.integers(0, V, (B, T)).astype(np.int32), "mask": np.ones((B, T), bool),
              "targets": rng.integers(0, V, (B, T)).astype(np.int32),
              "loss_mask": np.ones((B, T), np.float32)}
     for _ in range(epochs):
       cached = cache.get(rollout, batch["tokens"], batch["mask"])
+      state, metrics = step(state, loss_batch(batch, cached, uniform_weights(B, T, 2))[0])
+      losses.append(float(metrics["loss"]))
       assert pool.forward_count == {"t0": rollout + 1, "t1": rollout + 1}
+    # Every epoch on the batch moved the student towards the teachers.
+    assert losses[-1] < losses[-2] < losses[-3]
     direct = {n: np.asarray(reference.hidden_one(n, batch["tokens"], batch["mask"]))
               for n in pool.names}
     for name, h in zip(cached.names, cached.hidden):
