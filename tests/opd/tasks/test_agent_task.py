@@ -133,7 +133,8 @@ def test_env_misuse_raises():
 def test_reward_weights_come_from_the_config():
   with pytest.raises(ValueError, match="sum to 1"):
     AgentRewardConfig(format=0.5)
-  with pytest.raises(ValueError, match="AgentRewardConfig.step must be a finite number >= 0.0"):
+  with pytest.raises(ValueError,
+                     match=r"AgentRewardConfig.step must be a finite number >= 0.*, got -0.2"):
     AgentRewardConfig(step=-0.2, final_answer=0.65)
   with pytest.raises(ValueError, match="AgentRewardConfig.grm must be .*, got True"):
     AgentRewardConfig(final_answer=0.0, grm=True)
