@@ -11,10 +11,11 @@ Three greedy decoders, all jitted, decoding in lockstep:
   columns past the current position are masked out). This is what an
   implementation without a cache does.
 * ``recompute_full``: every step runs the whole padded ``[B, P + N]`` buffer
-  (unwritten tail masked out). It does about ``(P + N) / mean width`` times
-  the work of ``recompute_prefix`` (1.8x at the defaults), so its speedup
-  overstates the cache's gain; kept as a second row for comparison with older
-  logs.
+  (unwritten tail masked out). It runs ``(P + N) / mean width`` times the
+  decoder columns of ``recompute_prefix`` (``full_vs_prefix_work``: 1.65x at
+  the defaults, 1.79x against unbucketed prefixes; more in time, since
+  attention is quadratic), so its speedup overstates the cache's gain; kept
+  as a second row for comparison with older logs.
 
 Both baselines apply the LM head only at the current position. All three
 must return the same greedy tokens (checked, ``tokens_match``). The head is
