@@ -15,6 +15,8 @@ padded hidden widths (40, 24 with block_d 16) and a padded vocabulary split.
 Interpret mode fills the overhang of a block with NaN, so these cases also
 check that no garbage reaches a sum or a matmul. Values and gradients are
 compared with the float64 oracle (``kl_problems.check_against_oracle``).
+One extra case has peaked logits (``kl_problems.PEAK``), where only
+a correct running max avoids overflow.
 """
 import itertools
 
@@ -66,6 +68,14 @@ def test_pallas_matches_oracle(row):
   t, v, k, tau, with_mask, dtype, layout = _case(row)
   p = kp.make_problem(t, v, k, dtype=dtype, with_mask=with_mask, seed=sum(row))
   kp.check_against_oracle("pallas", BLOCKS[layout], p, tau, dtype)
+
+
+def test_pallas_matches_oracle_on_peaked_logits():
+  """Logits spanning over a hundred units (kl_problems.PEAK): exp
+  overflows unless every tile is shifted by the running max. One small
+  tiled case (4 vocabulary tiles of 256, one T tile) keeps interpret mode cheap."""
+  p = kp.make_problem(7, 1000, 1, with_mask=True, seed=11, peak=kp.PEAK)
+  kp.check_against_oracle("pallas", BLOCKS["tiled"], p, 0.7, jnp.float32)
 
 
 # --- Lowering for real hardware, checked on this CPU machine ------------------
