@@ -88,9 +88,10 @@ def test_teacher_diagnostics_from_hidden_states():
   w_k = [rng.normal(size=(d, v)).astype(np.float32) for d in (4, 9)]
   targets = rng.integers(0, v, (b, t))
   loss_mask = np.zeros((b, t))
-  loss_mask[:, 3:] = 1
-  got = teacher_diagnostics(jnp.asarray(h_s), w_s, h_k, w_k, ["a", "b"], targets, loss_mask, n=10)
-  idx, rel = sample_response_positions(loss_mask, 10, seed=0)
+  loss_mask[:, 4:] = 1  # 8 response tokens: r = 2/8 and 6/8 sit on the segment boundaries
+  got = teacher_diagnostics(jnp.asarray(h_s), w_s, h_k, w_k, ["a", "b"], targets, loss_mask, n=16)
+  idx, rel = sample_response_positions(loss_mask, 16, seed=0)
+  assert {0.25, 0.75} <= set(rel.tolist())
   z = h_s.reshape(-1, 6)[idx] @ w_s
   for name, h, w in zip(["a", "b"], h_k, w_k):
     x = h.reshape(-1, h.shape[-1])[idx] @ w
