@@ -32,6 +32,7 @@ mutants target the bugs that would pass silently.
   .venv/bin/python tools/mutants.py                  # everything (~15-25 min on 2 cores)
   .venv/bin/python tools/mutants.py --only kernels   # one group
   .venv/bin/python tools/mutants.py --list           # the mutants, nothing run
+  .venv/bin/python tools/mutants.py --rerun          # only what the last run did not kill
 """
 from __future__ import annotations
 
@@ -337,16 +338,19 @@ def main(argv=None) -> dict:
   parser.add_argument("--timeout", type=float, default=900, help="seconds per pytest run")
   parser.add_argument("--out", default=str(REPO / "benchmark_results"))
   parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+  parser.add_argument("--merge", action="store_true",
+                      help="merge the results into the last mutants.json in --out (rows of "
+                           "mutants not run now are kept)")
   parser.add_argument("--rerun", action="store_true",
-                      help="run only the selected mutants that the last mutants.json in --out "
-                           "does not list as killed, and merge the results into it")
+                      help="--merge, running only the selected mutants not listed as killed")
   args = parser.parse_args(argv)
   out = pathlib.Path(args.out)
   selected = [m for m in MUTANTS if (not args.only or m.group in args.only)
               and (not args.mutant or m.name in args.mutant)]
   previous = {}
-  if args.rerun and (out / "mutants.json").exists():
+  if (args.merge or args.rerun) and (out / "mutants.json").exists():
     previous = {r["mutant"]: r for r in json.loads((out / "mutants.json").read_text())["rows"]}
+  if args.rerun:
     selected = [m for m in selected if previous.get(m.name, {}).get("status") != "killed"]
   if args.mutant and len(selected) != len(set(args.mutant)):
     unknown = sorted(set(args.mutant) - {m.name for m in selected})
