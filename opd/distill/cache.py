@@ -51,14 +51,17 @@ class HiddenStateCache:
       :class:`opd.distill.faults.FaultTolerantTeachers`).
     dtype: storage dtype of the cached hidden states (``"bfloat16"``,
       ``"float32"``, ...).
+    sharding: where to keep them (e.g. the student's
+      ``opd.parallel.sharding.batch_sharding(mesh, rules, 3)``); None keeps
+      them where the teachers put them.
 
   Attributes:
     computes: how many batches were computed (each is one forward per
       teacher); ``hits``: how many requests were served from the cache.
   """
 
-  def __init__(self, teachers: Callable[[np.ndarray, np.ndarray], TeacherAnswers], *,
-               dtype: str = "bfloat16"):
+  def __init__(self, teachers: Callable[..., TeacherAnswers], *, dtype: str = "bfloat16",
+               sharding: jax.sharding.Sharding | None = None):
     try:
       self.dtype = jnp.dtype(dtype)
     except TypeError as e:
@@ -66,21 +69,28 @@ class HiddenStateCache:
     if not jnp.issubdtype(self.dtype, jnp.floating):
       raise ValueError(f"dtype={dtype!r} must be a floating dtype")
     self.teachers = teachers
+    self.sharding = sharding
     self.computes = 0
     self.hits = 0
     self._entry: CachedBatch | None = None
 
-  def get(self, key: Hashable, tokens, mask) -> CachedBatch:
+  def get(self, key: Hashable, tokens, mask, teacher_of_row=None) -> CachedBatch:
     """The teachers' answers for batch ``key`` (computed on the first request).
 
     Only the latest batch is kept: a new ``key`` replaces it.
+    ``teacher_of_row`` ([B] int) asks each teacher about its routed rows only.
     """
     if self._entry is not None and self._entry.key == key:
       self.hits += 1
       return self._entry
-    answers = self.teachers(tokens, mask)
+    if teacher_of_row is None:
+      answers = self.teachers(tokens, mask)
+    else:
+      answers = self.teachers(tokens, mask, teacher_of_row=teacher_of_row)
     names = tuple(answers.hidden)
     hidden = tuple(answers.hidden[n].astype(self.dtype) for n in names)
+    if self.sharding is not None:
+      hidden = tuple(jax.device_put(h, self.sharding) for h in hidden)
     self._entry = CachedBatch(key, names, hidden, np.asarray(answers.available),
                               dict(answers.skipped))
     self.computes += 1
@@ -105,14 +115,15 @@ def loss_batch(batch: Mapping[str, np.ndarray], cached: CachedBatch,
     batch: ``tokens, targets, mask, loss_mask`` (and optionally
       ``positions``), all [B, T].
     cached: the batch's :class:`CachedBatch`.
-    weights: [B, T, K] scheduled weights (before skips).
+    weights: [B, T, K] scheduled weights (before skips), each token summing
+      to a positive number (:func:`opd.distill.schedule.normalize` checks).
 
   Returns:
     ``(loss_batch, row_ok)``: the dict :func:`opd.distill.loss.make_opd_loss`
     takes, its weights zeroed for skipped teachers and renormalised
     (:func:`opd.distill.schedule.apply_availability`); ``row_ok`` [B] bool.
   """
-  w, row_ok = schedule.apply_availability(weights, cached.available)
+  w, row_ok = schedule.apply_availability(schedule.normalize(weights), cached.available)
   out = {k: batch[k] for k in ("tokens", "targets", "mask", "loss_mask", "positions")
          if k in batch}
   out["teacher_hidden"] = cached.hidden

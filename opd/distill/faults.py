@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from opd.distill.teachers import row_groups
+
 REASONS = ("error", "timeout", "shape", "nonfinite")
 
 # A teacher callable: fn(tokens [B, T] int32, mask [B, T] bool) -> [B, T, D_k].
@@ -143,7 +145,7 @@ class FaultTolerantTeachers:
   @classmethod
   def from_pool(cls, pool, *, deadline_s: float, counter: SkipCounter | None = None):
     """Wraps a :class:`opd.distill.teachers.TeacherPool`'s teachers."""
-    fns = {t.name: (lambda tok, m, n=t.name: pool.hidden_one(n, tok, m)) for t in pool.teachers}
+    fns = {t.name: (lambda tok, m, n=t.name: pool.hidden(n, tok, m)) for t in pool.teachers}
     return cls(fns, {t.name: t.cfg.d_model for t in pool.teachers}, deadline_s=deadline_s,
                counter=counter)
 
@@ -151,41 +153,53 @@ class FaultTolerantTeachers:
   def names(self) -> tuple[str, ...]:
     return tuple(self.teachers)
 
-  def __call__(self, tokens, mask) -> TeacherAnswers:
-    """Asks every teacher about ``tokens`` / ``mask`` ([B, T]); never raises on a fault."""
+  def __call__(self, tokens, mask, teacher_of_row=None) -> TeacherAnswers:
+    """Asks every teacher about ``tokens`` / ``mask`` ([B, T]); never raises on a fault.
+
+    With ``teacher_of_row`` ([B] int, prompt routing) each teacher is asked
+    about its own rows only (teacher-sorted batching); a teacher with no
+    rows is not called (not a skip), and its hidden states are zero.
+    """
     tokens = np.asarray(tokens, np.int32)
     mask = np.asarray(mask, bool)
     b, t = tokens.shape
     names = self.names
+    if teacher_of_row is None:
+      groups = [np.arange(b)] * len(names)
+    else:
+      groups = row_groups(teacher_of_row, b, len(names))
     available = np.zeros((b, len(names)), bool)
     hidden, skipped, messages = {}, {}, {}
-    for k, name in enumerate(names):
+    for k, (name, rows) in enumerate(zip(names, groups)):
+      hidden[name] = jnp.zeros((b, t, self.widths[name]), jnp.float32)
+      if rows.size == 0:
+        continue
+      full = rows.size == b
+      tok, m = (tokens, mask) if full else (tokens[rows], mask[rows])
       value, reason, detail = call_with_deadline(
-          lambda name=name: self.teachers[name](tokens, mask), self.deadline_s)
+          lambda fn=self.teachers[name], tok=tok, m=m: fn(tok, m), self.deadline_s)
       if reason == "timeout":
         self.abandoned += 1
-      want = (b, t, self.widths[name])
+      want = (rows.size, t, self.widths[name])
       if reason is None and (getattr(value, "shape", None) != want or
                              not jnp.issubdtype(getattr(value, "dtype", np.int32), jnp.floating)):
         reason = "shape"
         detail = (f"returned shape={getattr(value, 'shape', None)} "
                   f"dtype={getattr(value, 'dtype', type(value).__name__)}; expected {want} float")
-      if reason is None:
-        h, bad = _screen(jnp.asarray(value), jnp.asarray(mask))
-        bad = np.asarray(bad)
-        available[:, k] = ~bad
-        if bad.any():
-          self.counter.counts[(name, "nonfinite")] += 1
-          self.counter.nonfinite_rows[name] += int(bad.sum())
-          messages[name] = f"non-finite hidden states in rows {np.flatnonzero(bad).tolist()}"
-          if bad.all():
-            skipped[name] = "nonfinite"
-        hidden[name] = h
-      else:
+      if reason is not None:
         self.counter.counts[(name, reason)] += 1
-        skipped[name] = reason
-        messages[name] = detail
-        hidden[name] = jnp.zeros(want, jnp.float32)
+        skipped[name], messages[name] = reason, detail
+        continue
+      h, bad = _screen(jnp.asarray(value), jnp.asarray(m))
+      bad = np.asarray(bad)
+      available[rows, k] = ~bad
+      hidden[name] = h if full else hidden[name].at[rows].set(h)
+      if bad.any():
+        self.counter.counts[(name, "nonfinite")] += 1
+        self.counter.nonfinite_rows[name] += int(bad.sum())
+        messages[name] = f"non-finite hidden states in rows {rows[bad].tolist()}"
+        if bad.all():
+          skipped[name] = "nonfinite"
     answers = TeacherAnswers(hidden, available, skipped, messages)
     if not answers.batch_ok:
       self.counter.skipped_steps += 1

@@ -206,6 +206,15 @@ class TeacherPool:
       self._fns[t.name] = jax.jit(run, out_shardings=out)
     return self._fns[t.name]
 
+  def _forward(self, name: str, tokens: np.ndarray, mask: np.ndarray) -> jax.Array:
+    """[B, T, D_k] float32 on the teacher mesh (B divisible by its batch shards)."""
+    in_sh = sharding_lib.batch_sharding(self.teacher_mesh, self.rules, 2)
+    tokens_d = jax.device_put(tokens.astype(np.int32), in_sh)
+    mask_d = jax.device_put(mask.astype(bool), in_sh)
+    self.forward_count[name] += 1
+    with jax.set_mesh(self.teacher_mesh), nn.logical_axis_rules(self.rules):
+      return self._fn(self.teacher(name))(self._params[name], tokens_d, mask_d)
+
   def hidden_one(self, name: str, tokens, mask) -> jax.Array:
     """One teacher's last hidden states ``[B, T, D_k]`` (float32), on the
     student's batch sharding.
@@ -215,18 +224,35 @@ class TeacherPool:
       tokens: [B, T] int prompt + response tokens.
       mask: [B, T] bool real tokens.
     """
-    t = self.teacher(name)
-    tokens, mask = np.asarray(tokens), np.asarray(mask)
-    if tokens.ndim != 2 or mask.shape != tokens.shape:
-      raise ValueError(f"tokens.shape={tokens.shape} and mask.shape={mask.shape} must both be "
-                       "[B, T]")
-    in_sh = sharding_lib.batch_sharding(self.teacher_mesh, self.rules, 2)
-    tokens_d = jax.device_put(tokens.astype(np.int32), in_sh)
-    mask_d = jax.device_put(mask.astype(bool), in_sh)
-    self.forward_count[name] += 1
-    with jax.set_mesh(self.teacher_mesh), nn.logical_axis_rules(self.rules):
-      hidden = self._fn(t)(self._params[name], tokens_d, mask_d)
-    return jax.device_put(hidden, sharding_lib.batch_sharding(self.mesh, self.rules, 3))
+    self.teacher(name)
+    tokens, mask = _check_tokens(tokens, mask)
+    return jax.device_put(self._forward(name, tokens, mask),
+                          sharding_lib.batch_sharding(self.mesh, self.rules, 3))
+
+  def hidden_rows(self, name: str, tokens, mask) -> jax.Array:
+    """Like :meth:`hidden_one` for any number of rows b (a routed group).
+
+    The rows are padded to a multiple of the teacher mesh's batch shards by
+    repeating the first row; returns ``[b, T, D_k]`` float32 on the default
+    device.
+    """
+    self.teacher(name)
+    tokens, mask = _check_tokens(tokens, mask)
+    b = tokens.shape[0]
+    n_shards = batch_shard_count(sharding_lib.batch_sharding(self.teacher_mesh, self.rules, 2))
+    padded = np.concatenate([np.arange(b), np.zeros(-b % n_shards, int)])
+    hidden = self._forward(name, tokens[padded], mask[padded])
+    return jax.device_put(hidden, jax.devices()[0])[:b]
+
+  def hidden(self, name: str, tokens, mask) -> jax.Array:
+    """:meth:`hidden_one` when both meshes' batch shards divide B, else
+    :meth:`hidden_rows` (a routed group of any size)."""
+    b = np.shape(tokens)[0]
+    shards = [batch_shard_count(sharding_lib.batch_sharding(m, self.rules, 2))
+              for m in (self.mesh, self.teacher_mesh)]
+    if all(b % n == 0 for n in shards):
+      return self.hidden_one(name, tokens, mask)
+    return self.hidden_rows(name, tokens, mask)
 
   def hidden_states(self, tokens, mask) -> dict[str, jax.Array]:
     """Every teacher's ``[B, T, D_k]`` hidden states, keyed by name."""
@@ -236,32 +262,51 @@ class TeacherPool:
     """Teacher-sorted batching for prompt routing.
 
     Rows are grouped by their teacher; each teacher runs its forward pass
-    over its group only (padded to a multiple of the batch shards by
-    repeating the group's first row). Rows of other groups are zero.
+    over its group only (:meth:`hidden_rows`). Rows of other groups are zero.
+    (:class:`opd.distill.faults.FaultTolerantTeachers` does the same grouping
+    with deadlines, for in- and out-of-process teachers.)
 
     Args:
       tokens, mask: [B, T].
       teacher_of_row: [B] index into the teachers for each row.
 
     Returns:
-      ``{name: [B, T, D_k]}`` float32 for the teachers with at least one row.
+      ``{name: [B, T, D_k]}`` float32 on the student's batch sharding, for
+      the teachers with at least one row.
     """
-    tokens, mask = np.asarray(tokens), np.asarray(mask)
-    rows_of = np.asarray(teacher_of_row)
-    if rows_of.shape != tokens.shape[:1]:
-      raise ValueError(f"teacher_of_row.shape={rows_of.shape}: expected [B]={tokens.shape[:1]}")
-    k = len(self.teachers)
-    if rows_of.size and (rows_of.min() < 0 or rows_of.max() >= k):
-      raise ValueError(f"teacher_of_row must lie in [0, K={k}); got {sorted(set(rows_of))}")
-    n_shards = batch_shard_count(sharding_lib.batch_sharding(self.teacher_mesh, self.rules, 2))
+    tokens, mask = _check_tokens(tokens, mask)
+    groups = row_groups(teacher_of_row, tokens.shape[0], len(self.teachers))
     out = {}
-    for i, t in enumerate(self.teachers):
-      rows = np.flatnonzero(rows_of == i)
-      if rows.size == 0:
-        continue
-      padded = np.concatenate([rows, np.full(-rows.size % n_shards, rows[0])])
-      h = np.asarray(self.hidden_one(t.name, tokens[padded], mask[padded]))[:rows.size]
-      full = np.zeros(tokens.shape + (h.shape[-1],), np.float32)
-      full[rows] = h
-      out[t.name] = jax.device_put(full, sharding_lib.batch_sharding(self.mesh, self.rules, 3))
+    for t, rows in zip(self.teachers, groups):
+      if rows.size:
+        h = self.hidden_rows(t.name, tokens[rows], mask[rows])
+        full = jnp.zeros(tokens.shape + (h.shape[-1],), jnp.float32).at[rows].set(h)
+        out[t.name] = jax.device_put(full, sharding_lib.batch_sharding(self.mesh, self.rules, 3))
     return out
+
+
+def _check_tokens(tokens, mask) -> tuple[np.ndarray, np.ndarray]:
+  tokens, mask = np.asarray(tokens), np.asarray(mask)
+  if tokens.ndim != 2 or mask.shape != tokens.shape:
+    raise ValueError(f"tokens.shape={tokens.shape} and mask.shape={mask.shape} must both be "
+                     "[B, T]")
+  return tokens, mask
+
+
+def row_groups(teacher_of_row, b: int, k: int) -> list[np.ndarray]:
+  """The row indices of each of the K teachers' groups (teacher-sorted batching).
+
+  Args:
+    teacher_of_row: [B] int, the teacher of each row (prompt routing).
+    b: B; k: K.
+
+  Raises:
+    ValueError: wrong shape, or an index outside [0, K).
+  """
+  rows_of = np.asarray(teacher_of_row)
+  if rows_of.shape != (b,) or not np.issubdtype(rows_of.dtype, np.integer):
+    raise ValueError(f"teacher_of_row.shape={rows_of.shape} dtype={rows_of.dtype}: expected "
+                     f"[B]=({b},) ints")
+  if rows_of.size and (rows_of.min() < 0 or rows_of.max() >= k):
+    raise ValueError(f"teacher_of_row must lie in [0, K={k}); got {sorted(set(rows_of.tolist()))}")
+  return [np.flatnonzero(rows_of == i) for i in range(k)]

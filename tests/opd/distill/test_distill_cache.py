@@ -6,8 +6,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from opd.distill import (FaultTolerantTeachers, HiddenStateCache, Teacher, TeacherPool, loss_batch,
-                         make_opd_loss, uniform_weights)
+from opd.distill import (CachedBatch, FaultTolerantTeachers, HiddenStateCache, Teacher,
+                         TeacherPool, loss_batch, make_opd_loss, uniform_weights)
 from opd.models import ModelConfig
 from opd.parallel import sharding
 from opd.training.train_step import init_train_state, make_train_step
@@ -27,7 +27,8 @@ def test_cache_serves_every_epoch_of_training_with_k_teacher_forwards():
   mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
   pool, reference = TeacherPool(teachers, V, mesh), TeacherPool(teachers, V, mesh)
   # The first call compiles inside the deadline: give it room.
-  cache = HiddenStateCache(FaultTolerantTeachers.from_pool(pool, deadline_s=300.0))
+  cache = HiddenStateCache(FaultTolerantTeachers.from_pool(pool, deadline_s=300.0),
+                           sharding=sharding.batch_sharding(mesh, ndim=3))
   opt = optax.adam(1e-2)
   state, shardings = init_train_state(CFGS[0], opt, mesh, sharding.DEFAULT_RULES, rng=9)
   step = make_train_step(make_opd_loss(CFGS[0], pool.heads, teacher_names=pool.names), opt, mesh,
@@ -48,7 +49,7 @@ def test_cache_serves_every_epoch_of_training_with_k_teacher_forwards():
     direct = {n: np.asarray(reference.hidden_one(n, batch["tokens"], batch["mask"]))
               for n in pool.names}
     for name, h in zip(cached.names, cached.hidden):
-      assert h.dtype == jnp.bfloat16
+      assert h.dtype == jnp.bfloat16 and h.sharding == cache.sharding
       # Stored as bf16: exactly the float32 hidden states rounded once.
       np.testing.assert_array_equal(h, direct[name].astype(jnp.bfloat16))
   assert cache.computes == 2 and cache.hits == 2 * (epochs - 1)
@@ -66,3 +67,19 @@ def test_cache_dtype_is_configurable_and_checked():
     HiddenStateCache(lambda t, m: None, dtype="int8")
   with pytest.raises(ValueError, match="holds no batch"):
     HiddenStateCache(lambda t, m: None, dtype="float32").bytes_per_token(V)
+
+
+def test_loss_batch_renormalises_after_skips_and_rejects_empty_weights():
+  hidden = (jnp.ones((B, T, 4), jnp.bfloat16), jnp.ones((B, T, 6), jnp.bfloat16))
+  cached = CachedBatch("k", ("a", "b"), hidden, np.array([[True, True], [False, True]]), {})
+  batch = {"tokens": np.zeros((B, T), np.int32), "targets": np.zeros((B, T), np.int32),
+           "mask": np.ones((B, T), bool), "loss_mask": np.ones((B, T), np.float32)}
+  w = np.zeros((B, T, 2), np.float32)
+  w[..., 0], w[..., 1] = 3.0, 1.0
+  out, row_ok = loss_batch(batch, cached, w)
+  np.testing.assert_allclose(out["teacher_weights"][0], np.broadcast_to([0.75, 0.25], (T, 2)))
+  np.testing.assert_array_equal(out["teacher_weights"][1], np.broadcast_to([0.0, 1.0], (T, 2)))
+  assert row_ok.all()
+  w[1, 3] = 0.0
+  with pytest.raises(ValueError, match=r"weights\[\(1, 3\)\] sum to 0.0"):
+    loss_batch(batch, cached, w)

@@ -154,3 +154,42 @@ def test_bad_arguments_name_the_field():
     FaultTolerantTeachers({}, {}, deadline_s=1)
   with pytest.raises(ValueError, match=r"widths names \['b'\] differ from teachers \['a'\]"):
     FaultTolerantTeachers({"a": None}, {"b": 4}, deadline_s=1)
+
+
+def test_routed_call_asks_each_teacher_about_its_rows_only():
+  seen = {}
+
+  def teacher(name, width, nan_at=None):
+    def fn(tok, m):
+      seen[name] = np.asarray(tok).copy()
+      h = tok[..., None].astype(np.float32) + np.arange(width, dtype=np.float32)
+      if nan_at is not None:
+        h[nan_at] = np.nan
+      return h
+    return fn
+
+  tokens = np.arange(B * T).reshape(B, T)
+  rows = np.array([1, 0, 1, 1])
+  ft = FaultTolerantTeachers(
+      {"a": teacher("a", 3), "b": teacher("b", 5, nan_at=(1, 0, 0)), "idle": teacher("idle", 2)},
+      {"a": 3, "b": 5, "idle": 2}, deadline_s=DEADLINE)
+  answers = ft(tokens, np.ones((B, T), bool), teacher_of_row=rows)
+  assert set(seen) == {"a", "b"}  # "idle" has no rows: never called
+  np.testing.assert_array_equal(seen["a"], tokens[[1]])
+  np.testing.assert_array_equal(seen["b"], tokens[[0, 2, 3]])
+  # b's second group row (batch row 2) was NaN: that row only is dropped.
+  np.testing.assert_array_equal(answers.available, [[0, 1, 0], [1, 0, 0], [0, 0, 0], [0, 1, 0]])
+  np.testing.assert_array_equal(answers.sample_ok, [True, True, False, True])
+  for name, width, group in (("a", 3, [1]), ("b", 5, [0, 2, 3])):
+    h = np.asarray(answers.hidden[name])
+    expect = np.zeros((B, T, width), np.float32)
+    expect[group] = tokens[group][..., None] + np.arange(width)
+    if name == "b":
+      expect[2, 0, 0] = 0.0  # the NaN, zeroed (the row is unavailable anyway)
+    np.testing.assert_array_equal(h, expect)
+  np.testing.assert_array_equal(answers.hidden["idle"], 0.0)
+  got = ft.counter.metrics(ft.names)
+  assert got["skips/b/nonfinite"] == 1 and got["skips/b/nonfinite_rows"] == 1
+  assert got["skips/total"] == 1 and answers.skipped == {}
+  with pytest.raises(ValueError, match=r"teacher_of_row must lie in \[0, K=3\); got \[0, 3\]"):
+    ft(tokens, np.ones((B, T), bool), teacher_of_row=np.array([0, 3, 0, 0]))

@@ -89,13 +89,13 @@ def test_routed_batching_runs_each_teacher_on_its_rows_only(data, monkeypatch):
   pool = TeacherPool(teachers, V, mesh)
   full = {n: np.asarray(h) for n, h in pool.hidden_states(tokens, mask).items()}
   seen = {}
-  inner = pool.hidden_one
+  inner = pool._forward
 
   def spy(name, tok, m):
     seen[name] = np.asarray(tok)
     return inner(name, tok, m)
 
-  monkeypatch.setattr(pool, "hidden_one", spy)
+  monkeypatch.setattr(pool, "_forward", spy)
   rows = np.array([1, 0, 1, 1])  # teacher index per row
   out = pool.hidden_routed(tokens, mask, rows)
   for k, t in enumerate(teachers):
