@@ -19,7 +19,7 @@ from opd.distill.schedule import (anneal, apply_availability, confidence_scores,
                                   confidence_weights, normalize, routing_weights, uniform_weights,
                                   weight_metrics)
 from opd.distill.server import RemoteTeacher
-from opd.distill.teachers import PLACEMENTS, Teacher, TeacherPool, check_teachers
+from opd.distill.teachers import PLACEMENTS, Teacher, TeacherPool, check_teachers, row_groups
 
 __all__ = [
     "CachedBatch", "ESTIMATORS", "FaultTolerantTeachers", "HiddenStateCache", "OPDLossConfig",
@@ -27,6 +27,6 @@ __all__ = [
     "TeacherPool", "anneal", "apply_availability", "cache", "call_with_deadline",
     "check_teachers", "confidence_scores", "confidence_weights", "diagnostics", "faults",
     "logit_diagnostics", "loss", "loss_batch", "make_opd_loss", "normalize", "routing_weights",
-    "sample_response_positions", "schedule", "server", "teacher_diagnostics", "teachers",
+    "row_groups", "sample_response_positions", "schedule", "server", "teacher_diagnostics", "teachers",
     "uniform_weights", "weight_metrics",
 ]

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from opd.distill import Teacher, TeacherPool, check_teachers
-from opd.models import ModelConfig, forward, head_matrix
+from opd.models import ModelConfig, forward, head_matrix, hf
 from opd.parallel import sharding
 from opd.training.checkpoints import CheckpointManager
 
@@ -149,3 +149,15 @@ def test_teacher_from_checkpoint_round_trip_and_not_a_model(data, tmp_path):
     Teacher.from_checkpoint("x", no_model, WIDE)
   with pytest.raises(ValueError, match="does not exist"):
     Teacher.from_checkpoint("x", tmp_path / "missing", WIDE)
+
+
+def test_teacher_from_hf_safetensors(data, tmp_path):
+  _, _, teachers = data
+  t = teachers[0]
+  hf.save_hf(str(tmp_path / "hf"), t.cfg, t.params)
+  loaded = Teacher.from_hf("math_t", str(tmp_path / "hf"), domain="math", config=NARROW)
+  assert loaded.cfg == NARROW and loaded.domain == "math"
+  for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(t.params)):
+    np.testing.assert_array_equal(a, b)  # float32 on disk: bit-exact
+  with pytest.raises(ValueError, match="d_model"):
+    Teacher.from_hf("x", str(tmp_path / "hf"), config=WIDE)
