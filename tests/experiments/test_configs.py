@@ -12,6 +12,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from opd.config import overrides as config_utils
@@ -85,15 +86,53 @@ def test_sft_tiny_from_pretrained(fine_tuned):
 
 
 def test_grpo_tiny_from_sft(fine_tuned, tmp_path):
+  """The job runs GRPO as configured, from the SFT checkpoint.
+
+  Checked per step: the documented metrics, finite; P * G scored samples of
+  the configured domains; the optimizer's configured schedule; and at step 1
+  the policy equals its frozen reference (both are the loaded checkpoint),
+  so their KL is rounding noise. The tiny SFT model's 16-token samples are
+  all malformed (reward 0), so this run cannot show learning;
+  tests/opd/rl/test_grpo.py does (bandit, same-prompt groups).
+  """
+  from experiments import common
+  from opd.training.optim import make_schedule
+
   sft_dir, _ = fine_tuned
   cfg = _load("grpo")
+  domains = ("agent", "math")
   metrics = _launch("grpo", tmp_path, f"--config.init={sft_dir / 'checkpoints'}",
-                    "--config.data.domains=('agent', 'math')")
+                    f"--config.data.domains={domains}")
+  upb, batch = cfg.grpo.updates_per_batch, cfg.grpo.prompts_per_step * cfg.grpo.group_size
   assert metrics["steps"] == cfg.train.steps
+  assert metrics["updates"] == cfg.train.steps * upb
   assert 0.0 <= metrics["reward_first"] <= 1.0 and 0.0 <= metrics["reward_last"] <= 1.0
   rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  assert {"reward/mean", "train/kl", "train/entropy", "groups/zero_std_fraction",
-          "response/truncation_rate"} <= set().union(*rows)
+  assert [r["step"] for r in rows] == list(range(1, cfg.train.steps + 1))
+  documented = ("reward/mean", "reward/std", "groups/zero_std_fraction", "advantage/abs_mean",
+                "reward_reason/error_fraction", "response/length_mean",
+                "response/truncation_rate", "response/policy_tokens", "train/loss",
+                "train/policy_loss", "train/kl", "train/entropy", "train/ratio_mean",
+                "train/grad_norm", "train/lr", "perf/step_time_s")
+  schedule = make_schedule(common.optim_config(cfg.optim))
+  seen_domains = set()
+  for r in rows:
+    missing = [k for k in documented if k not in r]
+    assert not missing, (r["step"], missing)
+    assert all(math.isfinite(r[k]) for k in documented), r
+    reasons = {k: v for k, v in r.items() if k.startswith("reward_reason/")
+               and k not in ("reward_reason/error_fraction", "reward_reason/bad_example")}
+    assert sum(reasons.values()) == batch, (r["step"], reasons)
+    seen_domains |= {k.split("/")[2] for k in r if k.startswith("reward/domain/")}
+    updates = range((r["step"] - 1) * upb, r["step"] * upb)
+    lr = float(np.mean([float(schedule(u)) for u in updates]))
+    assert r["train/lr"] == pytest.approx(lr, rel=4 * float(np.finfo(np.float32).eps)), r["step"]
+  assert seen_domains and seen_domains <= set(domains), seen_domains
+  # Step 1: policy == reference, so k3 ~ d^2 / 2 for a log-prob difference d
+  # from rounding only, |d| <~ eps * V (a logsumexp over V O(1) logits). A
+  # policy not loaded from --config.init (or another reference) is O(1) away.
+  V = cfg.model.vocab_size
+  assert 0.0 <= rows[0]["train/kl"] <= 0.5 * (np.finfo(np.float32).eps * V) ** 2, rows[0]
   assert (tmp_path / "checkpoints" / str(cfg.train.steps)).is_dir()
 
 

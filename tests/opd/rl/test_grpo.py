@@ -1,11 +1,13 @@
-"""The GRPO trainer (opd/grpo.py): it learns a toy bandit, never crashes on
-garbage, stops on too many verifier errors or NaN, logs what it promises and
-resumes exactly.
+"""The GRPO trainer (opd/rl/grpo.py): it learns a toy bandit, normalises
+advantages within same-prompt groups, never crashes on garbage, stops on too
+many verifier errors or NaN, logs what it promises, resumes exactly and
+checkpoints like every other trainer.
 
-Every trainer run here uses the same loss settings, batch shape and
-optimizer, so they share one compiled train step, sampler and reference
-forward (``opd.rl.grpo`` caches the step across calls).
+Every trainer run here uses the same model, batch shape and optimizer; each
+``train_grpo`` call compiles its own train step and reference forward (no
+module-level caches).
 """
+import re
 import os
 
 import jax
@@ -14,13 +16,15 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from opd import rollout as rollout_lib
-from opd.parallel import sharding
-from opd.training.checkpoints import CheckpointManager
-from opd.rl import GRPOConfig, PromptStream, Score, score_episodes, train_grpo
-from opd.training.metrics_writer import read_metrics
 from opd.models import ModelConfig, init_params
-from opd.tasks import Example, Reward, RewardStats, VerifierFailureError, get_task
+from opd.parallel import sharding
+from opd.rl import GRPOConfig, train_grpo
+from opd.rl import grpo as grpo_module
+from opd.tasks import Example, VerifierFailureError, get_task
 from opd.text.tokenizers import ByteTokenizer
+from opd.training.checkpoints import CheckpointManager
+from opd.training.lm_trainer import LMTrainConfig, train_lm
+from opd.training.metrics_writer import read_metrics
 from opd.training.train_step import NonFiniteError, OptimConfig
 
 TOK = ByteTokenizer()
@@ -116,46 +120,6 @@ def test_garbage_and_malformed_prompts_score_zero_and_metrics_are_written(mesh, 
   assert text.step == 1 and body.count("**math**") == GRPO.num_text_samples
 
 
-def _episode(i, reward=None):
-  ex = Example("bandit", f"e{i}", "train", 1, "p", (("assistant", "a"),), {})
-  return rollout_lib.Episode(ex, np.array([1, 2], np.int32), np.array([97 + i], np.int32),
-                             np.ones(1, bool), np.zeros(1, np.float32), ["x"], False, reward)
-
-
-def test_score_episodes_isolates_failures_and_reads_every_output_form():
-  eps = [_episode(i) for i in range(4)]
-
-  def flaky(batch):
-    if any(ep.example.id == "e1" for ep in batch):
-      raise RuntimeError("sandbox down")
-    return [np.nan if ep.example.id == "e3" else 0.5 for ep in batch]
-
-  stats = RewardStats()
-  scores = score_episodes(eps, flaky, stats=stats)
-  assert [s.reward for s in scores] == [0.5, 0.0, 0.5, 0.0]
-  assert scores[1].reason.startswith("verifier_error:RuntimeError: sandbox down")
-  assert scores[3].reason == "verifier_error:non-finite reward"
-  assert stats.total == 4 and stats.errors == 2 and stats.reasons["ok"] == 2
-
-  named = lambda batch: {"correct": [1.0] * len(batch), "style": [0.25] * len(batch)}
-  assert score_episodes(eps, named)[0] == Score(1.25, {"correct": 1.0, "style": 0.25})
-
-  def columns(batch):
-    return np.tile([[2.0, -1.0]], (len(batch), 1))
-  columns.component_names = ("grm", "length_penalty")
-  assert score_episodes(eps, columns)[2] == Score(1.0, {"grm": 2.0, "length_penalty": -1.0})
-
-  verdicts = lambda batch: [Reward(0.75, 1.0, {"layer": 0.5}, "partial") for _ in batch]
-  assert score_episodes(eps, verdicts)[0] == Score(0.75, {"format": 1.0, "layer": 0.5}, "partial")
-  # Default: the verifier's Reward attached by rollout.
-  eps[0].reward = Reward(1.0, 1.0, {}, "ok")
-  with pytest.raises(ValueError, match=r"episodes \[1, 2, 3\] have no reward"):
-    score_episodes(eps)
-  wrong_length = lambda batch: [1.0, 2.0, 3.0]
-  assert all(s.reason.startswith("verifier_error:ValueError") for s in
-             score_episodes(eps[:2], wrong_length))
-
-
 def test_reward_errors_are_counted_and_too_many_stop_the_run(mesh, params, tmp_path):
   """A scorer that fails on one prompt in four: counted and scored 0 under
   max_error_fraction=0.3; above max_error_fraction=0.2 the run stops before
@@ -229,19 +193,6 @@ def test_resume_reproduces_the_uninterrupted_run_and_nan_keeps_checkpoints(mesh,
   assert _listing(ckpt) == before
 
 
-def test_prompt_stream_resumes_its_order():
-  a = PromptStream(list(range(5)), seed=4)
-  first = [next(a) for _ in range(7)]
-  state = a.get_state()
-  rest = [next(a) for _ in range(6)]
-  b = PromptStream(list(range(5)), seed=4)
-  b.set_state(state)
-  assert [next(b) for _ in range(6)] == rest
-  assert sorted(first[:5]) == list(range(5)) and first[:5] != list(range(5))
-  with pytest.raises(ValueError, match="saved for 5 prompts, this stream has 3"):
-    PromptStream([1, 2, 3]).set_state(state)
-
-
 def test_train_grpo_validates_arguments(mesh, params):
   with pytest.raises(ValueError, match="kl_coef=0.01 > 0 needs ref_params"):
     train_grpo(CFG, params, None, bandit_prompts(4), GRPO, OPTIM, tokenizer=TOK, steps=1,
@@ -254,17 +205,80 @@ def test_train_grpo_validates_arguments(mesh, params):
                mesh=mesh)
 
 
-def test_training_length_buckets_to_the_longest_episode():
-  from opd.rl import GRPOConfig, training_length
-  from opd.rollout.episodes import Episode
-  ex = get_task("math").examples("train", 1)[0]
+def _prompt_index(row_tokens, first_target):
+  """The i of ``bandit_prompts``' "(i)." in a training row's prompt part."""
+  text = TOK.decode(row_tokens[:first_target + 1])
+  (i,) = re.findall(r"\((\d+)\)\.", text)
+  return int(i)
 
-  def ep(p, r):
-    return Episode(ex, np.zeros(p, np.int32), np.zeros(r, np.int32), np.ones(r, bool),
-                   np.zeros(r, np.float32), ["x"], False)
 
-  cfg = GRPOConfig(seq_len=192, max_new_tokens=48, length_bucket=32)
-  assert training_length([ep(40, 10), ep(50, 20)], cfg) == 96    # 69 targets -> 96
-  assert training_length([ep(60, 5)], cfg) == 64                  # 64 targets exactly
-  assert training_length([ep(150, 48)], cfg) == 192               # capped at seq_len
-  assert training_length([ep(40, 10)], cfg.replace(length_bucket=0)) == 192
+def test_advantages_are_normalised_within_same_prompt_groups(mesh, params, monkeypatch):
+  """The reward depends on the prompt: ``10 * i`` for prompt i plus the
+  bandit bit. Within a prompt's group the offset cancels; a trainer whose
+  "groups" mixed prompts (e.g. samples interleaved ``p0 p1 p2 p3 p0 ...``
+  before the ``[P, G]`` reshape) would give advantages of size ~1 from the
+  offsets alone. The batches the train step receives are recorded; each
+  row's prompt and first sampled byte are read back from its tokens and the
+  advantages recomputed per prompt in numpy."""
+  def offset_bandit(episodes):
+    return [10.0 * int(ep.example.id.split("-")[1]) + r
+            for ep, r in zip(episodes, starts_lowercase(episodes))]
+
+  seen = []
+  real_make_train_step = grpo_module.make_train_step
+
+  def recording_make_train_step(*args, **kwargs):
+    step = real_make_train_step(*args, **kwargs)
+
+    def recorded(state, batch):
+      seen.append(jax.device_get({k: batch[k] for k in ("tokens", "targets", "loss_mask",
+                                                         "advantages")}))
+      return step(state, batch)
+    return recorded
+
+  monkeypatch.setattr(grpo_module, "make_train_step", recording_make_train_step)
+  cfg = GRPO.replace(updates_per_batch=1)
+  run = _run(params, bandit_prompts(cfg.prompts_per_step), 1, mesh, cfg=cfg, seed=5,
+             reward_fn=offset_bandit)
+  (batch,) = seen
+  rows = []
+  for r in range(cfg.batch_size):
+    first = int(np.argmax(batch["loss_mask"][r] > 0))
+    i = _prompt_index(batch["tokens"][r], first)
+    rows.append((i, 10.0 * i + float(int(batch["targets"][r, first]) in LOWER)))
+  prompts = sorted({i for i, _ in rows})
+  assert prompts == list(range(cfg.prompts_per_step))
+  want = np.zeros(cfg.batch_size)
+  for p in prompts:
+    idx = [r for r, (i, _) in enumerate(rows) if i == p]
+    assert len(idx) == cfg.group_size, (p, idx)
+    x = np.asarray([rows[r][1] for r in idx], np.float64)
+    if x.max() > x.min():
+      want[idx] = (x - x.mean()) / (x.std() + cfg.advantage_eps)
+  # float32 rounding of O(G)-sized z-scores: a few ulps.
+  np.testing.assert_allclose(batch["advantages"], want, rtol=0, atol=8 * np.finfo(np.float32).eps
+                             * np.sqrt(cfg.group_size))
+  assert run.history[0]["advantage/abs_mean"] == pytest.approx(np.abs(want).mean(), abs=1e-6)
+
+
+@pytest.mark.parametrize("save_every,saved", [(0, [3]), (2, [2, 3])])
+def test_save_every_means_the_same_in_every_trainer(mesh, params, tmp_path, save_every, saved):
+  """0: only after the last step; k: every k steps and after the last; the
+  same checkpoint steps from the LM trainer and from GRPO (both run on
+  ``opd.training.loop.run``)."""
+  rng = np.random.default_rng(0)
+
+  def lm_batches():
+    while True:
+      tokens = rng.integers(0, 256, (4, 9)).astype(np.int32)
+      yield {"tokens": tokens[:, :-1], "targets": tokens[:, 1:],
+             "mask": np.ones((4, 8), bool), "loss_mask": np.ones((4, 8), np.float32)}
+
+  train_lm(CFG, lm_batches(), OPTIM, LMTrainConfig(steps=3, save_every=save_every,
+                                                   progress=False),
+           mesh=mesh, rules=sharding.DEFAULT_RULES, params=params,
+           checkpoint_dir=tmp_path / "lm")
+  _run(params, bandit_prompts(4), 3, mesh, cfg=GRPO.replace(updates_per_batch=1), seed=6,
+       checkpoint_dir=tmp_path / "grpo", save_every=save_every, keep_checkpoints=5)
+  assert CheckpointManager(tmp_path / "lm").all_steps() == saved
+  assert CheckpointManager(tmp_path / "grpo").all_steps() == saved

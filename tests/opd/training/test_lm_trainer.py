@@ -127,3 +127,20 @@ def test_train_lm_learns_and_evaluates_during_training(tmp_path):
   assert eval_steps == [20, 40, 60] and len(extra_calls) == 3
   np.testing.assert_allclose(logged[60]["eval/loss"], after, rtol=1e-5)
   assert sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit())[-1] == 60
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("steps", -1, r"LMTrainConfig.steps must be .*, got -1$"),
+    ("save_every", True, r"LMTrainConfig.save_every must be .*, got True$"),
+    ("keep_checkpoints", 0, r"LMTrainConfig.keep_checkpoints must be .*, got 0$"),
+    ("fused_loss", 1, r"LMTrainConfig.fused_loss must be True or False, got 1$"),
+])
+def test_lm_train_config_names_the_bad_field(field, value, match):
+  with pytest.raises(ValueError, match=match):
+    LMTrainConfig(**{"steps": 5, field: value})
+
+
+def test_lm_train_config_accepts_numpy_ints():
+  loop = LMTrainConfig(steps=np.int64(5), save_every=np.int32(2))
+  assert (loop.steps, loop.save_every) == (5, 2) and type(loop.steps) is int
+  assert loop == LMTrainConfig(steps=5, save_every=2)
