@@ -171,7 +171,8 @@ class FaultTolerantTeachers:
     available = np.zeros((b, len(names)), bool)
     hidden, skipped, messages = {}, {}, {}
     for k, (name, rows) in enumerate(zip(names, groups)):
-      hidden[name] = jnp.zeros((b, t, self.widths[name]), jnp.float32)
+      zeros = jnp.zeros((b, t, self.widths[name]), jnp.float32)
+      hidden[name] = zeros  # until (unless) it answers
       if rows.size == 0:
         continue
       full = rows.size == b
@@ -193,7 +194,7 @@ class FaultTolerantTeachers:
       h, bad = _screen(jnp.asarray(value), jnp.asarray(m))
       bad = np.asarray(bad)
       available[rows, k] = ~bad
-      hidden[name] = h if full else hidden[name].at[rows].set(h)
+      hidden[name] = h if full else zeros.at[rows].set(h)
       if bad.any():
         self.counter.counts[(name, "nonfinite")] += 1
         self.counter.nonfinite_rows[name] += int(bad.sum())

@@ -77,11 +77,13 @@ def _reference(setup, weights, keep, tau, top_k=None):
   w = w / np.maximum(w.sum(-1, keepdims=True), 1e-300)
   y = setup["batch"]["targets"][..., None]
   rkl = fkl = topk = 0.0
+  per_teacher = []
   token = np.take_along_axis(lp, y, -1)[..., 0]
   for k, (h, hd) in enumerate(zip(setup["hidden"], setup["heads"])):
     x = np.asarray(h, np.float64) @ np.asarray(hd, np.float64) / tau
     lq = _log_softmax(x)
-    rkl = rkl + w[..., k] * (np.exp(lp) * (lp - lq)).sum(-1)
+    per_teacher.append((np.exp(lp) * (lp - lq)).sum(-1))
+    rkl = rkl + w[..., k] * per_teacher[-1]
     fkl = fkl + w[..., k] * (np.exp(lq) * (lq - lp)).sum(-1)
     token = token - w[..., k] * np.take_along_axis(lq, y, -1)[..., 0]
     if top_k:
@@ -89,7 +91,7 @@ def _reference(setup, weights, keep, tau, top_k=None):
       lp_t = _log_softmax(np.take_along_axis(lp, idx, -1))
       lq_t = _log_softmax(np.take_along_axis(lq, idx, -1))
       topk = topk + w[..., k] * (np.exp(lp_t) * (lp_t - lq_t)).sum(-1)
-  return rkl, fkl, token, topk, lp
+  return rkl, fkl, token, topk, lp, per_teacher
 
 
 def _tol(setup, tau=1.0):
@@ -116,7 +118,7 @@ def test_full_loss_matches_numpy(setup, aggregation):
   cfg = loss_lib.OPDLossConfig(temperature=1.5, aggregation=aggregation, forward_kl_coef=0.25)
   loss, metrics, _ = _run(setup["student"], _batch(setup, weights), tuple(setup["heads"]), cfg)
   keep = _keep(setup, weights)
-  rkl, fkl, _, _, lp = _reference(setup, weights, keep, 1.5)
+  rkl, fkl, _, _, lp, per_teacher = _reference(setup, weights, keep, 1.5)
   per_tok = np.where(keep, rkl + 0.25 * fkl, 0.0)
   if aggregation == "token_mean":
     expect = per_tok.sum() / keep.sum()
@@ -128,12 +130,15 @@ def test_full_loss_matches_numpy(setup, aggregation):
   assert float(metrics["opd_rows"]) == 3
   ent = -(np.exp(lp) * lp).sum(-1)
   assert abs(float(metrics["student_entropy"]) - ent[keep].mean()) <= _tol(setup, 1.5)
+  for k, kl in enumerate(per_teacher):  # over the tokens teacher k weighs
+    uses = keep & (weights[..., k] > 0)
+    assert abs(float(metrics[f"kl/t{k}"]) - kl[uses].mean()) <= _tol(setup, 1.5)
 
 
 def test_topk_and_token_estimators_match_numpy(setup):
   weights = setup["weights"]
   keep = _keep(setup, weights)
-  _, _, token, topk, lp = _reference(setup, weights, keep, 1.0, top_k=8)
+  _, _, token, topk, _, _ = _reference(setup, weights, keep, 1.0, top_k=8)
   for est, per_tok in (("top_k", topk), ("token", token)):
     cfg = loss_lib.OPDLossConfig(estimator=est, top_k=8)
     loss, _, _ = _run(setup["student"], _batch(setup, weights), tuple(setup["heads"]), cfg)
@@ -144,7 +149,7 @@ def test_token_estimator_gradient_is_the_policy_gradient(setup):
   """grad = mean_t sg(a_t) ∇ log p_s(y_t), a_t = log p_s(y_t) − Σ ŵ log q_k(y_t)."""
   weights = setup["weights"]
   keep = _keep(setup, weights)
-  _, _, token, _, _ = _reference(setup, weights, keep, 1.0)
+  token = _reference(setup, weights, keep, 1.0)[2]
   adv = jnp.asarray(np.where(keep, token, 0.0), jnp.float32)
   b = setup["batch"]
 
