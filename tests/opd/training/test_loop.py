@@ -111,10 +111,14 @@ def test_run_reports_evaluates_and_saves(setup, tmp_path):
     (0, 5, [5]), (None, 5, [5]), (2, 5, [2, 4, 5]), (5, 5, [5]), (3, 6, [3, 6])])
 def test_save_every_zero_or_none_means_only_after_the_last_step(setup, tmp_path, save_every,
                                                                 num_steps, saved):
+  """And eval_every reads the same way."""
   mngr = CheckpointManager(tmp_path, max_to_keep=10)
+  evaluated = []
   run(setup["fresh"](), setup["step"], ListIterator(_batches(num_steps)), num_steps,
-      checkpoint_manager=mngr, save_every=save_every, progress=False)
-  assert mngr.all_steps() == saved
+      checkpoint_manager=mngr, save_every=save_every, eval_fn=lambda s: {"x": 1.0},
+      eval_every=save_every, progress=False,
+      on_metrics=lambda step, m: evaluated.append(step) if "eval/x" in m else None)
+  assert mngr.all_steps() == saved and evaluated == saved
 
 
 def test_resume_with_grain_iterator_continues_the_data(setup, tmp_path):
