@@ -7,6 +7,23 @@ skips), ``cache`` (the per-rollout-batch hidden-state cache), ``loss`` (the
 OPD loss on ``pallas_kernels.fused_reverse_kl``, docs/DESIGN.md §4, and its
 top-k / token estimators), ``diagnostics`` and ``server`` (out-of-process
 teachers over a Unix socket, used through ``RemoteTeacher``).
+
+How they compose into a step on the shared loop (the trainer is built on
+``opd.training.loop``)::
+
+  pool = TeacherPool(teachers, student_cfg.vocab_size, mesh)
+  asked = FaultTolerantTeachers.from_pool(pool, deadline_s=60.0)
+  cache = HiddenStateCache(asked, sharding=batch_sharding(mesh, rules, 3))
+  step = make_train_step(make_opd_loss(student_cfg, pool.heads, OPDLossConfig(),
+                                       teacher_names=pool.names), optimizer, mesh, shardings)
+  # per rollout batch r (tokens, targets, mask, loss_mask from the sampler):
+  cached = cache.get(r, batch["tokens"], batch["mask"])   # K forwards, once
+  if cached.batch_ok:                                      # else skip the step, log it
+    w = anneal(routing_weights(domains, [t.domain for t in teachers], T), step_i, total, n)
+    opd_batch, row_ok = loss_batch(batch, cached, w)      # skips renormalised
+    for _ in range(epochs):
+      state, metrics = step(state, opd_batch)
+  metrics |= asked.counter.metrics(pool.names) | weight_metrics(w, mask, pool.names)
 """
 from opd.distill import cache, diagnostics, faults, loss, schedule, server, teachers
 from opd.distill.cache import CachedBatch, HiddenStateCache, loss_batch
