@@ -18,7 +18,7 @@ from opd.rl import grpo as grpo_lib
 from opd.training.checkpoints import load_params
 from opd.config.fields import from_group
 from opd.config.overrides import config_to_dict, to_model_config
-from opd.rl.loss import GRPOConfig
+from opd.rl import GRPOConfig
 from opd.training.metrics_writer import MetricWriter
 from opd.tasks import AgentRewardConfig
 
