@@ -1,7 +1,7 @@
 """Config → objects wiring shared by the jobs (pretrain, sft, grpo, specialists).
 
 Jobs stay thin: they read their config groups (``ModelConfig`` through
-``opd.config.overrides.to_model_config``, every other dataclass through
+``opd.models.to_model_config``, every other dataclass through
 ``opd.config.fields.from_group``), call these helpers to get the mesh,
 optimizer, tokenizer and writers, and hand everything to library code
 in ``opd``. Nothing here holds training logic.

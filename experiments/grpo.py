@@ -17,7 +17,8 @@ from experiments import common
 from opd.rl import grpo as grpo_lib
 from opd.training.checkpoints import load_params
 from opd.config.fields import from_group
-from opd.config.overrides import config_to_dict, to_model_config
+from opd.config.overrides import config_to_dict
+from opd.models import to_model_config
 from opd.rl import GRPOConfig
 from opd.training.metrics_writer import MetricWriter
 from opd.tasks import AgentRewardConfig

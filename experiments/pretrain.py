@@ -20,7 +20,8 @@ from opd.training import data as data_lib
 from opd import rollout
 from opd.training import lm_trainer
 from opd import tasks as tasks_lib
-from opd.config.overrides import config_to_dict, to_model_config
+from opd.config.overrides import config_to_dict
+from opd.models import to_model_config
 from opd.training.metrics_writer import MetricWriter
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,8 @@ from experiments import sft as sft_job
 from opd.eval import evaluation as ev
 from opd.training.checkpoints import load_params
 from opd.config.fields import from_group
-from opd.config.overrides import config_mismatches, config_to_dict, to_model_config
+from opd.config.overrides import config_mismatches, config_to_dict
+from opd.models import to_model_config
 from opd.tasks import ALL_DOMAINS
 
 log = logging.getLogger(__name__)

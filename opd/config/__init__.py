@@ -8,4 +8,4 @@ from opd.config.fields import (check_bool, check_choice, check_float, check_int,
                                set_field, to_group)
 from opd.config.overrides import (apply_overrides, config_mismatches, config_to_dict,
                                   load_config, load_config_module, load_sweep, parse_arg,
-                                  split_config_spec, to_model_config)
+                                  split_config_spec)

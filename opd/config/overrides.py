@@ -3,10 +3,9 @@
 A config file under ``experiments/configs/`` defines ``get_config(arg)`` and
 optionally ``get_sweep(arg)``; ``arg`` is the text after the colon in
 ``--config=experiments/configs/NAME.py:tiny,teachers=3``. This module parses
-that text, loads config files, applies ``a.b=value`` overrides with errors
-that name the field, and turns a ``config.model`` group into the decoder's
-frozen ``ModelConfig`` (``to_model_config``; every other group goes through
-``opd.config.fields.from_group`` directly).
+that text, loads config files and applies ``a.b=value`` overrides with errors
+that name the field. Config groups become dataclasses through
+``opd.config.fields.from_group`` (``opd.models.to_model_config`` for the model).
 """
 from __future__ import annotations
 
@@ -250,21 +249,6 @@ def load_sweep(spec: str) -> list[dict[str, Any]]:
   if not isinstance(sweep, (list, tuple)) or not all(isinstance(s, Mapping) for s in sweep):
     raise ValueError(f"{path}: get_sweep must return a list of dicts, got {sweep!r}")
   return [dict(s) for s in sweep]
-
-
-def to_model_config(model: Mapping[str, Any] | ml_collections.ConfigDict,
-                    where: str = "config.model"):
-  """The decoder's ``ModelConfig`` from a config group (``fields.from_group``).
-
-  Args:
-    model: e.g. ``config.model`` or ``config.teachers.math.model``.
-    where: the group's path, used in error messages.
-
-  Raises:
-    ValueError: naming ``where`` and the unknown or invalid field(s).
-  """
-  from opd.models.config import ModelConfig  # deferred: opd.models validates with opd.config
-  return fields.from_group(ModelConfig, model, where)
 
 
 def config_to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:

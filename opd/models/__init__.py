@@ -1,9 +1,9 @@
 """One decoder family for student, teachers and reward models (SPEC §2)."""
-from opd.models.config import ModelConfig
+from opd.models.config import ModelConfig, to_model_config
 from opd.models.decoder import (Decoder, DecoderOutput, KVCache, default_positions, forward,
                                 head_matrix, init_cache, init_kind, init_params,
                                 last_token_values, param_logical_axes, token_logprobs)
 
 __all__ = ["Decoder", "DecoderOutput", "KVCache", "ModelConfig", "default_positions", "forward",
            "head_matrix", "init_cache", "init_kind", "init_params", "last_token_values",
-           "param_logical_axes", "token_logprobs"]
+           "param_logical_axes", "to_model_config", "token_logprobs"]

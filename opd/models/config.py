@@ -140,3 +140,18 @@ class ModelConfig:
     mlp = 2 * 3 * D * F
     attn = 2 * 2 * H * Dh * seq_len  # QK^T and PV against seq_len keys
     return self.n_layers * (proj + mlp + attn) + 2 * D * V
+
+
+def to_model_config(model: Mapping[str, Any], where: str = "config.model") -> ModelConfig:
+  """The decoder's ``ModelConfig`` from a config group (``opd.config.from_group``).
+
+  Args:
+    model: e.g. ``config.model`` or ``config.teachers.math.model`` (a
+      ``ConfigDict`` or a mapping).
+    where: the group's path, used in error messages.
+
+  Raises:
+    ValueError: naming ``where`` and the unknown or invalid field(s).
+  """
+  return from_group(ModelConfig, model, where)
+

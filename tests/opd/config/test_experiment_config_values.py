@@ -14,7 +14,7 @@ from experiments.common import optim_config
 from opd.config import overrides as config_utils
 from opd.config.fields import from_group
 from opd.eval.evaluation import EvalConfig
-from opd.models import ModelConfig
+from opd.models import ModelConfig, to_model_config
 from opd.rl.config import GRPOConfig
 from opd.tasks import ALL_DOMAINS, AgentRewardConfig
 from opd.training.optim import OptimConfig
@@ -61,7 +61,7 @@ def _spelled_out(name: str, tiny: bool) -> dict[str, tuple[type, dict]]:
 
 
 # Each group's dataclass and how a job builds it (the eval job adds the domains).
-BUILD = {"model": (ModelConfig, config_utils.to_model_config),
+BUILD = {"model": (ModelConfig, to_model_config),
          "optim": (OptimConfig, optim_config),
          "grpo": (GRPOConfig, grpo_job.grpo_config),
          "agent_reward": (AgentRewardConfig, grpo_job.agent_reward_config),
@@ -96,7 +96,7 @@ def test_unwritten_field_can_be_overridden_with_its_type_checked():
                                         "model.head_dim=16"])
   optim = optim_config(config.optim)
   assert (optim.b1, optim.grad_accum_steps, optim.lr) == (0.8, 2, 3e-3)
-  assert config_utils.to_model_config(config.model) == ModelConfig(**dict(MODEL_TINY,
+  assert to_model_config(config.model) == ModelConfig(**dict(MODEL_TINY,
                                                                            head_dim=16))
   for override, expects in [("optim.grad_accum_steps=two", "int"),
                             ("model.head_dim=2.5", "int"), ("optim.clip_norm=big", "float")]:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from opd.config import overrides as config_utils
-from opd.models import ModelConfig
+from opd.models import ModelConfig, to_model_config
 
 
 def _config():
@@ -108,22 +108,22 @@ def test_load_config_and_sweep(tmp_path):
 def test_to_model_config():
   fields = dict(vocab_size=300, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64,
                 qk_norm=True)
-  cfg = config_utils.to_model_config(ml_collections.ConfigDict(fields))
+  cfg = to_model_config(ml_collections.ConfigDict(fields))
   assert cfg == ModelConfig(**fields)
   # Every dataclass field survives the round trip through a ConfigDict.
   full = ml_collections.ConfigDict(dataclasses.asdict(cfg))
-  assert config_utils.to_model_config(full) == cfg
+  assert to_model_config(full) == cfg
   with pytest.raises(ValueError, match=r"config.teachers.math.model has unknown field\(s\) "
                                        r"\['d_modle'\]"):
-    config_utils.to_model_config({**fields, "d_modle": 3}, where="config.teachers.math.model")
+    to_model_config({**fields, "d_modle": 3}, where="config.teachers.math.model")
   with pytest.raises(ValueError, match=r"config.model: ModelConfig.d_model=30 is not divisible"):
-    config_utils.to_model_config({**fields, "d_model": 30})
+    to_model_config({**fields, "d_model": 30})
   # numpy ints (e.g. from a sweep written with numpy) are accepted and stored as int.
-  cfg = config_utils.to_model_config({**fields, "d_model": np.int64(32)})
+  cfg = to_model_config({**fields, "d_model": np.int64(32)})
   assert cfg == ModelConfig(**fields) and type(cfg.d_model) is int
   with pytest.raises(ValueError, match=r"config.model: ModelConfig.n_layers must be a positive "
                                        r"int, got True"):
-    config_utils.to_model_config({**fields, "n_layers": True})
+    to_model_config({**fields, "n_layers": True})
 
 
 def test_config_to_dict_is_json():
