@@ -170,6 +170,7 @@ class TeacherPool:
     self.forward_count = {t.name: 0 for t in self.teachers}
     self._params = {t.name: self._place(t) for t in self.teachers}
     self._fns: dict[str, Callable] = {}
+    self._heads: tuple[jax.Array, ...] | None = None
 
   @property
   def names(self) -> tuple[str, ...]:
@@ -178,9 +179,11 @@ class TeacherPool:
   @property
   def heads(self) -> tuple[jax.Array, ...]:
     """The K heads ``W_k`` [D_k, V], placed for the student's loss (replicated)."""
-    rep = sharding_lib.replicated(self.mesh)
-    return tuple(jax.device_put(head_matrix(t.cfg, self._params[t.name]), rep)
-                 for t in self.teachers)
+    if self._heads is None:
+      rep = sharding_lib.replicated(self.mesh)
+      self._heads = tuple(jax.device_put(head_matrix(t.cfg, self._params[t.name]), rep)
+                          for t in self.teachers)
+    return self._heads
 
   def teacher(self, name: str) -> Teacher:
     for t in self.teachers:
