@@ -6,5 +6,5 @@ meta-RM-guided voting, and the verifier / test-time pipelines
 (DeepSeekMath-V2 proof verification, GENCLUSTER code selection), designed in
 docs/DESIGN.md §6–§7. It sits above ``opd`` and below ``experiments``
 (docs/DESIGN.md §1) and exports nothing yet; today a learned reward would
-reach GRPO as a plain ``reward_fn`` callable (``opd.rl.loss.score_episodes``).
+reach GRPO as a plain ``reward_fn`` callable (``opd.rl.scoring.score_episodes``).
 """

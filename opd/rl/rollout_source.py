@@ -34,8 +34,8 @@ from opd.rl.advantages import group_advantages
 from opd.rl.config import GRPOConfig
 from opd.rl.scoring import RewardFn, count_reason, reward_metrics, score_episodes
 from opd.rollout.episodes import Episode
-from opd.tasks import (ALL_DOMAINS, AgentEnv, AgentRewardConfig, Example, RewardStats,
-                       VerifierFailureError, is_multi_turn)
+from opd.tasks import (ALL_DOMAINS, AgentRewardConfig, Example, RewardStats,
+                       VerifierFailureError, get_task, is_multi_turn)
 from opd.training.train_step import shard_batch
 
 __all__ = ["GRPOSource", "PromptStream", "make_reference_fn", "reference_logprobs",
@@ -93,8 +93,7 @@ class PromptStream:
     self.epoch, self.index = epoch, index
 
 
-def _prompt_problem(ex: Any, tokenizer, cfg: GRPOConfig, *, custom_reward: bool,
-                    agent_config: AgentRewardConfig | None) -> str | None:
+def _prompt_problem(ex: Any, tokenizer, cfg: GRPOConfig, *, custom_reward: bool) -> str | None:
   """Why ``ex`` cannot be rolled out and trained on, or None."""
   if not isinstance(ex, Example):
     return f"not an Example but {type(ex).__name__}"
@@ -103,7 +102,7 @@ def _prompt_problem(ex: Any, tokenizer, cfg: GRPOConfig, *, custom_reward: bool,
     return f"no verifier for domain {ex.domain!r} (domains: {ALL_DOMAINS})"
   try:
     if known and is_multi_turn(ex.domain):
-      AgentEnv(agent_config).reset(ex)
+      get_task(ex.domain).make_env().reset(ex)  # the environment accepts its prompt
     n = len(rollout_lib.prompt_ids(tokenizer, ex))
   except Exception as e:  # noqa: BLE001 - a malformed prompt is data, not a crash
     return f"cannot render: {type(e).__name__}: {e}"
@@ -239,8 +238,7 @@ class GRPOSource:
         tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
         top_k=cfg.top_k, top_p=cfg.top_p)
     self._problem = functools.partial(_prompt_problem, tokenizer=tokenizer, cfg=cfg,
-                                      custom_reward=reward_fn is not None,
-                                      agent_config=agent_config)
+                                      custom_reward=reward_fn is not None)
     self._last = None  # (episodes, scores, real tokens) of the latest batch
     self._texts_written = False
 

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from opd.config.fields import check_choice, check_float, check_int, set_field
+from opd.tasks.sandbox.api import IsolationUnavailable
 from opd.text import parsers
 
 DIFFICULTIES = (1, 2, 3)
@@ -296,7 +297,11 @@ class RewardStats:
 
 def safe_verify(task: Task, example: Any, response: Any,
                 stats: RewardStats | None = None) -> Reward:
-  """``task.verify`` that never raises: errors score 0 with a counted reason."""
+  """``task.verify`` that never raises for a bad sample: errors score 0 with a counted reason.
+
+  ``IsolationUnavailable`` (the sandbox cannot give the isolation the task
+  requires) is re-raised: it is the machine's set-up, not the sample.
+  """
   try:
     task.check_example(example)
   except ValueError as e:
@@ -306,6 +311,8 @@ def safe_verify(task: Task, example: Any, response: Any,
       reward = task.verify(example, response)
       if not isinstance(reward, Reward):
         raise TypeError(f"verify returned {type(reward).__name__}, not Reward")
+    except IsolationUnavailable:
+      raise  # the machine cannot run the verifier safely: a set-up error, not a bad sample
     except Exception as e:  # noqa: BLE001 - the whole point: count it, score 0
       reward = Reward(0.0, 0.0, {}, f"verifier_error:{type(e).__name__}: {e}"[:300])
   if stats is not None:
@@ -335,6 +342,8 @@ def safe_verify_batch(task: Task, examples: Sequence[Any], responses: Sequence[A
       raise TypeError("verify_batch must return one Reward per example")
     for r in rewards:
       batch_stats.add(r)
+  except IsolationUnavailable:
+    raise
   except Exception:  # noqa: BLE001 - isolate the failing sample(s)
     batch_stats = RewardStats()
     rewards = [safe_verify(task, e, r, batch_stats) for e, r in zip(examples, responses)]

@@ -11,7 +11,7 @@ from opd.training.lm_trainer import LMTrainConfig, evaluate_loss, train_lm
 from opd.training.loop import RolloutSource, resume, run
 from opd.training.metrics_writer import METRICS_FILE, MetricWriter, histogram_proto, read_metrics
 from opd.training.objectives import lm_loss, next_token_loss
-from opd.training.optim import OptimConfig, make_optimizer, make_schedule
+from opd.training.optim import OptimConfig, Optimizer, make_optimizer, make_schedule
 from opd.training.train_step import (RESERVED_METRICS, LossFn, NonFiniteError, TrainState,
                                      abstract_train_state, init_train_state, make_train_step,
                                      raise_if_nonfinite, shard_batch)

@@ -238,3 +238,28 @@ def test_only_multi_turn_tasks_have_an_environment():
     else:
       with pytest.raises(ValueError, match=f"task '{domain}' is single-turn"):
         task.make_env()
+
+
+def test_isolation_unavailable_is_a_setup_error_not_a_bad_sample():
+  # A sandbox that cannot give the required isolation must stop the caller,
+  # not be counted as one verifier error per sample (which a trainer would
+  # only notice through its error-fraction limit, blaming the samples).
+  from opd.tasks import MathTask, safe_verify, safe_verify_batch
+  from opd.tasks.sandbox.api import IsolationUnavailable
+
+  class NoSandbox(MathTask):
+    def verify(self, example, response):
+      raise IsolationUnavailable("no kernel isolation here")
+
+  task = NoSandbox()
+  ex = task.examples("train", 2)
+  with pytest.raises(IsolationUnavailable):
+    safe_verify(task, ex[0], "Answer: 1")
+  with pytest.raises(IsolationUnavailable):
+    safe_verify_batch(task, ex, ["Answer: 1", "Answer: 2"])
+
+  class Flaky(MathTask):  # any other exception is still the sample's: scored 0, counted
+    def verify(self, example, response):
+      raise RuntimeError("boom")
+
+  assert safe_verify(Flaky(), ex[0], "Answer: 1").reason.startswith("verifier_error:RuntimeError")
