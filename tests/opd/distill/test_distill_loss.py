@@ -213,27 +213,42 @@ def test_renormalisation_after_a_skip_equals_a_pool_without_that_teacher(setup):
   assert abs(float(l3) - float(l2)) <= _tol(setup)
 
 
+def _capture_grads() -> optax.GradientTransformation:
+  """Passes the gradients on and keeps them in its state (sharded like the
+  params): the gradients the compiled step really computed."""
+  return optax.GradientTransformation(init=lambda params: jax.tree.map(jnp.zeros_like, params),
+                                      update=lambda grads, state, params=None: (grads, grads))
+
+
+def _global_norm(tree):
+  return np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in jax.tree.leaves(tree)))
+
+
 def test_sharded_222_step_equals_single_device(setup):
   fn = loss_lib.make_opd_loss(STUDENT, setup["heads"])
   batch = {k: np.asarray(v) for k, v in _batch(setup, setup["weights"]).items()
            if k != "teacher_hidden"}
   batch["teacher_hidden"] = tuple(np.asarray(h) for h in setup["hidden"])
+  fast = {"xla_backend_optimization_level": 0}  # codegen only; the partitioning is unchanged
   out = {}
   for name, devices, shape in (("one", jax.devices()[:1], (1, 1, 1)),
                                ("mesh", jax.devices(), (2, 2, 2))):
     mesh = sharding.make_mesh(shape, devices)
-    opt = optax.sgd(1.0)  # new params = params - grads
+    opt = optax.chain(_capture_grads(), optax.sgd(1.0))
     state, shardings = init_train_state(STUDENT, opt, mesh, sharding.DEFAULT_RULES, rng=0,
-                                        params=setup["student"])
-    step = make_train_step(fn, opt, mesh, shardings, donate=False)
+                                        params=setup["student"], compiler_options=fast)
+    step = make_train_step(fn, opt, mesh, shardings, donate=False, compiler_options=fast)
     new, metrics = step(state, batch)
-    out[name] = (float(metrics["loss"]), jax.device_get(new.params))
+    out[name] = (float(metrics["loss"]), jax.device_get(new.opt_state[0]))
   assert abs(out["one"][0] - out["mesh"][0]) <= _tol(setup)
-  # The sharded reduction re-associates sums over the B*T tokens and the D
-  # contraction: eps x (B*T + D) of the gradient's scale.
-  for a, b in zip(jax.tree.leaves(out["one"][1]), jax.tree.leaves(out["mesh"][1])):
-    scale = float(np.abs(a).max())
-    np.testing.assert_allclose(a, b, rtol=0, atol=4 * EPS32 * (B * T + STUDENT.d_model) * scale)
+  # The mesh reorders the token sum (data/fsdp) and the contractions (tensor);
+  # a float32 sum of n terms reordered moves by ~sqrt(n) eps relative, n <=
+  # B*T*V (tokens x the longest contraction, the LM head). The backward pass
+  # chains ~8 such sums per layer: sqrt(8 * layers) in quadrature. A wiring
+  # error (a lost token or teacher, a dropped psum) is >= 1/(B*T) ~ 2e-2.
+  rtol = np.sqrt(8 * STUDENT.n_layers) * np.sqrt(B * T * V) * EPS32
+  diff = jax.tree.map(np.subtract, out["one"][1], out["mesh"][1])
+  assert _global_norm(diff) <= rtol * _global_norm(out["one"][1])
 
 
 @pytest.mark.parametrize("kwargs,match", [
