@@ -209,8 +209,10 @@ def test_one_hot_weights_equal_the_single_teacher_call(setup):
   l1, _, g1 = _run(setup["student"], _batch(setup, np.ones((B, T, 1), np.float32),
                                             setup["hidden"][2:3]), (setup["heads"][2],), grad=True)
   assert abs(float(l3) - float(l1)) <= _tol(setup)
-  for a, b in zip(jax.tree.leaves(g3), jax.tree.leaves(g1)):
-    np.testing.assert_allclose(a, b, rtol=0, atol=_tol(setup) * max(float(jnp.abs(b).max()), 1))
+  # At most a reordering of the same float32 sums (see the sharded test).
+  rtol = np.sqrt(8 * STUDENT.n_layers) * np.sqrt(B * T * V) * EPS32
+  diff = jax.tree.map(np.subtract, jax.device_get(g3), jax.device_get(g1))
+  assert _global_norm(diff) <= rtol * _global_norm(g1)
 
 
 def test_renormalisation_after_a_skip_equals_a_pool_without_that_teacher(setup):
