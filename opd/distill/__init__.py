@@ -44,6 +44,6 @@ __all__ = [
     "TeacherPool", "anneal", "apply_availability", "cache", "call_with_deadline",
     "check_teachers", "confidence_scores", "confidence_weights", "diagnostics", "faults",
     "logit_diagnostics", "loss", "loss_batch", "make_opd_loss", "normalize", "routing_weights",
-    "row_groups", "sample_response_positions", "schedule", "server", "teacher_diagnostics", "teachers",
-    "uniform_weights", "weight_metrics",
+    "row_groups", "sample_response_positions", "schedule", "server", "teacher_diagnostics",
+    "teachers", "uniform_weights", "weight_metrics",
 ]
