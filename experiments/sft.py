@@ -101,7 +101,9 @@ def run(config, workdir: str) -> dict:
   plot = common.plot_curves(workdir, keys=("loss", "eval/loss"), title="SFT loss")
   evals = [m for _, m in logger.history if "eval/loss" in m]
   losses = [m["loss"] for _, m in logger.history if "loss" in m]
-  return {"steps": int(state.step), "train_loss_final": float(np.mean(losses[-10:])),
+  return {"steps": int(state.step),
+          "train_loss_first": losses[0] if losses else float("nan"),
+          "train_loss_final": float(np.mean(losses[-10:])),
           "eval_loss": evals[-1]["eval/loss"] if evals else float("nan"),
           "eval_accuracy": evals[-1].get("eval/accuracy", float("nan")) if evals else float("nan"),
           "wall_s": timer.seconds, "plot": str(plot or "")}

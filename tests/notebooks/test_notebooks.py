@@ -1,5 +1,6 @@
-"""Notebooks are stored without outputs and their code runs top to bottom."""
+"""Notebooks are stored without outputs, their code runs top to bottom, and they show what they claim."""
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -23,9 +24,31 @@ def test_notebook_is_clean_and_runs(path, tmp_path):
   assert "colab-badge" in "".join("".join(c["source"]) for c in nb["cells"])
   script = tmp_path / "nb.py"
   # The last expression of a cell is displayed in Jupyter; here it is just evaluated.
-  script.write_text("\n\n".join(_code(nb)))
+  # Each notebook ends with a ``summary`` dict of what it demonstrates; the
+  # script prints it so the test can check the claims, not just a header.
+  script.write_text("\n\n".join(_code(nb)) + "\n\nimport json as _json\n"
+                    "print('SUMMARY ' + _json.dumps(summary))\n")
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   proc = subprocess.run([sys.executable, str(script)], cwd=path.parent, env=env,
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "| reward@1 |" in proc.stdout
+  line = [l for l in proc.stdout.splitlines() if l.startswith("SUMMARY ")][-1]
+  CHECKS[path.stem](json.loads(line[len("SUMMARY "):]), proc.stdout)
+
+
+def _check_quickstart(summary, stdout):
+  base, sft = summary["base"], summary["sft"]
+  # A fresh small-init model predicts close to uniformly over the byte
+  # tokenizer's 270 ids, so its first loss is ~ln(270) nats; pre-training on
+  # the task text must then move it clearly below where it started.
+  assert abs(base["train_loss_first"] - math.log(270)) < 0.5, base
+  assert base["train_loss_final"] < base["train_loss_first"] - 0.3, base
+  # SFT continues from the base on math answers and must lower its own loss.
+  assert sft["train_loss_final"] < sft["train_loss_first"] - 0.3, sft
+  # The comparison holds both models, with rewards on the 0-100 scale.
+  assert set(summary["reward@1"]) == {"base", "sft"}
+  assert all(0.0 <= r <= 100.0 for r in summary["reward@1"].values())
+  assert "| reward@1 | math | avg |" in stdout and "| base |" in stdout and "| sft |" in stdout
+
+
+CHECKS = {"quickstart": _check_quickstart}
