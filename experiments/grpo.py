@@ -3,7 +3,7 @@
 Starts from ``config.init`` (usually an SFT checkpoint), which is also the
 frozen KL reference. Prompts are train-split examples of
 ``config.data.domains``; rewards come from the task verifiers (agent: the
-layered reward of SPEC §8 with the weights in ``config.agent_reward``). See
+layered reward of docs/DESIGN.md §8 with the weights in ``config.agent_reward``). See
 ``opd.rl.grpo.train_grpo`` for the metrics it logs.
 """
 from __future__ import annotations

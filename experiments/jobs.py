@@ -6,7 +6,7 @@ only when launched, so listing or launching one job never imports the code
 (and heavy dependencies) of the others.
 
 The built-in names point at the modules that implement the pipeline stages of
-SPEC §3/§5; other code (an extension, a test) adds its own with
+docs/DESIGN.md §3/§5; other code (an extension, a test) adds its own with
 ``register(name, target)``.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Job ``specialists``: the first stage of the V4 pipeline (SPEC §3, §5, §9).
+"""Job ``specialists``: the first stage of the V4 pipeline (docs/DESIGN.md §3, §5, §9).
 
   tiny base (pre-training on the task suite's text)
     → for each domain: SFT on the domain, then GRPO with its verifier

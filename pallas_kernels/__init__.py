@@ -2,7 +2,7 @@
 
 The core is :func:`fused_reverse_kl`: the student's per-token reverse KL to K
 teachers over the full vocabulary, computed from hidden states and output
-heads without materialising ``[T, V]`` logits (SPEC.md §3–4), with Pallas
+heads without materialising ``[T, V]`` logits (docs/DESIGN.md §3–4), with Pallas
 (TPU tiled / GPU looped layouts, interpret mode on CPU), chunked-XLA and
 materialised-reference implementations and a vocabulary-sharded variant.
 The companion losses (cross-entropy, forward KL, JSD(β), top-k and

@@ -1,4 +1,4 @@
-"""Public entry point: the fused LM-head + multi-teacher reverse KL (SPEC §3–4).
+"""Public entry point: the fused LM-head + multi-teacher reverse KL (docs/DESIGN.md §3–4).
 
 ``fused_reverse_kl`` validates its inputs, computes the per-token vocabulary
 statistics with the chosen implementation and turns them into

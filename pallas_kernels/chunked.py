@@ -1,7 +1,7 @@
 """Chunked-XLA vocabulary statistics: ``lax.scan`` over vocabulary tiles.
 
 Runs on any backend. The forward pass folds one ``[T, block_v]`` tile at a
-time into the online accumulators of SPEC §4 (:mod:`pallas_kernels.tile_math`);
+time into the online accumulators of docs/DESIGN.md §4 (:mod:`pallas_kernels.tile_math`);
 the backward pass (``custom_vjp``) recomputes each tile's logits from the
 saved per-token statistics and accumulates ``dh_s`` and the tile's columns of
 ``dW_s``. Peak transient memory is a few ``[T, block_v]`` float32 tiles plus

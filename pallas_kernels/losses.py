@@ -13,7 +13,7 @@ student's hidden states and head only. Temperature divides every logit.
 * :func:`fused_topk_kl`         top-k estimator: reverse KL restricted to each
   teacher's top-k tokens, student and teacher both renormalised there;
 * :func:`fused_token_level_kl`  token-level estimator at the sampled token,
-  ``log p(y) − Σ_k ŵ_k log q_k(y)`` (SPEC §3), whose gradient is
+  ``log p(y) − Σ_k ŵ_k log q_k(y)`` (docs/DESIGN.md §3), whose gradient is
   ``∇ log p(y)``; a trainer uses its stop-gradient value as a per-token
   advantage.
 

@@ -6,7 +6,7 @@ each ``dot`` works on ``[bt, bd] x [bd, bv]`` chunks (Triton keeps tiles in
 registers / shared memory, so the hidden width is looped over too):
 
 * forward  grid ``(T/bt, S)``: program ``(i, s)`` folds the vocabulary tiles
-  of split ``s`` into the online accumulators (SPEC §4) and writes partial
+  of split ``s`` into the online accumulators (docs/DESIGN.md §4) and writes partial
   statistics ``[S, T, 1]``; the wrapper merges the S splits exactly
   (:func:`tile_math.merge_stats`). Splits give the GPU enough programs when
   ``T/bt`` alone would leave SMs idle.

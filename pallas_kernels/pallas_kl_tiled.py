@@ -4,7 +4,7 @@ The grid walks ``(token tile, vocabulary tile)``; Pallas double-buffers the
 blocks HBM→VMEM and the reduction axis carries VMEM scratch accumulators
 across steps (``dimension_semantics = (parallel, arbitrary)``):
 
-* forward  grid ``(T/bt, V/bv)``: online ``m, l, s, a_k, m_k, l_k`` (SPEC §4),
+* forward  grid ``(T/bt, V/bv)``: online ``m, l, s, a_k, m_k, l_k`` (docs/DESIGN.md §4),
   finalised into ``lse, ent, e_k, lse_k`` at the last vocabulary tile;
 * ``dh_s`` grid ``(T/bt, V/bv)``: recomputes the logits, ``dz`` from the saved
   per-token coefficients, accumulates ``dz W_sᵀ`` in a ``[bt, Ds]`` scratch;

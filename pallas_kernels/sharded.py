@@ -4,7 +4,7 @@ The student and teacher heads are sharded over the vocabulary on one mesh
 axis (``tensor`` by default); hidden states are replicated over it. Each
 shard runs the fused statistics (chunked or Pallas) on its own columns and
 the partials ``(lse, ent, E_p[z − x_k], lse_k)`` are merged with all-reduces
-of a max and sums (SPEC §4, :func:`tile_math.merge_stats_collective`). The
+of a max and sums (docs/DESIGN.md §4, :func:`tile_math.merge_stats_collective`). The
 result equals the unsharded statistics exactly up to float rounding.
 
 Gradients: each shard's backward produces its slice of ``dW_s`` (so

@@ -1,12 +1,12 @@
-"""Per-tile math of the online reverse-KL pass (SPEC.md §4), shared by every path.
+"""Per-tile math of the online reverse-KL pass (docs/DESIGN.md §4), shared by every path.
 
 The fused kernels never hold a full ``[T, V]`` row. They walk the vocabulary
-in tiles and keep, per token, the running accumulators of SPEC §4:
+in tiles and keep, per token, the running accumulators of docs/DESIGN.md §4:
 
 * ``m``   running max of the student logits ``z = h_s W_s / τ``,
 * ``l``   ``Σ e^{z−m}``,
 * ``s``   ``Σ e^{z−m}(z−m)`` (gives the student entropy without cancellation),
-* ``a_k`` ``Σ e^{z−m}(z−x_k)`` per teacher, ``x_k = h_k W_k / τ``; SPEC's
+* ``a_k`` ``Σ e^{z−m}(z−x_k)`` per teacher, ``x_k = h_k W_k / τ``; the design's
   ``A = Σ e^{z−m}(z−y)`` with ``y = Σ_k ŵ_k x_k`` is ``Σ_k ŵ_k a_k`` because
   the renormalised weights ``ŵ`` sum to 1,
 * ``m_k``, ``l_k`` the online max / sum of each teacher, giving ``lse_k``.
@@ -188,7 +188,7 @@ def merge_stats(parts: Stats, axis: int = 0) -> Stats:
 def merge_stats_collective(local: Stats, axis_name: str) -> Stats:
   """:func:`merge_stats` across a mesh axis (inside ``shard_map``).
 
-  All-reduces a max and sums, as SPEC §4 prescribes for the tensor-parallel
+  All-reduces a max and sums, as docs/DESIGN.md §4 prescribes for the tensor-parallel
   variant. Differentiable (the collectives have transposes).
   """
   def lse_all(x):
@@ -213,7 +213,7 @@ class Coef(NamedTuple):
       u_k = g_e_k,  c = −g_ent,  r = g_lse + Σ_k g_e_k.
 
   (``∂lse/∂z = p``, ``∂e_k/∂z = p(d_k − e_k + 1)``, ``∂ent/∂z = −p(z − E_p[z])``.)
-  For the weighted loss ``Σ_k ŵ_k KL_k`` this is SPEC §4's
+  For the weighted loss ``Σ_k ŵ_k KL_k`` this is docs/DESIGN.md §4's
   ``p((z − y) − E_p[z − y])``. Teachers get no gradient, so ``g_lse_k`` is
   unused.
   """

@@ -1,4 +1,4 @@
-"""One decoder family for student, teachers and reward models (SPEC §2)."""
+"""One decoder family for student, teachers and reward models (docs/DESIGN.md §2)."""
 from opd.models.config import ModelConfig, to_model_config
 from opd.models.decoder import (Decoder, DecoderOutput, KVCache, default_positions, forward,
                                 head_matrix, init_cache, init_kind, init_params,

@@ -1,4 +1,4 @@
-"""The pure-functional linen decoder shared by every role (SPEC §2).
+"""The pure-functional linen decoder shared by every role (docs/DESIGN.md §2).
 
 RMSNorm, RoPE (rotate-half convention, as in Llama/Qwen), grouped-query
 attention, SwiGLU, optional QK-norm, tied or untied LM head, optional scalar

@@ -1,4 +1,4 @@
-"""Hugging Face interop: Llama / Qwen2 / Qwen3 ``safetensors`` checkpoints (SPEC §2).
+"""Hugging Face interop: Llama / Qwen2 / Qwen3 ``safetensors`` checkpoints (docs/DESIGN.md §2).
 
 ``load_hf`` reads a checkpoint directory (``config.json`` plus either
 ``model.safetensors`` or shards listed in ``model.safetensors.index.json``)

@@ -143,7 +143,7 @@ def test_reward_weights_come_from_the_config():
                               final_answer=np.float64(0.25)).weights()
   assert weights["format"] == 0.5 and type(weights["execution"]) is float
   example = get_task("agent").examples("train", 1, difficulty=2)[0]
-  # SPEC §8 once a GRM exists: format 30, execution 25, step 20, GRM 15, user 10.
+  # docs/DESIGN.md §8 once a GRM exists: format 30, execution 25, step 20, GRM 15, user 10.
   spec = AgentRewardConfig(final_answer=0.0, grm=0.15, user=0.10)
   env = AgentEnv(spec)
   _, reward = rollout(env, example, perfect_policy, grm=0.6, user=1.0)
