@@ -19,12 +19,14 @@ TFLOP/s with FLOPs counted explicitly as ``2·T·D·V`` per head matmul — (1 +
 forward logit matmuls plus the two student gradient matmuls (dh_s, dW_s);
 recomputation in the backward pass is *not* counted — and device memory:
 ``transient_gib`` = peak bytes in use during the timed runs minus the bytes
-held once the inputs were placed and the function compiled. Inputs are drawn
-directly in bfloat16, block by block, at their final widths (no float32
-draws, no slice copies), so setting up does not raise the peak by more than
-one 16 Mi-element block; if the timed runs never exceed the set-up peak, the
-transient is reported as that bound (``transient_exact = false``). XLA's own
-temp-buffer size of the compiled program is reported too. Ratios against
+held once the inputs were placed and the function compiled (it includes the
+gradient outputs themselves: dW_s alone is 1 GiB in bf16 at these sizes).
+Inputs are drawn directly in bfloat16, block by block, at their final widths
+(no float32 draws, no slice copies), so setting up does not raise the peak
+by more than one 16 Mi-element block; if the timed runs never exceed the
+set-up peak, the transient is reported as that bound
+(``transient_exact = false``). XLA's own temp-buffer size of the compiled
+program is reported too. Ratios against
 the materialised reference (time, transient memory) are printed per K, as
 in the CPU benchmark. Targets (issue #3): >= 640 effective TFLOP/s (about
 55 ms at K=1) and < 2 GB transient. Liger-Kernel's
