@@ -103,7 +103,7 @@ def test_garbage_and_malformed_prompts_score_zero_and_metrics_are_written(mesh, 
   bad_seen = 0
   for row, hist in zip(rows, run.history):
     assert not [k for k in required if k not in row], sorted(row)
-    assert {k: row[k] for k in hist} == pytest.approx(hist)
+    assert {k: row[k] for k in hist} == hist  # JSON round-trips floats exactly
     assert row["reward/mean"] == 0.0 and row["groups/zero_std_fraction"] == 1.0
     reasons = {k.split("/", 1)[1]: v for k, v in row.items() if k.startswith("reward_reason/")}
     bad_seen += reasons.pop("bad_example", 0)
@@ -170,12 +170,17 @@ def test_resume_reproduces_the_uninterrupted_run_and_nan_keeps_checkpoints(mesh,
   assert CheckpointManager(ckpt).all_steps() == [1, 2]
   resumed = _run(params, prompts, 4, mesh, seed=3, checkpoint_dir=ckpt, save_every=1)
   assert len(resumed.history) == 2
+  # The resumed run restores params, optimizer state and rng exactly and runs
+  # the same compiled programs (sampler, reference forward, train step) on the
+  # same inputs on the same device, so it reproduces the straight run bit for
+  # bit (docs/DEVELOPING.md, "Choosing tolerances": things that are exact stay
+  # exact); any lost or re-drawn state shows up here.
   for got, want in zip(resumed.history, straight.history[2:]):
     assert got["reward/mean"] == want["reward/mean"]
-    assert got["train/loss"] == pytest.approx(want["train/loss"], abs=1e-6)
+    assert got["train/loss"] == want["train/loss"]
   assert int(resumed.state.step) == int(straight.state.step) == 8
   for a, b in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(straight.state.params)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
   # A NaN at step 5 stops the run naming the step; the checkpoints are untouched.
   before = _listing(ckpt)
@@ -258,7 +263,12 @@ def test_advantages_are_normalised_within_same_prompt_groups(mesh, params, monke
   # float32 rounding of O(G)-sized z-scores: a few ulps.
   np.testing.assert_allclose(batch["advantages"], want, rtol=0, atol=8 * np.finfo(np.float32).eps
                              * np.sqrt(cfg.group_size))
-  assert run.history[0]["advantage/abs_mean"] == pytest.approx(np.abs(want).mean(), abs=1e-6)
+  # The logged mean of |A| sums B float32 values (each within the atol above):
+  # ~4 sqrt(B) eps relative to the mean, plus that per-element atol.
+  B = cfg.batch_size
+  np.testing.assert_allclose(run.history[0]["advantage/abs_mean"], np.abs(want).mean(), rtol=0,
+                             atol=8 * np.finfo(np.float32).eps * np.sqrt(cfg.group_size)
+                             + 4 * np.sqrt(B) * np.finfo(np.float32).eps * np.abs(want).mean())
 
 
 @pytest.mark.parametrize("save_every,saved", [(0, [3]), (2, [2, 3])])
