@@ -1,5 +1,7 @@
 """Host-side scoring of GRPO rollouts (opd/rl/scoring.py): every reward_fn output
 form, isolated failures, and the per-batch reward metrics against numpy."""
+import math
+
 import numpy as np
 import pytest
 
@@ -58,10 +60,15 @@ def test_reward_metrics_group_consecutive_rows_by_prompt():
   got = reward_metrics(scores, eps, G)
   groups = np.reshape(rewards, (-1, G))
   assert got["groups/zero_std_fraction"] == np.mean([len(set(g)) == 1 for g in groups]) == 0.5
-  assert got["reward/mean"] == pytest.approx(np.mean(rewards))
-  assert got["reward/std"] == pytest.approx(np.std(rewards))
-  assert got["reward/components/c/mean"] == pytest.approx(2 * np.mean(rewards))
-  assert got["reward/domain/bandit/mean"] == pytest.approx(np.mean(rewards))
+  # Rewards are multiples of 1/2 and their mean is 0.625: every sum, deviation
+  # and square is exact in binary, leaving only the correctly rounded division
+  # and sqrt, the same on both sides: equal exactly.
+  mean = sum(rewards) / len(rewards)
+  std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+  assert mean == 0.625
+  assert got["reward/mean"] == got["reward/domain/bandit/mean"] == mean
+  assert got["reward/std"] == std
+  assert got["reward/components/c/mean"] == 2 * mean
   assert got["response/policy_tokens"] == len(rewards)
   with pytest.raises(ValueError, match="12 scores do not split into groups of 5"):
     reward_metrics(scores, eps, 5)
