@@ -8,8 +8,8 @@ OPD loss on ``pallas_kernels.fused_reverse_kl``, docs/DESIGN.md §4, and its
 top-k / token estimators), ``diagnostics`` and ``server`` (out-of-process
 teachers over a Unix socket, used through ``RemoteTeacher``).
 
-How they compose into a step on the shared loop (the trainer is built on
-``opd.training.loop``)::
+``source`` (``OPDSource``, ``OPDConfig``) and ``trainer`` (``train_opd``)
+compose them into the trainer on ``opd.training.loop``, roughly::
 
   pool = TeacherPool(teachers, student_cfg.vocab_size, mesh)
   asked = FaultTolerantTeachers.from_pool(pool, deadline_s=60.0)
@@ -25,7 +25,8 @@ How they compose into a step on the shared loop (the trainer is built on
       state, metrics = step(state, opd_batch)
   metrics |= asked.counter.metrics(pool.names) | weight_metrics(w, mask, pool.names)
 """
-from opd.distill import cache, diagnostics, faults, loss, schedule, server, teachers
+from opd.distill import (cache, diagnostics, faults, loss, schedule, server, source, teachers,
+                         trainer)
 from opd.distill.cache import CachedBatch, HiddenStateCache, loss_batch
 from opd.distill.diagnostics import (logit_diagnostics, sample_response_positions,
                                      teacher_diagnostics)
@@ -36,10 +37,13 @@ from opd.distill.schedule import (anneal, apply_availability, confidence_scores,
                                   confidence_weights, normalize, routing_weights, uniform_weights,
                                   weight_metrics)
 from opd.distill.server import RemoteTeacher
+from opd.distill.source import OPDConfig, OPDSource
 from opd.distill.teachers import PLACEMENTS, Teacher, TeacherPool, check_teachers, row_groups
+from opd.distill.trainer import OPDRun, make_heldout_eval, train_opd
 
 __all__ = [
-    "CachedBatch", "ESTIMATORS", "FaultTolerantTeachers", "HiddenStateCache", "OPDLossConfig",
+    "CachedBatch", "ESTIMATORS", "FaultTolerantTeachers", "HiddenStateCache", "OPDConfig",
+    "OPDLossConfig", "OPDRun", "OPDSource", "make_heldout_eval", "source", "train_opd", "trainer",
     "PLACEMENTS", "REASONS", "RemoteTeacher", "SkipCounter", "Teacher", "TeacherAnswers",
     "TeacherPool", "anneal", "apply_availability", "cache", "call_with_deadline",
     "check_teachers", "confidence_scores", "confidence_weights", "diagnostics", "faults",

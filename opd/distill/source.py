@@ -1,0 +1,328 @@
+"""OPD's batch source (docs/DESIGN.md §3): prompts -> student rollouts -> teacher-scored batches.
+
+``OPDSource`` is an ``opd.training.loop.RolloutSource``. For OPD step s
+(0-based) ``next_batch(state, s)``:
+
+1. draws P prompts (``opd.rl.rollout_source.PromptStream``, resumable);
+2. the student samples G responses per prompt at ``temperature``
+   (``opd.rollout.rollout``, key ``fold_in(key(seed), s)``: a resumed run
+   samples what an uninterrupted one would), verified only with
+   ``verify=True`` (then ``reward/mean`` is logged);
+3. builds the schedule's weights ``w [B, T, K]`` (routing by
+   ``Example.domain``, confidence or uniform), annealed to uniform over the
+   last ``anneal_steps`` of the run;
+4. asks the teachers once (``FaultTolerantTeachers`` behind a
+   ``HiddenStateCache``: K forwards per rollout batch, or one per routed
+   group with one-hot routing), so all ``updates_per_batch`` updates on the
+   batch train on the same cached hidden states;
+5. drops skipped teachers and renormalises per token; rows no teacher
+   answered get ``loss_mask`` 0.
+
+A batch none of the teachers answered is **skipped**: it goes to the loop
+with an all-zero ``loss_mask`` (loss 0, gradient 0) and the metric
+``opd/skipped_step`` = 1 (the loop has no skip, and keeping the step keeps
+step numbering and resume exact). The optimizer's moments still advance on
+that update: with Adam the parameters move by the momentum term only.
+
+Host metrics per step: ``skips/<teacher>/<reason>`` (cumulative),
+``skips/steps``, ``weight/<teacher>`` (mean weight over response tokens),
+``cache/bytes_per_token/<teacher>`` vs ``cache/bytes_per_token/logits``,
+``response/length_mean``, ``opd/masked_rows``, ``opd/skipped_step``,
+``reward/mean`` (verified), and every ``diag_every`` steps
+``diag/<teacher>/...`` (``opd.distill.diagnostics``) on a sample of the
+response tokens that teacher answered.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Iterator, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from opd import rollout as rollout_lib
+from opd.config import fields
+from opd.distill import diagnostics, schedule
+from opd.distill.cache import HiddenStateCache, loss_batch
+from opd.distill.faults import FaultTolerantTeachers
+from opd.distill.loss import AGGREGATIONS, ESTIMATORS, OPDLossConfig
+from opd.models import ModelConfig, forward, head_matrix
+from opd.parallel import sharding as sharding_lib
+from opd.rl.rollout_source import (GRPOSource, _draw, _fit, _prompt_problem,
+                                   training_length)
+from opd.tasks import RewardStats
+from opd.training.train_step import shard_batch
+
+__all__ = ["OPDConfig", "OPDSource", "SCHEDULES"]
+
+SCHEDULES = ("routing", "confidence", "uniform")
+_FLAGS = ("finite", "loss_finite", "grads_finite")
+
+
+@dataclasses.dataclass(frozen=True)
+class OPDConfig:
+  """Everything OPD-specific; hashable and JSON-ready (``to_dict``).
+
+  Attributes:
+    prompts_per_step: P, prompts per rollout batch (B = P * G rows).
+    group_size: G, student samples per prompt (>= 1).
+    temperature: the student's sampling temperature (> 0).
+    kl_temperature: τ dividing every logit in the loss and diagnostics.
+    max_new_tokens: N, tokens per sampled response.
+    seq_len: L, the longest training row (``len(prompt) + N - 1 <= L``).
+    length_bucket: rows are padded to the longest episode rounded up to a
+      multiple of this (0: always ``seq_len``).
+    schedule: ``"routing"`` (the example's domain picks its teacher),
+      ``"confidence"`` or ``"uniform"``.
+    confidence_by: ``"logprob"`` or ``"neg_entropy"`` (confidence schedule).
+    confidence_temperature: softmax temperature over the teachers' confidence.
+    confidence_per_token: one weight vector per token instead of per sequence.
+    anneal_steps: weights move linearly to uniform over this many final steps.
+    estimator: ``"full"``, ``"top_k"`` or ``"token"`` (``opd.distill.loss``).
+    top_k: k of the ``top_k`` estimator.
+    aggregation: ``"token_mean"`` or ``"sequence_mean"``.
+    forward_kl_coef: weight of the forward-KL term (default 0).
+    updates_per_batch: optimizer updates on each rollout batch (all served
+      from the one hidden-state cache entry).
+    deadline_s: seconds each teacher call may take before it is skipped.
+    cache_dtype: storage dtype of cached teacher hidden states.
+    diag_every: diagnostics every this many steps (0: never).
+    diag_tokens: response tokens sampled for the diagnostics.
+    verify: run the task verifiers on the rollouts (logs ``reward/mean``).
+  """
+  prompts_per_step: int = 8
+  group_size: int = 4
+  temperature: float = 1.0
+  kl_temperature: float = 1.0
+  max_new_tokens: int = 64
+  seq_len: int = 256
+  length_bucket: int = 32
+  schedule: str = "routing"
+  confidence_by: str = "logprob"
+  confidence_temperature: float = 1.0
+  confidence_per_token: bool = False
+  anneal_steps: int = 0
+  estimator: str = "full"
+  top_k: int = 8
+  aggregation: str = "token_mean"
+  forward_kl_coef: float = 0.0
+  updates_per_batch: int = 1
+  deadline_s: float = 60.0
+  cache_dtype: str = "bfloat16"
+  diag_every: int = 10
+  diag_tokens: int = 256
+  verify: bool = False
+
+  def __post_init__(self):
+    owner = "OPDConfig"
+    for name, lo in (("prompts_per_step", 1), ("group_size", 1), ("max_new_tokens", 1),
+                     ("seq_len", 2), ("length_bucket", 0), ("anneal_steps", 0), ("top_k", 1),
+                     ("updates_per_batch", 1), ("diag_every", 0), ("diag_tokens", 1)):
+      fields.set_field(self, name, fields.check_int(owner, name, getattr(self, name),
+                                                    min_value=lo))
+    for name in ("temperature", "kl_temperature", "confidence_temperature", "deadline_s"):
+      fields.set_field(self, name, fields.check_float(owner, name, getattr(self, name),
+                                                      min_value=0, min_exclusive=True))
+    fields.set_field(self, "forward_kl_coef", fields.check_float(
+        owner, "forward_kl_coef", self.forward_kl_coef, min_value=0))
+    for name in ("confidence_per_token", "verify"):
+      fields.set_field(self, name, fields.check_bool(owner, name, getattr(self, name)))
+    fields.check_choice(owner, "schedule", self.schedule, SCHEDULES)
+    fields.check_choice(owner, "confidence_by", self.confidence_by, schedule.SCORES)
+    fields.check_choice(owner, "estimator", self.estimator, ESTIMATORS)
+    fields.check_choice(owner, "aggregation", self.aggregation, AGGREGATIONS)
+    fields.check_choice(owner, "cache_dtype", self.cache_dtype, ("bfloat16", "float16",
+                                                                 "float32"))
+    if self.seq_len < self.max_new_tokens + 1:
+      raise ValueError(f"{owner}.seq_len={self.seq_len} must be >= max_new_tokens + 1 = "
+                       f"{self.max_new_tokens + 1} (a prompt token plus a full response)")
+
+  @property
+  def batch_size(self) -> int:
+    """B = prompts_per_step * group_size."""
+    return self.prompts_per_step * self.group_size
+
+  def loss_config(self) -> OPDLossConfig:
+    """The loss's options (``opd.distill.loss.make_opd_loss``)."""
+    return OPDLossConfig(estimator=self.estimator, top_k=self.top_k,
+                         temperature=self.kl_temperature, aggregation=self.aggregation,
+                         forward_kl_coef=self.forward_kl_coef)
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  def replace(self, **changes) -> "OPDConfig":
+    return dataclasses.replace(self, **changes)
+
+
+def make_hidden_fn(model_cfg: ModelConfig, *, mesh, rules):
+  """``fn(params, tokens, mask) -> [B, T, D]`` float32 last hidden states (jitted once)."""
+
+  def hidden(params, tokens, mask):
+    with nn.logical_axis_rules(rules):
+      return forward(model_cfg, params, tokens, None, mask, return_logits=False,
+                     return_hidden=True).hidden.astype(np.float32)
+
+  jitted = jax.jit(hidden)
+
+  def fn(params, tokens, mask):
+    with jax.set_mesh(mesh):
+      return jitted(params, tokens, mask)
+
+  return fn
+
+
+class OPDSource:
+  """OPD rollout batches for ``opd.training.loop.run`` (module docstring).
+
+  Args:
+    student_cfg: the student's model.
+    cfg: OPD settings.
+    prompts: an iterator of ``Example``s (a ``PromptStream`` to checkpoint).
+    teachers: the fault-tolerant teacher calls, in the weights' K order.
+    heads: the K heads ``W_k`` [D_k, V] (``TeacherPool.heads``).
+    domains: the K teachers' domains (routing; None: never routed to).
+    total_steps: the run's length (annealing ends at its last step).
+    tokenizer, mesh, rules, seed: as ``opd.rl.rollout_source.GRPOSource``.
+  """
+
+  def __init__(self, student_cfg: ModelConfig, cfg: OPDConfig, prompts: Iterator, *,
+               teachers: FaultTolerantTeachers, heads: Sequence[jax.Array],
+               domains: Sequence[str | None], total_steps: int, tokenizer, mesh,
+               rules=sharding_lib.DEFAULT_RULES, seed: int = 0):
+    self.student_cfg, self.cfg, self.prompts, self.tokenizer = student_cfg, cfg, prompts, tokenizer
+    self.teachers, self.heads, self.domains = teachers, tuple(heads), list(domains)
+    self.names = teachers.names
+    if not (len(self.names) == len(self.heads) == len(self.domains)):
+      raise ValueError(f"teachers ({len(self.names)}), heads ({len(self.heads)}) and domains "
+                       f"({len(self.domains)}) must have one entry per teacher")
+    self.total_steps = fields.check_int("OPDSource", "total_steps", total_steps, min_value=0)
+    if cfg.anneal_steps > total_steps:
+      raise ValueError(f"OPDConfig.anneal_steps={cfg.anneal_steps} exceeds the run's "
+                       f"steps={total_steps}")
+    self.mesh, self.rules = mesh, rules
+    self.updates_per_batch = cfg.updates_per_batch
+    self.cache = HiddenStateCache(teachers, dtype=cfg.cache_dtype,
+                                  sharding=sharding_lib.batch_sharding(mesh, rules, 3))
+    self._key = jax.random.key(seed)
+    self._sampling = rollout_lib.sampling_for_chat(
+        tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
+    self._problem = functools.partial(_prompt_problem, tokenizer=tokenizer, cfg=cfg,
+                                      custom_reward=not cfg.verify)
+    self._student_hidden = make_hidden_fn(student_cfg, mesh=mesh, rules=rules)
+    self._tokens = 0.0
+
+  def _weights(self, examples, cached, host, t: int, step: int):
+    """[B, T, K] scheduled, annealed weights (before skips)."""
+    cfg, k = self.cfg, len(self.names)
+    if cfg.schedule == "routing":
+      w = schedule.routing_weights([ex.domain for ex in examples], self.domains, t)
+    elif cfg.schedule == "uniform":
+      w = schedule.uniform_weights(len(examples), t, k)
+    else:
+      hidden = [h.astype(np.float32) for h in cached.hidden]
+      scores = schedule.confidence_scores(hidden, self.heads, jax.numpy.asarray(host["targets"]),
+                                          score=cfg.confidence_by,
+                                          temperature=cfg.kl_temperature)
+      w = schedule.confidence_weights(scores, host["loss_mask"] > 0,
+                                      temperature=cfg.confidence_temperature,
+                                      per="token" if cfg.confidence_per_token else "sequence")
+    return schedule.anneal(w, step, max(self.total_steps, step + 1), cfg.anneal_steps)
+
+  def _routed_rows(self, examples, t: int, step: int) -> np.ndarray | None:
+    """[B] teacher index when this step's weights are one-hot per row (routing,
+    not annealing yet): each teacher then runs over its own rows only."""
+    if self.cfg.schedule != "routing":
+      return None
+    w = np.asarray(self._weights(examples, None, None, 1, step))[:, 0, :]
+    if not np.all((w > 0).sum(axis=1) == 1):
+      return None
+    return w.argmax(axis=1).astype(np.int32)
+
+  def next_batch(self, state, step: int):
+    """``(batch, host_metrics)`` for 0-based OPD ``step``; None when prompts run out."""
+    cfg, t0 = self.cfg, time.perf_counter()
+    stats = RewardStats()
+    drawn = _draw(self.prompts, cfg.prompts_per_step, self._problem, stats)
+    if drawn is None:
+      return None
+    examples = [ex for ex in drawn for _ in range(cfg.group_size)]
+    episodes = rollout_lib.rollout(
+        self.student_cfg, state.params, self.tokenizer, examples,
+        jax.random.fold_in(self._key, step), self._sampling, stats=stats if cfg.verify else None,
+        mesh=self.mesh, rules=self.rules, verify=cfg.verify, batch_size=cfg.batch_size)
+    t1 = time.perf_counter()
+    kept = [_fit(ep, cfg.seq_len)[0] for ep in episodes]
+    host = rollout_lib.batch_episodes(kept, seq_len=training_length(kept, cfg),
+                                      pad_id=self.tokenizer.pad_id)
+    t = host["tokens"].shape[1]
+    routed = self._routed_rows(examples, t, step)
+    cached = self.cache.get(step, host["tokens"], host["mask"], routed)
+    t2 = time.perf_counter()
+    w = self._weights(examples, cached, host, t, step)
+    opd, row_ok = loss_batch(host, cached, w)
+    skipped = not cached.batch_ok
+    opd["loss_mask"] = host["loss_mask"] * row_ok[:, None] * (not skipped)
+    hidden, weights = opd.pop("teacher_hidden"), opd.pop("teacher_weights")
+    batch = shard_batch({**opd, "teacher_weights": np.asarray(weights)}, self.mesh, self.rules)
+    batch["teacher_hidden"] = hidden
+    metrics = self._metrics(episodes, host, cached, np.asarray(weights), row_ok, skipped)
+    if cfg.diag_every and step % cfg.diag_every == 0 and not skipped:
+      metrics.update(self._diagnostics(state.params, batch, cached, step))
+    metrics.update({"perf/rollout_time_s": t1 - t0, "perf/teacher_time_s": t2 - t1,
+                    "perf/diag_time_s": time.perf_counter() - t2})
+    self._tokens = float(host["mask"].sum())
+    return batch, metrics
+
+  def _metrics(self, episodes, host, cached, weights, row_ok, skipped) -> dict[str, float]:
+    lengths = [len(ep.response_ids) for ep in episodes]
+    metrics = {"response/length_mean": float(np.mean(lengths)),
+               "response/length_max": float(np.max(lengths)),
+               "response/tokens": float(host["loss_mask"].sum()),
+               "opd/skipped_step": float(skipped),
+               "opd/masked_rows": float((~row_ok).sum()),
+               "cache/computes": float(self.cache.computes)}
+    metrics.update(self.teachers.counter.metrics(self.names))
+    metrics.update(schedule.weight_metrics(weights, host["loss_mask"], self.names))
+    for k, v in self.cache.bytes_per_token(self.student_cfg.vocab_size).items():
+      metrics[f"cache/bytes_per_token/{k.removeprefix('cache/')}"] = float(v)
+    rewards = [ep.reward.reward for ep in episodes if ep.reward is not None]
+    if rewards:
+      metrics["reward/mean"] = float(np.mean(rewards))
+    return metrics
+
+  def _diagnostics(self, params, batch, cached, step: int) -> dict[str, float]:
+    """``diag/<teacher>/...`` on the response tokens of the rows each teacher answered."""
+    h_s = self._student_hidden(params, batch["tokens"], batch["mask"])
+    w_s = head_matrix(self.student_cfg, params)
+    loss_mask = np.asarray(batch["loss_mask"])
+    out = {}
+    for k, name in enumerate(self.names):
+      mask_k = loss_mask * cached.available[:, k][:, None]
+      if mask_k.sum() == 0:
+        continue
+      out.update(diagnostics.teacher_diagnostics(
+          h_s, w_s, [cached.hidden[k]], [self.heads[k]], [name], np.asarray(batch["targets"]),
+          mask_k, n=self.cfg.diag_tokens, seed=step, temperature=self.cfg.kl_temperature))
+    return out
+
+  def step_metrics(self, host_metrics, train_metrics, *, batch_time_s: float,
+                   train_time_s: float) -> dict[str, float]:
+    """Host metrics, ``train/<k>`` means over the updates, ``perf/...`` times."""
+    metrics = dict(host_metrics)
+    metrics.update({f"train/{k}": v for k, v in train_metrics.items() if k not in _FLAGS})
+    metrics.update({"perf/step_time_s": batch_time_s + train_time_s,
+                    "perf/train_time_s": train_time_s,
+                    "perf/train_tokens_per_s":
+                        self._tokens * self.updates_per_batch / max(train_time_s, 1e-9)})
+    return metrics
+
+  def texts(self, step: int) -> dict[str, str]:
+    return {}
+
+  # The prompt position is the whole state, as in GRPO.
+  get_state = GRPOSource.get_state
+  set_state = GRPOSource.set_state

@@ -1,0 +1,162 @@
+"""The OPD trainer (docs/DESIGN.md §3): a rollout source and a loss composed into the loop.
+
+``train_opd`` = ``opd.distill.source.OPDSource`` (student rollouts, teacher
+hidden states through the fault layer and the cache, scheduled weights) +
+``opd.distill.loss.make_opd_loss`` in the shared train step, driven by
+``opd.training.loop.run`` (resume, checkpoints, eval, metrics, NaN stop).
+Only the student is differentiated, optimised and checkpointed; the teachers
+hold params only. Metrics: the source's (module docstring of
+``opd.distill.source``) plus ``train/{loss,kl/<teacher>,student_entropy,...}``.
+
+``make_heldout_eval`` measures what distillation should lower: the reverse
+KL ``KL(p_s ‖ q_k)`` of each teacher on the student's own responses to
+held-out prompts of the teacher's domain.
+"""
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+from opd import rollout as rollout_lib
+from opd.distill.faults import FaultTolerantTeachers, TeacherFn
+from opd.distill.loss import make_opd_loss
+from opd.distill.source import OPDConfig, OPDSource, make_hidden_fn
+from opd.distill.teachers import Teacher, TeacherPool
+from opd.models import ModelConfig, head_matrix
+from opd.parallel import sharding as sharding_lib
+from opd.rl.rollout_source import PromptStream, training_length
+from opd.tasks import Example
+from opd.training import loop as train_loop
+from opd.training.checkpoints import CheckpointManager
+from opd.training.metrics_writer import MetricWriter
+from opd.training.train_step import (OptimConfig, TrainState, init_train_state, make_optimizer,
+                                     make_train_step)
+
+__all__ = ["OPDConfig", "OPDRun", "make_heldout_eval", "train_opd"]
+
+
+class OPDRun(NamedTuple):
+  """What ``train_opd`` returns: the final state and one metrics dict per step run."""
+  state: TrainState
+  history: list[dict[str, float]]
+
+
+def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | TeacherPool,
+              prompts: Sequence[Example], cfg: OPDConfig, optim: OptimConfig, *, tokenizer,
+              steps: int, mesh, rules=sharding_lib.DEFAULT_RULES, seed: int = 0,
+              teacher_fns: Mapping[str, TeacherFn] | None = None,
+              workdir: str | pathlib.Path | None = None, writer: MetricWriter | None = None,
+              on_metrics: Callable[[int, dict[str, float]], None] | None = None,
+              checkpoint_dir: str | pathlib.Path | None = None, save_every: int = 0,
+              keep_checkpoints: int = 2, run_config: Mapping[str, Any] | None = None,
+              eval_fn: Callable[[Any], Mapping[str, float]] | None = None, eval_every: int = 0,
+              progress: bool = True) -> OPDRun:
+  """Distils ``teachers`` into the student for ``steps`` rollout batches (module docstring).
+
+  Args:
+    params: the student's initial params (None: random init from ``seed``).
+    teachers: ``Teacher``s (placed colocated on ``mesh``) or a ``TeacherPool``.
+    prompts: ``Example``s, drawn through ``PromptStream(prompts, seed=seed)``.
+    teacher_fns: ``{name: fn(tokens, mask) -> [B, T, D_k]}`` replacing the
+      in-process forward of those teachers (e.g. a ``RemoteTeacher``); their
+      heads still come from ``teachers``.
+    steps: total rollout batches, each ``cfg.updates_per_batch`` updates.
+    eval_fn: ``eval_fn(params)`` every ``eval_every`` steps and after the
+      last (e.g. ``make_heldout_eval``), logged as ``eval/...``.
+    Others: as ``opd.rl.grpo.train_grpo``.
+  """
+  for name, value, typ in (("cfg", cfg, OPDConfig), ("optim", optim, OptimConfig)):
+    if not isinstance(value, typ):
+      raise ValueError(f"{name} must be a {typ.__name__}, got {type(value).__name__}")
+  rules = sharding_lib.validate_rules(rules)
+  pool = teachers if isinstance(teachers, TeacherPool) else TeacherPool(
+      teachers, student_cfg.vocab_size, mesh, rules=rules)
+  asked = FaultTolerantTeachers.from_pool(pool, deadline_s=cfg.deadline_s)
+  unknown = sorted(set(teacher_fns or {}) - set(pool.names))
+  if unknown:
+    raise ValueError(f"teacher_fns names {unknown} are not teachers; teachers: {list(pool.names)}")
+  asked.teachers.update(teacher_fns or {})
+  source = OPDSource(student_cfg, cfg, PromptStream(prompts, seed=seed), teachers=asked,
+                     heads=pool.heads, domains=[t.domain for t in pool.teachers],
+                     total_steps=steps, tokenizer=tokenizer, mesh=mesh, rules=rules, seed=seed)
+  optimizer = make_optimizer(optim)
+  state, shardings = init_train_state(student_cfg, optimizer, mesh, rules, rng=seed,
+                                      params=params)
+  loss_fn = make_opd_loss(student_cfg, pool.heads, cfg.loss_config(), teacher_names=pool.names)
+  step_fn = make_train_step(loss_fn, optimizer, mesh, shardings, rules=rules)
+  manager = (CheckpointManager(checkpoint_dir, max_to_keep=keep_checkpoints)
+             if checkpoint_dir is not None else None)
+  own_writer = MetricWriter(workdir) if writer is None and workdir is not None else None
+  history: list[dict[str, float]] = []
+
+  def report(step: int, metrics: dict[str, float]) -> None:
+    history.append(metrics)
+    if on_metrics is not None:
+      on_metrics(step, metrics)
+
+  try:
+    state = train_loop.run(
+        state, step_fn, source, steps, checkpoint_manager=manager, save_every=save_every,
+        config={**dict(run_config or {}), "model": student_cfg.to_dict(), "opd": cfg.to_dict(),
+                "teachers": list(pool.names)},
+        match_config=("model", "opd", "teachers"), on_metrics=report,
+        writer=writer if writer is not None else own_writer,
+        eval_fn=(lambda st: eval_fn(st.params)) if eval_fn is not None else None,
+        eval_every=eval_every, progress=progress, desc="opd", progress_key="loss")
+  finally:
+    if own_writer is not None:
+      own_writer.close()
+    if manager is not None:
+      manager.close()
+  return OPDRun(state, history)
+
+
+def make_heldout_eval(student_cfg: ModelConfig, pool: TeacherPool, prompts: Sequence[Example],
+                      cfg: OPDConfig, *, tokenizer, mesh, rules=sharding_lib.DEFAULT_RULES,
+                      seed: int = 1) -> Callable[[Any], dict[str, float]]:
+  """``fn(params) -> {"rkl/<teacher>": mean KL(p_s ‖ q_k)}`` on held-out prompts.
+
+  The student samples one response per prompt (a fixed key, so successive
+  calls differ only through the params) at ``cfg.temperature``; the KL at
+  ``cfg.kl_temperature`` is averaged over the response tokens of the prompts
+  in the teacher's domain (all prompts for a teacher without one), from
+  ``pallas_kernels.fused_reverse_kl``'s per-teacher ``kl``.
+  """
+  prompts = list(prompts)
+  if not prompts:
+    raise ValueError("prompts=[]: the held-out eval needs prompts")
+  sampling = rollout_lib.sampling_for_chat(tokenizer, max_new_tokens=cfg.max_new_tokens,
+                                           temperature=cfg.temperature)
+  hidden_fn = make_hidden_fn(student_cfg, mesh=mesh, rules=rules)
+  rows = {t.name: np.asarray([t.domain is None or ex.domain == t.domain for ex in prompts])
+          for t in pool.teachers}
+  for name, r in rows.items():
+    if not r.any():
+      raise ValueError(f"no held-out prompt is in teacher {name!r}'s domain "
+                       f"{pool.teacher(name).domain!r}")
+
+  def fn(params) -> dict[str, float]:
+    episodes = rollout_lib.rollout(student_cfg, params, tokenizer, prompts, seed, sampling,
+                                   mesh=mesh, rules=rules, verify=False)
+    host = rollout_lib.batch_episodes(episodes, seq_len=training_length(episodes, cfg),
+                                      pad_id=tokenizer.pad_id)
+    b, t = host["tokens"].shape
+    h_s = hidden_fn(params, host["tokens"], host["mask"]).reshape(b * t, -1)
+    h_k = [np.asarray(pool.hidden_rows(n, host["tokens"], host["mask"])).reshape(b * t, -1)
+           for n in pool.names]
+    mask = jnp.asarray(host["loss_mask"].reshape(-1) > 0)
+    k = len(pool.names)
+    _, aux = pallas_kernels.fused_reverse_kl(
+        h_s, head_matrix(student_cfg, params), h_k, pool.heads, jnp.full((b * t, k), 1.0 / k),
+        mask=mask, temperature=cfg.kl_temperature, return_aux=True)
+    kl = np.asarray(aux["kl"]).reshape(b, t, k)
+    lm = host["loss_mask"] > 0
+    return {f"rkl/{n}": float(kl[rows[n]][..., i][lm[rows[n]]].mean())
+            for i, n in enumerate(pool.names)}
+
+  return fn
