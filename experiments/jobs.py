@@ -24,6 +24,8 @@ _JOBS: dict[str, Target] = {
     "sft": "experiments.sft:run",
     "grpo": "experiments.grpo:run",
     "specialists": "experiments.specialists:run",
+    "cold_start": "experiments.distill:run_cold_start",
+    "opd": "experiments.distill:run_opd",
 }
 
 

@@ -9,7 +9,7 @@ top-k / token estimators), ``diagnostics`` and ``server`` (out-of-process
 teachers over a Unix socket, used through ``RemoteTeacher``).
 
 ``source`` (``OPDSource``, ``OPDConfig``) and ``trainer`` (``train_opd``)
-compose them into the trainer on ``opd.training.loop``, roughly::
+compose them (``cold_start`` builds the SFT data from verified teacher answers) into the trainer on ``opd.training.loop``, roughly::
 
   pool = TeacherPool(teachers, student_cfg.vocab_size, mesh)
   asked = FaultTolerantTeachers.from_pool(pool, deadline_s=60.0)
@@ -25,8 +25,9 @@ compose them into the trainer on ``opd.training.loop``, roughly::
       state, metrics = step(state, opd_batch)
   metrics |= asked.counter.metrics(pool.names) | weight_metrics(w, mask, pool.names)
 """
-from opd.distill import (cache, diagnostics, faults, loss, schedule, server, source, teachers,
-                         trainer)
+from opd.distill import (cache, cold_start, diagnostics, faults, loss, schedule, server, source,
+                         teachers, trainer)
+from opd.distill.cold_start import ColdStartData, teacher_sft_pairs
 from opd.distill.cache import CachedBatch, HiddenStateCache, loss_batch
 from opd.distill.diagnostics import (logit_diagnostics, sample_response_positions,
                                      teacher_diagnostics)
@@ -42,8 +43,9 @@ from opd.distill.teachers import PLACEMENTS, Teacher, TeacherPool, check_teacher
 from opd.distill.trainer import OPDRun, make_heldout_eval, train_opd
 
 __all__ = [
-    "CachedBatch", "ESTIMATORS", "FaultTolerantTeachers", "HiddenStateCache", "OPDConfig",
+    "CachedBatch", "ColdStartData", "ESTIMATORS", "FaultTolerantTeachers", "HiddenStateCache", "OPDConfig",
     "OPDLossConfig", "OPDRun", "OPDSource", "make_heldout_eval", "source", "train_opd", "trainer",
+    "cold_start", "teacher_sft_pairs",
     "PLACEMENTS", "REASONS", "RemoteTeacher", "SkipCounter", "Teacher", "TeacherAnswers",
     "TeacherPool", "anneal", "apply_availability", "cache", "call_with_deadline",
     "check_teachers", "confidence_scores", "confidence_weights", "diagnostics", "faults",

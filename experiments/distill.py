@@ -1,0 +1,178 @@
+"""Jobs ``cold_start`` and ``opd``: multi-teacher on-policy distillation (docs/DESIGN.md §3).
+
+Both take ``config.teachers.<name>`` groups (``init``: a checkpoint
+directory, ``domain``: the task domain it specialises in or "" for none,
+``model``: its model group) and ``config.student`` (``model``, ``init``: a
+checkpoint directory, or "" for a random init).
+
+* ``cold_start``: each teacher answers its domain's train prompts; only
+  verified answers (reward >= ``config.cold_start.min_reward``) are kept
+  (``opd.distill.cold_start``) and the student is fine-tuned on them with the
+  SFT objective (``experiments.sft.sft_batches`` + ``train_lm``).
+* ``opd``: ``opd.distill.train_opd`` on the teachers' domains' train prompts,
+  with the reverse KL of each teacher on held-out test prompts as the eval
+  (``eval/rkl/<teacher>``, also before the first step); curves of the
+  reverse KL, the top-8 overlap and the skip counts are plotted.
+
+``config.build_teachers.sft_steps > 0`` (the ``tiny`` variant) first builds
+each teacher whose ``init`` is empty itself: a short SFT of a random init on
+its domain, checkpointed under ``WORKDIR/teachers/<name>`` (reused if there).
+"""
+from __future__ import annotations
+
+import logging
+import pathlib
+
+import jax
+import numpy as np
+
+from experiments import common
+from experiments import sft as sft_job
+from opd.config.fields import from_group
+from opd.config.overrides import config_to_dict
+from opd.distill import OPDConfig, Teacher, TeacherPool, make_heldout_eval, train_opd
+from opd.distill.cold_start import teacher_sft_pairs
+from opd.models import init_params, to_model_config
+from opd.training import lm_trainer
+from opd.training.checkpoints import CheckpointManager, load_params
+from opd.training.metrics_writer import MetricWriter
+
+log = logging.getLogger(__name__)
+
+
+def _build_teacher(config, name: str, group, root: pathlib.Path, mesh, rules) -> str:
+  """Checkpoint directory of a tiny specialist trained here (SFT of a random init)."""
+  workdir = root / "teachers" / name
+  ckpt = workdir / "checkpoints"
+  if not ckpt.is_dir() or CheckpointManager(ckpt).latest_step() is None:
+    steps = config.build_teachers.sft_steps
+    print(f"[distill] building teacher {name} ({group.domain}): {steps} SFT steps", flush=True)
+    sft_job.train_sft(
+        to_model_config(group.model), None, (group.domain,), workdir,
+        optim=common.optim_config(config.build_teachers.optim),
+        loop=lm_trainer.LMTrainConfig(steps=steps, save_every=steps, progress=False),
+        mesh=mesh, rules=rules, seed=config.seed + 1, num_train=config.build_teachers.num_train,
+        num_eval=8, difficulties=tuple(config.data.difficulties), seq_len=config.opd.seq_len,
+        batch_size=config.build_teachers.batch_size)
+  return str(ckpt)
+
+
+def load_teachers(config, workdir, mesh, rules) -> list[Teacher]:
+  """The ``config.teachers`` (built first where ``init`` is empty and building is on)."""
+  if not config.teachers:
+    raise ValueError("config.teachers is empty: distillation needs at least one teacher")
+  out = []
+  for name, group in config.teachers.items():
+    init = group.init
+    if not init and config.build_teachers.sft_steps:
+      init = _build_teacher(config, name, group, pathlib.Path(workdir), mesh, rules)
+    if not init:
+      raise ValueError(f"config.teachers.{name}.init is empty: name the teacher's checkpoint "
+                       "directory (or set config.build_teachers.sft_steps to build one)")
+    out.append(Teacher.from_checkpoint(name, init, to_model_config(group.model),
+                                       domain=group.domain or None, mesh=mesh, rules=rules))
+  return out
+
+
+def _student(config, mesh, rules):
+  cfg = to_model_config(config.student.model)
+  if config.student.init:
+    return cfg, load_params(config.student.init, cfg, mesh=mesh, rules=rules)
+  log.warning("config.student.init is empty: the student starts from a random init")
+  return cfg, init_params(cfg, jax.random.key(config.seed))
+
+
+def _domains(teachers) -> tuple[str, ...]:
+  domains = tuple(dict.fromkeys(t.domain for t in teachers if t.domain))
+  if not domains:
+    raise ValueError("no teacher has a domain (config.teachers.<name>.domain): the prompts are "
+                     "drawn from the teachers' domains")
+  return domains
+
+
+def run_opd(config, workdir: str) -> dict:
+  timer = common.Timer()
+  mesh, rules = common.mesh_and_rules(config)
+  teachers = load_teachers(config, workdir, mesh, rules)
+  student_cfg, params = _student(config, mesh, rules)
+  tok = common.tokenizer_for(student_cfg)
+  cfg = from_group(OPDConfig, config.opd, "config.opd")
+  domains, diffs = _domains(teachers), tuple(config.data.difficulties)
+  prompts = sft_job.domain_examples(domains, "train", config.data.num_prompts, config.seed, diffs)
+  held = sft_job.domain_examples(domains, "test", config.data.num_heldout, config.seed + 1, diffs,
+                                 unique=True)
+  pool = TeacherPool(teachers, student_cfg.vocab_size, mesh, rules=rules)
+  evaluate = make_heldout_eval(student_cfg, pool, held, cfg, tokenizer=tok, mesh=mesh,
+                               rules=rules, seed=config.seed + 2)
+  root = pathlib.Path(workdir)
+  with MetricWriter(root) as writer:
+    resuming = CheckpointManager(root / "checkpoints").latest_step() is not None
+    first = {} if resuming else {f"eval/{k}": v for k, v in evaluate(params).items()}
+    if first:
+      writer.write_scalars(0, first)
+    out = train_opd(student_cfg, params, pool, prompts, cfg, common.optim_config(config.optim),
+                    tokenizer=tok, steps=config.train.steps, mesh=mesh, rules=rules,
+                    seed=config.seed, writer=writer, checkpoint_dir=root / "checkpoints",
+                    save_every=config.train.save_every,
+                    keep_checkpoints=config.train.keep_checkpoints,
+                    run_config={"experiment": config_to_dict(config)}, eval_fn=evaluate,
+                    eval_every=config.train.eval_every)
+  names, last = pool.names, out.history[-1] if out.history else {}
+  plots = [common.plot_curves(root, keys=[f"eval/rkl/{n}" for n in names], filename="rkl.png",
+                              title="held-out reverse KL per teacher"),
+           common.plot_curves(root, keys=[f"diag/{n}/overlap@8" for n in names],
+                              filename="overlap.png", title="top-8 overlap"),
+           common.plot_curves(root, keys=[f"skips/{n}/{r}" for n in names
+                                          for r in ("error", "timeout", "shape", "nonfinite")],
+                              filename="skips.png", title="teacher skips")]
+  metrics = {"steps": len(out.history), "updates": int(out.state.step), "wall_s": timer.seconds,
+             "plots": ",".join(str(p) for p in plots if p)}
+  for n in names:
+    if first:
+      metrics[f"rkl_initial/{n}"] = first[f"eval/rkl/{n}"]
+    metrics[f"rkl_final/{n}"] = last.get(f"eval/rkl/{n}", float("nan"))
+    diag = [m[f"diag/{n}/overlap@8"] for m in out.history if f"diag/{n}/overlap@8" in m]
+    metrics[f"overlap@8_last/{n}"] = diag[-1] if diag else float("nan")
+    metrics[f"skips/{n}"] = sum(last.get(f"skips/{n}/{r}", 0) for r in
+                                ("error", "timeout", "shape", "nonfinite"))
+    metrics[f"cache_bytes_per_token/{n}"] = last.get(f"cache/bytes_per_token/{n}", float("nan"))
+  metrics["logits_bytes_per_token"] = last.get("cache/bytes_per_token/logits", float("nan"))
+  metrics["skipped_steps"] = last.get("skips/steps", 0)
+  return metrics
+
+
+def run_cold_start(config, workdir: str) -> dict:
+  timer = common.Timer()
+  mesh, rules = common.mesh_and_rules(config)
+  teachers = load_teachers(config, workdir, mesh, rules)
+  student_cfg, params = _student(config, mesh, rules)
+  tok = common.tokenizer_for(student_cfg)
+  cs = config.cold_start
+  prompts = sft_job.domain_examples(_domains(teachers), "train", cs.num_prompts, config.seed,
+                                    tuple(config.data.difficulties))
+  data = teacher_sft_pairs(teachers, prompts, tokenizer=tok, max_new_tokens=cs.max_new_tokens,
+                           temperature=cs.temperature, samples_per_prompt=cs.samples_per_prompt,
+                           min_reward=cs.min_reward, batch_size=cs.sample_batch_size,
+                           seed=config.seed, mesh=mesh, rules=rules)
+  print("[cold_start] " + ", ".join(f"{k.split('/', 1)[1]}={v:g}"
+                                    for k, v in data.metrics.items()), flush=True)
+  if not data.pairs:
+    raise ValueError(f"cold start: no teacher answer passed the verifiers (min_reward="
+                     f"{cs.min_reward}): {data.metrics}")
+  batches = iter(sft_job.sft_batches(data.pairs, tok, student_cfg, seq_len=cs.seq_len,
+                                     batch_size=common.per_process_batch(cs.batch_size),
+                                     seed=config.seed))
+  with MetricWriter(workdir) as writer:
+    writer.write_scalars(0, data.metrics)
+    logger = common.Logger(writer)
+    state = lm_trainer.train_lm(
+        student_cfg, batches, common.optim_config(config.optim),
+        lm_trainer.LMTrainConfig(steps=cs.steps, save_every=cs.steps), mesh=mesh, rules=rules,
+        seed=config.seed, params=params, checkpoint_dir=pathlib.Path(workdir) / "checkpoints",
+        on_metrics=logger, run_config={"model": student_cfg.to_dict(),
+                                       "experiment": config_to_dict(config)})
+  losses = [m["loss"] for _, m in logger.history if "loss" in m]
+  return {"steps": int(state.step), **data.metrics,
+          "train_loss_first": losses[0] if losses else float("nan"),
+          "train_loss_final": float(np.mean(losses[-3:])) if losses else float("nan"),
+          "wall_s": timer.seconds}
