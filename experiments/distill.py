@@ -74,12 +74,17 @@ def load_teachers(config, workdir, mesh, rules) -> list[Teacher]:
   return out
 
 
-def _student(config, mesh, rules):
+def _setup(config, workdir):
+  """``(mesh, rules, teachers, student_cfg, student_params, tokenizer)``."""
+  mesh, rules = common.mesh_and_rules(config)
+  teachers = load_teachers(config, workdir, mesh, rules)
   cfg = to_model_config(config.student.model)
   if config.student.init:
-    return cfg, load_params(config.student.init, cfg, mesh=mesh, rules=rules)
-  log.warning("config.student.init is empty: the student starts from a random init")
-  return cfg, init_params(cfg, jax.random.key(config.seed))
+    params = load_params(config.student.init, cfg, mesh=mesh, rules=rules)
+  else:
+    log.warning("config.student.init is empty: the student starts from a random init")
+    params = init_params(cfg, jax.random.key(config.seed))
+  return mesh, rules, teachers, cfg, params, common.tokenizer_for(cfg)
 
 
 def _domains(teachers) -> tuple[str, ...]:
@@ -92,10 +97,7 @@ def _domains(teachers) -> tuple[str, ...]:
 
 def run_opd(config, workdir: str) -> dict:
   timer = common.Timer()
-  mesh, rules = common.mesh_and_rules(config)
-  teachers = load_teachers(config, workdir, mesh, rules)
-  student_cfg, params = _student(config, mesh, rules)
-  tok = common.tokenizer_for(student_cfg)
+  mesh, rules, teachers, student_cfg, params, tok = _setup(config, workdir)
   cfg = from_group(OPDConfig, config.opd, "config.opd")
   domains, diffs = _domains(teachers), tuple(config.data.difficulties)
   prompts = sft_job.domain_examples(domains, "train", config.data.num_prompts, config.seed, diffs)
@@ -143,10 +145,7 @@ def run_opd(config, workdir: str) -> dict:
 
 def run_cold_start(config, workdir: str) -> dict:
   timer = common.Timer()
-  mesh, rules = common.mesh_and_rules(config)
-  teachers = load_teachers(config, workdir, mesh, rules)
-  student_cfg, params = _student(config, mesh, rules)
-  tok = common.tokenizer_for(student_cfg)
+  mesh, rules, teachers, student_cfg, params, tok = _setup(config, workdir)
   cs = config.cold_start
   prompts = sft_job.domain_examples(_domains(teachers), "train", cs.num_prompts, config.seed,
                                     tuple(config.data.difficulties))

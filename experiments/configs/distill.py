@@ -2,7 +2,7 @@
 
   # after the specialists pipeline (experiments/configs/specialists.py):
   python -m experiments.launch --config=experiments/configs/distill.py:job=cold_start \
-      --workdir=workdirs/distill_cold_start
+      --workdir=workdirs/distill_cold_start   # use a separate workdir per job
   python -m experiments.launch --config=experiments/configs/distill.py \
       --workdir=workdirs/distill --config.student.init=workdirs/distill_cold_start/checkpoints
   # CI smoke test / quick look: builds two tiny specialists (math, instruct) itself
@@ -16,13 +16,17 @@ Teachers are ``config.teachers.<name>`` (``init``, ``domain``, ``model``); the
 student is ``config.student`` (``init``, ``model``); only the student is
 trained and checkpointed.
 
-Reference machine (2 CPU cores): tiny ≈ 1.5 min (two 20-step teacher SFTs,
-8 OPD steps, mostly compiles); tiny,steps=100 ≈ 4 min; default ≈ 20 min.
+Reference machine (2 CPU cores): tiny ≈ 1 min (two 20-step teacher SFTs,
+8 OPD steps, mostly compiles); tiny,steps=100 ≈ 2 min (82 s of OPD).
 Expected result: the held-out reverse KL to each teacher
 (``final_metrics.json``: ``rkl_initial/<t>`` → ``rkl_final/<t>``) falls, the
 top-8 overlap (``overlap@8_last/<t>``) rises, no skips; the cache holds
-``D_k × 2`` bytes per token against ``V × 4`` for logits. Curves: ``rkl.png``,
-``overlap.png``, ``skips.png`` in the workdir.
+``D_k × 2`` bytes per token against ``V × 4`` for logits. Measured, tiny,steps=100:
+reverse KL instruct 0.41 → 0.053, math 0.11 → 0.056; top-8 overlap
+instruct 0.47 → 0.79, math 0.17 → 0.51 (noisy, 64 sampled tokens); 0 skips;
+96 bytes per token (D=48, bf16) against 1080 for V=270 float32 logits.
+Curves: ``rkl.png``, ``overlap.png``, ``skips.png`` in the workdir. The
+default needs the specialists pipeline's checkpoints (not measured here).
 """
 import ml_collections
 

@@ -9,7 +9,8 @@ top-k / token estimators), ``diagnostics`` and ``server`` (out-of-process
 teachers over a Unix socket, used through ``RemoteTeacher``).
 
 ``source`` (``OPDSource``, ``OPDConfig``) and ``trainer`` (``train_opd``)
-compose them (``cold_start`` builds the SFT data from verified teacher answers) into the trainer on ``opd.training.loop``, roughly::
+compose them into the trainer on ``opd.training.loop``, roughly as below;
+``cold_start`` builds SFT data from verified teacher answers::
 
   pool = TeacherPool(teachers, student_cfg.vocab_size, mesh)
   asked = FaultTolerantTeachers.from_pool(pool, deadline_s=60.0)

@@ -13,6 +13,7 @@ set of tokens (lowercase letters; lowercase letters and digits).
 """
 import types
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +25,8 @@ from opd.distill.faults import FaultTolerantTeachers
 from opd.distill.source import OPDConfig, OPDSource
 from opd.distill.teachers import Teacher, TeacherPool
 from opd.distill.trainer import make_heldout_eval, train_opd
-from opd.models import ModelConfig, forward, init_params
+from opd import rollout as rollout_lib
+from opd.models import ModelConfig, forward, init_params, param_logical_axes
 from opd.parallel import sharding
 from opd.rl.rollout_source import PromptStream
 from opd.tasks import Example
@@ -237,7 +239,6 @@ def test_heldout_kl_matches_a_numpy_reference(mesh, student, teachers):
   pool = TeacherPool(teachers, V, mesh)
   held_out = prompts(2, "test")
   got = make_heldout_eval(STUDENT, pool, held_out, OPD, tokenizer=TOK, mesh=mesh)(student)
-  from opd import rollout as rollout_lib
   sampling = rollout_lib.sampling_for_chat(TOK, max_new_tokens=OPD.max_new_tokens)
   eps = rollout_lib.rollout(STUDENT, student, TOK, held_out, 1, sampling, mesh=mesh,
                             verify=False)
@@ -277,3 +278,52 @@ def test_bad_input_is_rejected_naming_the_field(mesh, student, teachers):
     train_opd(STUDENT, student, teachers, prompts(2), {}, OPTIM, tokenizer=TOK, steps=1,
               mesh=mesh)
   assert trainer_lib.OPDConfig is OPDConfig
+
+
+def test_a_sharded_opd_step_equals_the_single_device_step(student, teachers, monkeypatch):
+  """The same rollout batch through the teacher pool, the cache, the
+  schedule and the loss on a (2, 2, 2) mesh of 8 fake devices and on one
+  device: equal loss, per-teacher KL and gradients.
+
+  Tolerance: sharding only reorders float32 sums (the mean over the B·T
+  tokens, the D / F contractions split over ``tensor``); reordering a sum of
+  n terms moves it by at most (n − 1)·eps·Σ|terms|, here bounded by
+  n·eps·scale with n = B·T + F and scale |loss| (or max|grad|).
+  """
+  cfg = OPD.replace(schedule="uniform", cache_dtype="float32")
+  real_rollout, recorded = rollout_lib.rollout, []
+
+  def same_rollout(*args, **kwargs):  # the sharded run trains on the single run's samples
+    if not recorded:
+      recorded.append(real_rollout(*args, **kwargs))
+    return recorded[0]
+
+  monkeypatch.setattr(rollout_lib, "rollout", same_rollout)
+  out = {}
+  for name, mesh in (("single", sharding.make_mesh((1, 1, 1), jax.devices()[:1])),
+                     ("sharded", sharding.make_mesh((2, 2, 2)))):
+    pool = TeacherPool(teachers, V, mesh)
+    source = OPDSource(STUDENT, cfg, PromptStream(prompts(8), seed=0),
+                       teachers=FaultTolerantTeachers.from_pool(pool, deadline_s=60.0),
+                       heads=pool.heads, domains=[t.domain for t in teachers], total_steps=1,
+                       tokenizer=TOK, mesh=mesh)
+    batch, _ = source.next_batch(types.SimpleNamespace(params=student), 0)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), student)
+    params = jax.device_put(student, sharding.tree_shardings(
+        param_logical_axes(STUDENT), shapes, mesh, sharding.DEFAULT_RULES))
+    loss_fn = make_opd_loss(STUDENT, pool.heads, cfg.loss_config(), teacher_names=pool.names)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
+      (loss, aux), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, batch,
+                                                                              None)
+    out[name] = (float(loss), {k: float(v) for k, v in aux.items()},
+                 jax.tree.map(np.asarray, grads), np.asarray(batch["tokens"]))
+  (l1, a1, g1, t1), (l8, a8, g8, t8) = out["single"], out["sharded"]
+  np.testing.assert_array_equal(t1, t8)
+  n = t1.size + WIDE.d_ff
+  assert l1 > 0.1 and abs(l8 - l1) <= n * EPS32 * abs(l1)
+  for k in ("kl/ta", "kl/tb"):
+    assert abs(a8[k] - a1[k]) <= n * EPS32 * abs(a1[k])
+  assert a8["opd_tokens"] == a1["opd_tokens"] > 0
+  scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(g1))
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g8)):
+    np.testing.assert_allclose(b, a, atol=n * EPS32 * scale, rtol=0)
