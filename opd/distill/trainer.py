@@ -69,10 +69,17 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
     eval_fn: ``eval_fn(params)`` every ``eval_every`` steps and after the
       last (e.g. ``make_heldout_eval``), logged as ``eval/...``.
     Others: as ``opd.rl.grpo.train_grpo``.
+
+  Raises:
+    ValueError: bad arguments (naming them), or more than one jax process.
+    NonFiniteError: a NaN/inf loss or gradient; nothing saved for that step.
   """
   for name, value, typ in (("cfg", cfg, OPDConfig), ("optim", optim, OptimConfig)):
     if not isinstance(value, typ):
       raise ValueError(f"{name} must be a {typ.__name__}, got {type(value).__name__}")
+  if jax.process_count() > 1:
+    raise ValueError("train_opd runs in one process (rollouts and teacher answers are gathered "
+                     f"on the host); got jax.process_count()={jax.process_count()}")
   rules = sharding_lib.validate_rules(rules)
   pool = teachers if isinstance(teachers, TeacherPool) else TeacherPool(
       teachers, student_cfg.vocab_size, mesh, rules=rules)

@@ -127,22 +127,25 @@ def test_student_equal_to_teacher_gives_zero_loss_and_gradient(mesh, student, te
   assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads2)) > 1e3 * worst
 
 
-@pytest.mark.parametrize("schedule_name,updates", [("uniform", 3),
-                                                   ("routing", 2)])
+@pytest.mark.parametrize("schedule_name,updates,estimator", [("uniform", 3, "full"),
+                                                             ("routing", 2, "top_k"),
+                                                             ("confidence", 1, "token")])
 def test_the_cache_serves_every_update_of_a_batch(mesh, student, teachers, schedule_name,
-                                                  updates):
+                                                  updates, estimator):
   """One forward per teacher per rollout batch, whatever updates_per_batch;
-  with routing each teacher runs over its own rows only."""
+  with routing each teacher runs over its own rows only. Every schedule and
+  estimator runs through the trainer."""
   pool = TeacherPool(teachers, V, mesh)
-  cfg = OPD.replace(schedule=schedule_name, updates_per_batch=updates)
+  cfg = OPD.replace(schedule=schedule_name, updates_per_batch=updates, estimator=estimator)
   run = _run(student, pool, mesh, 2, cfg=cfg)
   assert pool.forward_count == {"ta": 2, "tb": 2}
   assert int(run.state.step) == 2 * updates
-  assert run.history[-1]["cache/computes"] == 2
-  assert run.history[-1]["cache/bytes_per_token/ta"] == 48 * 2  # bf16
-  assert run.history[-1]["cache/bytes_per_token/logits"] == V * 4
-  if schedule_name == "routing":  # half the prompts are each teacher's domain
-    assert run.history[-1]["weight/ta"] == pytest.approx(0.5)
+  last = run.history[-1]
+  assert last["cache/computes"] == 2
+  assert last["cache/bytes_per_token/ta"] == 48 * 2  # bf16
+  assert last["cache/bytes_per_token/logits"] == V * 4
+  assert last["weight/ta"] + last["weight/tb"] == pytest.approx(1.0, abs=1e-6)
+  assert all(np.isfinite(m["train/loss"]) and m["train/opd_tokens"] > 0 for m in run.history)
 
 
 def test_a_flaky_teacher_is_skipped_and_counted_in_metrics_jsonl(mesh, student, teachers,
