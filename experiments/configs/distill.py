@@ -79,7 +79,7 @@ def get_config(arg=None):
     c.teachers = ml_collections.ConfigDict({d: _teacher(wide, "", d) for d in DOMAINS})
     c.build_teachers.sft_steps = 20
     c.opd.update(prompts_per_step=2, group_size=2, max_new_tokens=12, seq_len=160,
-                 diag_every=4, anneal_steps=2, diag_tokens=64)
+                 diag_every=4, anneal_steps=2, diag_tokens=64, verify=True)
     c.optim.update(lr=3e-3, warmup_steps=1, decay_steps=7)
     c.train.update(steps=8, save_every=4, eval_every=4)
     c.data.update(num_prompts=16, num_heldout=4)

@@ -52,6 +52,7 @@ def test_tiny_opd_runs_through_the_cli(opd_run):
     for k in ("rkl_initial", "rkl_final", "overlap@8_last"):
       assert math.isfinite(metrics[f"{k}/{n}"]), (k, n, metrics)
     assert any(f"diag/{n}/overlap@8" in r for r in rows)
+  assert all(0 <= r["reward/mean"] <= 1 for r in rows if r["step"] > 0)  # opd.verify
   assert metrics["logits_bytes_per_token"] == cfg.student.model.vocab_size * 4
   for name in ("rkl.png", "overlap.png", "skips.png"):
     assert (workdir / name).is_file()
