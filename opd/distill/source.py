@@ -51,7 +51,7 @@ from opd.distill.faults import FaultTolerantTeachers
 from opd.distill.loss import AGGREGATIONS, ESTIMATORS, OPDLossConfig
 from opd.models import ModelConfig, forward, head_matrix
 from opd.parallel import sharding as sharding_lib
-from opd.rl.rollout_source import (GRPOSource, _draw, _fit, _prompt_problem,
+from opd.rl.rollout_source import (GRPOSource, draw_prompts, fit_episode, prompt_problem,
                                    training_length)
 from opd.tasks import RewardStats
 from opd.training.train_step import shard_batch
@@ -210,7 +210,7 @@ class OPDSource:
     self._key = jax.random.key(seed)
     self._sampling = rollout_lib.sampling_for_chat(
         tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
-    self._problem = functools.partial(_prompt_problem, tokenizer=tokenizer, cfg=cfg,
+    self._problem = functools.partial(prompt_problem, tokenizer=tokenizer, cfg=cfg,
                                       custom_reward=not cfg.verify)
     self._student_hidden = make_hidden_fn(student_cfg, mesh=mesh, rules=rules)
     self._tokens = 0.0
@@ -246,7 +246,7 @@ class OPDSource:
     """``(batch, host_metrics)`` for 0-based OPD ``step``; None when prompts run out."""
     cfg, t0 = self.cfg, time.perf_counter()
     stats = RewardStats()
-    drawn = _draw(self.prompts, cfg.prompts_per_step, self._problem, stats)
+    drawn = draw_prompts(self.prompts, cfg.prompts_per_step, self._problem, stats)
     if drawn is None:
       return None
     examples = [ex for ex in drawn for _ in range(cfg.group_size)]
@@ -255,7 +255,7 @@ class OPDSource:
         jax.random.fold_in(self._key, step), self._sampling, stats=stats if cfg.verify else None,
         mesh=self.mesh, rules=self.rules, verify=cfg.verify, batch_size=cfg.batch_size)
     t1 = time.perf_counter()
-    kept = [_fit(ep, cfg.seq_len)[0] for ep in episodes]
+    kept = [fit_episode(ep, cfg.seq_len)[0] for ep in episodes]
     host = rollout_lib.batch_episodes(kept, seq_len=training_length(kept, cfg),
                                       pad_id=self.tokenizer.pad_id)
     t = host["tokens"].shape[1]

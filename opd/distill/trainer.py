@@ -32,7 +32,6 @@ from opd.parallel import sharding as sharding_lib
 from opd.rl.rollout_source import PromptStream, training_length
 from opd.tasks import Example
 from opd.training import loop as train_loop
-from opd.training.checkpoints import CheckpointManager
 from opd.training.metrics_writer import MetricWriter
 from opd.training.train_step import (OptimConfig, TrainState, init_train_state, make_optimizer,
                                      make_train_step)
@@ -96,30 +95,14 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
                                       params=params)
   loss_fn = make_opd_loss(student_cfg, pool.heads, cfg.loss_config(), teacher_names=pool.names)
   step_fn = make_train_step(loss_fn, optimizer, mesh, shardings, rules=rules)
-  manager = (CheckpointManager(checkpoint_dir, max_to_keep=keep_checkpoints)
-             if checkpoint_dir is not None else None)
-  own_writer = MetricWriter(workdir) if writer is None and workdir is not None else None
-  history: list[dict[str, float]] = []
-
-  def report(step: int, metrics: dict[str, float]) -> None:
-    history.append(metrics)
-    if on_metrics is not None:
-      on_metrics(step, metrics)
-
-  try:
-    state = train_loop.run(
-        state, step_fn, source, steps, checkpoint_manager=manager, save_every=save_every,
-        config={**dict(run_config or {}), "model": student_cfg.to_dict(), "opd": cfg.to_dict(),
-                "teachers": list(pool.names)},
-        match_config=("model", "opd", "teachers"), on_metrics=report,
-        writer=writer if writer is not None else own_writer,
-        eval_fn=(lambda st: eval_fn(st.params)) if eval_fn is not None else None,
-        eval_every=eval_every, progress=progress, desc="opd", progress_key="loss")
-  finally:
-    if own_writer is not None:
-      own_writer.close()
-    if manager is not None:
-      manager.close()
+  state, history = train_loop.run_trainer(
+      state, step_fn, source, steps, checkpoint_dir=checkpoint_dir,
+      keep_checkpoints=keep_checkpoints, workdir=workdir, writer=writer, on_metrics=on_metrics,
+      eval_fn=eval_fn, save_every=save_every,
+      config={**dict(run_config or {}), "model": student_cfg.to_dict(), "opd": cfg.to_dict(),
+              "teachers": list(pool.names)},
+      match_config=("model", "opd", "teachers"), eval_every=eval_every, progress=progress,
+      desc="opd", progress_key="loss")
   return OPDRun(state, history)
 
 

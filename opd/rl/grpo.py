@@ -32,7 +32,6 @@ from opd.rl.rollout_source import GRPOSource, PromptStream
 from opd.rl.scoring import RewardFn
 from opd.tasks import AgentRewardConfig, Example
 from opd.training import loop as train_loop
-from opd.training.checkpoints import CheckpointManager
 from opd.training.metrics_writer import MetricWriter
 from opd.training.train_step import (OptimConfig, TrainState, init_train_state, make_optimizer,
                                      make_train_step)
@@ -111,26 +110,11 @@ def train_grpo(model_cfg: ModelConfig, params, ref_params, prompts: Sequence[Exa
   source = GRPOSource(model_cfg, cfg, stream, tokenizer=tokenizer, ref_params=ref_params,
                       param_shardings=shardings.params, mesh=mesh, rules=rules, seed=seed, reward_fn=reward_fn,
                       agent_config=agent_config, task_kwargs=task_kwargs, text_every=text_every)
-  manager = (CheckpointManager(checkpoint_dir, max_to_keep=keep_checkpoints)
-             if checkpoint_dir is not None else None)
-  own_writer = MetricWriter(workdir) if writer is None and workdir is not None else None
-  history: list[dict[str, float]] = []
-
-  def report(step: int, metrics: dict[str, float]) -> None:
-    history.append(metrics)
-    if on_metrics is not None:
-      on_metrics(step, metrics)
-
-  try:
-    state = train_loop.run(
-        state, step_fn, source, steps, checkpoint_manager=manager, save_every=save_every,
-        config={**dict(run_config or {}), "model": model_cfg.to_dict(), "grpo": cfg.to_dict()},
-        match_config=("model", "grpo"), on_metrics=report, writer=writer if writer is not None else own_writer,
-        eval_fn=(lambda st: eval_fn(st.params)) if eval_fn is not None else None,
-        eval_every=eval_every, progress=progress, desc="grpo", progress_key="reward/mean")
-  finally:
-    if own_writer is not None:
-      own_writer.close()
-    if manager is not None:
-      manager.close()
+  state, history = train_loop.run_trainer(
+      state, step_fn, source, steps, checkpoint_dir=checkpoint_dir,
+      keep_checkpoints=keep_checkpoints, workdir=workdir, writer=writer, on_metrics=on_metrics,
+      eval_fn=eval_fn, save_every=save_every,
+      config={**dict(run_config or {}), "model": model_cfg.to_dict(), "grpo": cfg.to_dict()},
+      match_config=("model", "grpo"), eval_every=eval_every, progress=progress, desc="grpo",
+      progress_key="reward/mean")
   return GRPORun(state, history)

@@ -38,7 +38,8 @@ from opd.tasks import (ALL_DOMAINS, AgentRewardConfig, Example, RewardStats,
                        VerifierFailureError, get_task, is_multi_turn)
 from opd.training.train_step import shard_batch
 
-__all__ = ["GRPOSource", "PromptStream", "make_reference_fn", "reference_logprobs",
+__all__ = ["GRPOSource", "PromptStream", "draw_prompts", "fit_episode", "make_reference_fn",
+           "prompt_problem", "reference_logprobs",
            "training_length"]
 
 # Train-step flags that say nothing once the loop has checked them.
@@ -93,7 +94,7 @@ class PromptStream:
     self.epoch, self.index = epoch, index
 
 
-def _prompt_problem(ex: Any, tokenizer, cfg: GRPOConfig, *, custom_reward: bool) -> str | None:
+def prompt_problem(ex: Any, tokenizer, cfg: GRPOConfig, *, custom_reward: bool) -> str | None:
   """Why ``ex`` cannot be rolled out and trained on, or None."""
   if not isinstance(ex, Example):
     return f"not an Example but {type(ex).__name__}"
@@ -112,7 +113,7 @@ def _prompt_problem(ex: Any, tokenizer, cfg: GRPOConfig, *, custom_reward: bool)
   return None
 
 
-def _draw(stream: Iterator, n: int, problem: Callable[[Any], str | None],
+def draw_prompts(stream: Iterator, n: int, problem: Callable[[Any], str | None],
           stats: RewardStats) -> list[Example] | None:
   """``n`` good prompts (None when the stream ends); bad ones are counted."""
   out, bad = [], []
@@ -143,7 +144,7 @@ def training_length(episodes: Sequence[Episode], cfg: GRPOConfig) -> int:
   return min(cfg.seq_len, cfg.length_bucket * -(-longest // cfg.length_bucket))
 
 
-def _fit(ep: Episode, seq_len: int) -> tuple[Episode, bool]:
+def fit_episode(ep: Episode, seq_len: int) -> tuple[Episode, bool]:
   """Cuts an episode's response so it fits ``seq_len`` (only multi-turn ones can overflow)."""
   room = seq_len + 1 - len(ep.prompt_ids)
   if len(ep.response_ids) <= room:
@@ -237,7 +238,7 @@ class GRPOSource:
     self._sampling = rollout_lib.sampling_for_chat(
         tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
         top_k=cfg.top_k, top_p=cfg.top_p)
-    self._problem = functools.partial(_prompt_problem, tokenizer=tokenizer, cfg=cfg,
+    self._problem = functools.partial(prompt_problem, tokenizer=tokenizer, cfg=cfg,
                                       custom_reward=reward_fn is not None)
     self._last = None  # (episodes, scores, real tokens) of the latest batch
     self._texts_written = False
@@ -246,7 +247,7 @@ class GRPOSource:
     """``(batch, host_metrics)`` for 0-based GRPO ``step``; None when prompts run out."""
     cfg, t0 = self.cfg, time.perf_counter()
     stats = RewardStats()
-    examples = _draw(self.prompts, cfg.prompts_per_step, self._problem, stats)
+    examples = draw_prompts(self.prompts, cfg.prompts_per_step, self._problem, stats)
     if examples is None:
       return None
     # Row p * G + g is sample g of prompt p: the reshape to [P, G] below
@@ -272,7 +273,7 @@ class GRPOSource:
                                                             cfg.group_size)
     adv = group_advantages(rewards, scale_by_std=cfg.scale_advantages_by_std,
                            eps=cfg.advantage_eps)
-    fitted = [_fit(ep, cfg.seq_len) for ep in episodes]
+    fitted = [fit_episode(ep, cfg.seq_len) for ep in episodes]
     kept = [f[0] for f in fitted]
     host = rollout_lib.batch_episodes(kept, seq_len=training_length(kept, cfg),
                                       pad_id=self.tokenizer.pad_id)

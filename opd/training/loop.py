@@ -33,6 +33,7 @@ The exception carries the state as ``err.state``.
 from __future__ import annotations
 
 import logging
+import pathlib
 import time
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -46,7 +47,7 @@ from opd.training.train_step import NonFiniteError, TrainState, raise_if_nonfini
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RolloutSource", "run", "resume", "NonFiniteError"]
+__all__ = ["RolloutSource", "run", "run_trainer", "resume", "NonFiniteError"]
 
 
 @runtime_checkable
@@ -262,3 +263,44 @@ def run(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState
       manager.save(step, state, data_state=position(), config=config)
     manager.wait()
   return state
+
+
+def run_trainer(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState, Mapping]],
+                source: Iterator | RolloutSource, num_steps: int, *,
+                checkpoint_dir: str | pathlib.Path | None = None, keep_checkpoints: int = 2,
+                workdir: str | pathlib.Path | None = None, writer: MetricWriter | None = None,
+                on_metrics: Callable[[int, dict[str, float]], None] | None = None,
+                eval_fn: Callable[[Any], Mapping[str, Any]] | None = None,
+                **run_kwargs) -> tuple[TrainState, list[dict[str, float]]]:
+  """``run`` with the resources a trainer owns: returns ``(state, history)``.
+
+  Opens (and closes) a ``CheckpointManager`` on ``checkpoint_dir`` and a
+  ``MetricWriter`` on ``workdir`` unless an open ``writer`` is given (that one
+  is flushed by ``run``, never closed here), collects every step's metrics
+  into the returned history, and passes ``eval_fn`` the params (not the
+  state). ``run_kwargs`` go to ``run`` (``save_every``, ``config``,
+  ``match_config``, ``eval_every``, ``progress``, ``desc``, ...). GRPO and
+  distillation are this call with their own source and loss.
+  """
+  manager = (CheckpointManager(checkpoint_dir, max_to_keep=keep_checkpoints)
+             if checkpoint_dir is not None else None)
+  own_writer = MetricWriter(workdir) if writer is None and workdir is not None else None
+  history: list[dict[str, float]] = []
+
+  def report(step: int, metrics: dict[str, float]) -> None:
+    history.append(metrics)
+    if on_metrics is not None:
+      on_metrics(step, metrics)
+
+  try:
+    state = run(state, step_fn, source, num_steps, checkpoint_manager=manager,
+                on_metrics=report, writer=writer if writer is not None else own_writer,
+                eval_fn=(lambda st: eval_fn(st.params)) if eval_fn is not None else None,
+                **run_kwargs)
+  finally:
+    if own_writer is not None:
+      own_writer.close()
+    if manager is not None:
+      manager.close()
+  return state, history
+

@@ -18,7 +18,8 @@ import pytest
 from opd.config import overrides as config_utils
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "configs"
-SMOKE_TESTED = {"pretrain", "sft", "grpo", "specialists"}
+# distill: tests/experiments/test_distill_job.py runs its tiny variant through the CLI.
+SMOKE_TESTED = {"pretrain", "sft", "grpo", "specialists", "distill"}
 
 
 def _load(name, arg="tiny"):

@@ -192,11 +192,11 @@ def test_sft_too_long_policies():
 
 
 @pytest.mark.parametrize("kwargs,pattern", [
-    (dict(mode="concat"), r"mode='concat' is not one of \('pad', 'pack'\)"),
+    (dict(mode="concat"), r"mode must be one of \('pad', 'pack'\), got 'concat'"),
     (dict(seq_len=0), r"seq_len must be a positive int, got 0"),
     (dict(process_index=2, process_count=2), r"process_index=2 must be in \[0, process_count=2\)"),
     (dict(num_epochs=0), r"num_epochs must be a positive int or None, got 0"),
-    (dict(too_long="wrap"), r"too_long='wrap' is not one of"),
+    (dict(too_long="wrap"), r"too_long must be one of .*got 'wrap'"),
 ])
 def test_bad_arguments(kwargs, pattern):
   base = dict(seq_len=T, batch_size=2, process_index=0, process_count=1)
