@@ -210,10 +210,12 @@ def test_resume_continues_exactly(mesh, student, teachers, tmp_path):
   assert len(resumed.history) == 2
   for got, want in zip(resumed.history, straight.history[2:]):
     assert got["response/length_mean"] == want["response/length_mean"]
-    assert got["train/loss"] == pytest.approx(want["train/loss"], abs=1e-6)
+    # Same compiled programs on the same inputs (state, prompt position, keys):
+    # a resumed run must reproduce the straight one bit for bit.
+    assert got["train/loss"] == want["train/loss"]
   assert int(resumed.state.step) == int(straight.state.step) == 4
   for a, b in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(straight.state.params)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_the_student_moves_towards_each_teacher_on_held_out_prompts(mesh, student, teachers):
