@@ -23,6 +23,11 @@ scaled up so that greedy argmax has no near-ties between the numerical paths;
 speed does not depend on parameter values. Compile time is reported apart
 from the steady state: ``first_call_s`` (compiles included) vs ``median_s``.
 
+``temperature_sweep`` then samples (no top-k/top-p) at five temperatures with
+the same prompts: temperature is a traced argument of the sampler, so the
+sweep reuses the greedy program (``new_compiles`` 0) and every call runs at
+steady-state speed (``first_call_s`` ~ ``median_s``).
+
   python -m experiments.benchmarks.sampler            # B=8, P=32, N=256
   python -m experiments.benchmarks.sampler --quick    # seconds, for the smoke test
 """
@@ -38,7 +43,7 @@ import numpy as np
 
 from experiments.benchmarks import common
 from opd.models import ModelConfig, forward, head_matrix, init_params
-from opd.rollout.sampler import SamplingConfig, generate, left_align
+from opd.rollout.sampler import SamplingConfig, compiled_programs, generate, left_align
 
 
 def _greedy_step(cfg: ModelConfig, params, seq, seq_mask, col) -> jax.Array:
@@ -166,6 +171,19 @@ def _parse(argv):
 
 
 HEADLINE = "recompute_prefix"
+SWEEP_TEMPERATURES = (0.5, 0.7, 1.0, 1.3, 1.6)
+
+
+def _temperature_sweep(decode) -> dict:
+  """Times ``decode(temperature)`` once per temperature; counts new compiles."""
+  before, seconds = compiled_programs(), []
+  for t in SWEEP_TEMPERATURES:
+    t0 = time.perf_counter()
+    jax.block_until_ready(decode(t))
+    seconds.append(time.perf_counter() - t0)
+  return {"temperatures": list(SWEEP_TEMPERATURES), "new_compiles": compiled_programs() - before,
+          "first_call_s": seconds[0], "median_s": float(np.median(seconds[1:])),
+          "seconds": seconds}
 
 
 def main(argv=None) -> dict:
@@ -210,7 +228,11 @@ def main(argv=None) -> dict:
   tokens_match = {name: float((outputs["kv_cache"] == outputs[name]).mean())
                   for name in ("recompute_prefix", "recompute_full")}
 
+  sweep = _temperature_sweep(lambda t: generate(cfg, params, prompt, prompt_mask, 1,
+                                                sampling.replace(temperature=t)).tokens)
+
   payload = {
+      "temperature_sweep": sweep,
       "sizes": {"batch": B, "prompt_len": P, "new_tokens": N, "cache_slots": P + N,
                 "bucket": args.bucket, "quick": args.quick, "iters": args.iters},
       "model": cfg.to_dict(),
@@ -237,6 +259,8 @@ def main(argv=None) -> dict:
         f"{ratios['kv_cache_vs_recompute_full_speedup']:.1f}x (which runs "
         f"{ratios['full_vs_prefix_work']:.2f}x the decoder columns of the prefix baseline)")
   print("first_call_s includes compilation; median_s / min_s are steady state")
+  print(f"temperature sweep {sweep['temperatures']}: {sweep['new_compiles']} new compiles, "
+        f"first call {sweep['first_call_s']:.3g} s, median {sweep['median_s']:.3g} s")
   print("greedy tokens equal to kv_cache: " +
         ", ".join(f"{k} {v:.2%}" for k, v in tokens_match.items()))
   path = common.write_result("sampler", payload, args.out)

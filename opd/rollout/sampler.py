@@ -1,11 +1,14 @@
 """Batched autoregressive sampling with the decoder's explicit KV cache.
 
-``generate`` runs one jitted program per (shapes, model config, sampling
-config): a prefill over the whole prompt batch, then a ``lax.while_loop`` of
-one-token decode steps that exits as soon as every row has ended. Prompts may
-be left- or right-padded (or have holes); rows are first compacted to left
-padding so that all rows decode in lockstep and share the cache write index,
-and RoPE positions are ``cumsum(mask) - 1`` so padding never shifts them.
+``generate`` runs one jitted program per (shapes, model config, static sampling
+fields): temperature, top-k, top-p and ``max_new_tokens`` are traced, so sweeps
+over them reuse one program (the decode width is the static
+``max_new_tokens_cap``). The program is a prefill over the whole prompt batch,
+then a ``lax.while_loop`` of one-token decode steps that exits after N steps or
+as soon as every row has ended. Prompts may be left- or right-padded (or have
+holes); rows are first compacted to left padding so that all rows decode in
+lockstep and share the cache write index, and RoPE positions are
+``cumsum(mask) - 1`` so padding never shifts them.
 
 Sampling follows the usual order (as ``transformers``' logits warpers):
 temperature, then top-k, then top-p on the top-k-renormalised distribution.
@@ -36,10 +39,15 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-  """How to sample; hashable, so it is a static argument of the jitted sampler.
+  """How to sample. Temperature, top-k, top-p and ``max_new_tokens`` are traced
+  arguments of the jitted sampler; the other fields (and the cap) are static.
 
   Attributes:
     max_new_tokens: N, decode steps at most (also the width of every output).
+    max_new_tokens_cap: static decode width C >= N: the KV cache and the
+      output buffers hold C steps and the loop stops at the traced N, so
+      configs that differ only in N <= C share one compiled program. None
+      means C = N (the program is then exactly today's N-step one).
     temperature: T >= 0; 0 means greedy (argmax).
     top_k: keep the k most likely tokens (0 = off). Ignored when greedy.
     top_p: nucleus mass in (0, 1]; keep the smallest set of most likely
@@ -53,6 +61,7 @@ class SamplingConfig:
       from (``SampleOutput.hidden``).
   """
   max_new_tokens: int = 64
+  max_new_tokens_cap: int | None = None
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
@@ -78,6 +87,12 @@ class SamplingConfig:
       set_field(self, name, tuple(check_int(own, f"{name}[{i}]", v, min_value=0)
                                   for i, v in enumerate(value)))
     set_field(self, "return_hidden", check_bool(own, "return_hidden", self.return_hidden))
+    if self.max_new_tokens_cap is not None:
+      set_field(self, "max_new_tokens_cap", check_int(own, "max_new_tokens_cap",
+                                                      self.max_new_tokens_cap, min_value=1))
+      if self.max_new_tokens_cap < self.max_new_tokens:
+        raise ValueError(f"SamplingConfig.max_new_tokens_cap={self.max_new_tokens_cap} < "
+                         f"max_new_tokens={self.max_new_tokens}")
 
   @property
   def greedy(self) -> bool:
@@ -87,6 +102,16 @@ class SamplingConfig:
   def end_ids(self) -> tuple[int, ...]:
     """EOS and stop ids together: any of them ends a row."""
     return tuple(sorted(set(self.eos_ids) | set(self.stop_ids)))
+
+  @property
+  def cap(self) -> int:
+    """The static decode width C (``max_new_tokens_cap``, default N)."""
+    return self.max_new_tokens if self.max_new_tokens_cap is None else self.max_new_tokens_cap
+
+  def static_part(self) -> "SamplingConfig":
+    """This config with its traced fields at fixed values: the jit cache key."""
+    return dataclasses.replace(self, max_new_tokens=self.cap, max_new_tokens_cap=None,
+                               temperature=1.0, top_k=0, top_p=1.0)
 
   def replace(self, **changes) -> "SamplingConfig":
     return dataclasses.replace(self, **changes)
@@ -132,46 +157,76 @@ def left_align(tokens: Array, mask: Array, pad_id: int = 0) -> tuple[Array, Arra
   return aligned.astype(jnp.int32), aligned_mask
 
 
-def filter_logits(logits: Array, temperature: float, top_k: int = 0,
-                  top_p: float = 1.0) -> Array:
+def filter_logits(logits: Array, temperature: float | Array, top_k: int | Array = 0,
+                  top_p: float | Array = 1.0) -> Array:
   """Tempered logits with -inf outside the top-k / top-p set. [..., V] -> [..., V] fp32.
 
   Temperature first, then top-k, then top-p on the distribution renormalised
   over the top-k survivors (the ``transformers`` warper order). Tokens tied
   with the last kept value are kept too. The most likely token always
-  survives.
+  survives. ``temperature``, ``top_k`` and ``top_p`` may be traced scalars.
   """
-  if temperature <= 0:
+  if not isinstance(temperature, jax.core.Tracer) and not np.all(np.asarray(temperature) > 0):
     raise ValueError(f"filter_logits needs temperature > 0, got {temperature!r}")
-  logits = logits.astype(jnp.float32) / temperature
+  return _truncate(logits.astype(jnp.float32) / temperature, top_k, top_p)
+
+
+def _truncate(logits: Array, top_k, top_p) -> Array:
+  """Top-k then top-p masking of tempered fp32 logits with traced k and p.
+
+  One static-size sort of V serves every k: the k-th largest value is the
+  top-k threshold, and the nucleus is taken over the first k sorted values
+  (the rest masked to -inf before the softmax, i.e. renormalised over the
+  top-k survivors). [..., V] -> [..., V].
+  """
   V = logits.shape[-1]
-  if top_k == 0 and top_p >= 1.0:
-    return logits
-  # Only the top-k candidates need sorting; top-p alone has to sort all of V.
-  k = min(top_k, V) if top_k > 0 else V
-  sorted_vals = jax.lax.top_k(logits, k)[0]  # [..., k] descending
-  threshold = sorted_vals[..., -1:]  # smallest kept value
-  if top_p < 1.0:
-    probs = jax.nn.softmax(sorted_vals, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    # The nucleus is the shortest prefix whose mass reaches top_p: keep a
-    # token while the mass strictly before it is still short of top_p.
-    n_keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)  # >= 1
-    threshold = jnp.take_along_axis(sorted_vals, n_keep - 1, axis=-1)
+  top_k = jnp.asarray(top_k, jnp.int32)
+  top_p = jnp.asarray(top_p, jnp.float32)
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+  sorted_vals = jax.lax.top_k(logits, V)[0]  # [..., V] descending
+  rank = jnp.arange(V)
+  last = jnp.broadcast_to(k - 1, logits.shape[:-1])[..., None]
+  threshold = jnp.take_along_axis(sorted_vals, last, axis=-1)  # smallest top-k value
+  probs = jax.nn.softmax(jnp.where(rank < k, sorted_vals, -jnp.inf), axis=-1)
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  # The nucleus is the shortest prefix whose mass reaches top_p: keep a token
+  # while the mass strictly before it is still short of top_p (and within k).
+  n_keep = jnp.sum((mass_before < top_p) & (rank < k), axis=-1, keepdims=True)  # >= 1
+  nucleus = jnp.take_along_axis(sorted_vals, n_keep - 1, axis=-1)
+  # top_p = 1 is off: rounding can push the cumulative mass to 1 early.
+  threshold = jnp.where(top_p < 1.0, nucleus, threshold)
   return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
-def _sample(logits: Array, key: Array, sampling: SamplingConfig) -> tuple[Array, Array]:
-  """One token per row and its untruncated log-prob. [B, V] -> [B], [B]."""
-  if sampling.greedy:
-    token = jnp.argmax(logits, axis=-1)
-    reported = logits
-  else:
-    filtered = filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-    token = jax.random.categorical(key, filtered, axis=-1)
-    reported = logits / sampling.temperature
-  logp = jax.nn.log_softmax(reported.astype(jnp.float32), axis=-1)
-  token = token.astype(jnp.int32)
+class _Knobs(NamedTuple):
+  """The traced sampling fields, as device scalars."""
+  temperature: Array  # fp32, 0 = greedy
+  top_k: Array  # int32, 0 = off
+  top_p: Array  # fp32, 1 = off
+  max_new_tokens: Array  # int32, <= the static cap
+
+  @classmethod
+  def of(cls, sampling: SamplingConfig) -> "_Knobs":
+    return cls(jnp.float32(sampling.temperature), jnp.int32(sampling.top_k),
+               jnp.float32(sampling.top_p), jnp.int32(sampling.max_new_tokens))
+
+
+def _sample(logits: Array, key: Array, knobs: _Knobs) -> tuple[Array, Array]:
+  """One token per row and its untruncated log-prob. [B, V] -> [B], [B].
+
+  Greedy (T = 0) is an exact argmax chosen by ``jnp.where``; it reports
+  ``log_softmax(logits)`` (T = 1). The top-k/top-p sort only runs when a
+  filter is on and the row is not greedy.
+  """
+  greedy = knobs.temperature == 0.0
+  temperature = jnp.where(greedy, 1.0, knobs.temperature)
+  tempered = logits.astype(jnp.float32) / temperature
+  filtering = ~greedy & ((knobs.top_k > 0) | (knobs.top_p < 1.0))
+  filtered = jax.lax.cond(filtering, lambda x: _truncate(x, knobs.top_k, knobs.top_p),
+                          lambda x: x, tempered)
+  drawn = jax.random.categorical(key, filtered, axis=-1)
+  token = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+  logp = jax.nn.log_softmax(tempered, axis=-1)
   return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
 
 
@@ -182,15 +237,16 @@ def _head_logits(cfg: ModelConfig, params, hidden: Array) -> Array:
   return nn.with_logical_constraint(logits, ("batch", "vocab"))
 
 
-def _generate(params, prompt_tokens, prompt_mask, rng, *, model_cfg: ModelConfig,
+def _generate(params, prompt_tokens, prompt_mask, rng, knobs: _Knobs, *, model_cfg: ModelConfig,
               sampling: SamplingConfig, rules, mesh):
   del mesh  # static only so that each mesh gets its own compiled program
   with nn.logical_axis_rules(rules or ()):
-    return _generate_body(params, prompt_tokens, prompt_mask, rng, model_cfg, sampling)
+    return _generate_body(params, prompt_tokens, prompt_mask, rng, knobs, model_cfg, sampling)
 
 
-def _generate_body(params, prompt_tokens, prompt_mask, rng, cfg: ModelConfig,
+def _generate_body(params, prompt_tokens, prompt_mask, rng, knobs: _Knobs, cfg: ModelConfig,
                    sampling: SamplingConfig) -> SampleOutput:
+  """``sampling`` is the static part: its ``max_new_tokens`` is the cap N."""
   B, P = prompt_tokens.shape
   N, D = sampling.max_new_tokens, cfg.d_model
   constrain = nn.with_logical_constraint
@@ -228,11 +284,11 @@ def _generate_body(params, prompt_tokens, prompt_mask, rng, cfg: ModelConfig,
                                     ("batch", None, "embed"))
 
   def cond(s):
-    return (s["step"] < N) & ~jnp.all(s["done"])
+    return (s["step"] < knobs.max_new_tokens) & ~jnp.all(s["done"])
 
   def body(s):
     t = s["step"]
-    token, logp = _sample(s["logits"], jax.random.fold_in(rng, t), sampling)
+    token, logp = _sample(s["logits"], jax.random.fold_in(rng, t), knobs)
     live = ~s["done"]
     token = jnp.where(live, token, sampling.pad_id)
     hit_end = live & jnp.isin(token, end_ids)
@@ -263,6 +319,11 @@ def _generate_body(params, prompt_tokens, prompt_mask, rng, cfg: ModelConfig,
 
 
 _generate_jit = jax.jit(_generate, static_argnames=("model_cfg", "sampling", "rules", "mesh"))
+
+
+def compiled_programs() -> int:
+  """Sampler programs compiled so far in this process (one per static key)."""
+  return _generate_jit._cache_size()
 
 
 def _check_inputs(model_cfg: ModelConfig, prompt_tokens, prompt_mask,
@@ -313,10 +374,12 @@ def generate(model_cfg: ModelConfig, params, prompt_tokens: Array, prompt_mask: 
              rules=None) -> SampleOutput:
   """Samples up to ``sampling.max_new_tokens`` tokens per prompt.
 
-  One compiled program per (B, P, model config, sampling config, mesh,
-  rules): a prefill over the prompts then a ``lax.while_loop`` of one-token
-  decode steps against a cache of P + N slots, exiting when every row has
-  ended. Rows are compacted to left padding internally, so left-, right- and
+  One compiled program per (B, P, model config, static sampling fields,
+  mesh, rules): a prefill over the prompts then a ``lax.while_loop`` of
+  one-token decode steps against a cache of P + C slots (C =
+  ``sampling.cap``), exiting after N steps or when every row has ended.
+  Temperature, top-k, top-p and N <= C are traced, so a sweep over them
+  compiles once. Rows are compacted to left padding internally, so left-, right- and
   hole-padded prompts give the same samples for the same real tokens.
 
   Reported log-probs are taken from the untruncated tempered distribution
@@ -361,13 +424,21 @@ def generate(model_cfg: ModelConfig, params, prompt_tokens: Array, prompt_mask: 
   if not isinstance(prompt_mask, jax.Array):
     prompt_mask = jnp.asarray(np.asarray(prompt_mask))
   _check_inputs(model_cfg, prompt_tokens, prompt_mask, sampling, mesh, rules)
+  knobs = _Knobs.of(sampling)
+  static = dict(model_cfg=model_cfg, sampling=sampling.static_part(), rules=rules, mesh=mesh)
   if mesh is None:
-    return _generate_jit(params, prompt_tokens, prompt_mask, rng, model_cfg=model_cfg,
-                         sampling=sampling, rules=rules, mesh=None)
-  batch = shd.batch_sharding(mesh, rules, 2)
-  prompt_tokens = jax.device_put(prompt_tokens, batch)
-  prompt_mask = jax.device_put(prompt_mask, batch)
-  rng = jax.device_put(rng, shd.replicated(mesh))
-  with jax.set_mesh(mesh):
-    return _generate_jit(params, prompt_tokens, prompt_mask, rng, model_cfg=model_cfg,
-                         sampling=sampling, rules=rules, mesh=mesh)
+    out = _generate_jit(params, prompt_tokens, prompt_mask, rng, knobs, **static)
+  else:
+    batch = shd.batch_sharding(mesh, rules, 2)
+    prompt_tokens = jax.device_put(prompt_tokens, batch)
+    prompt_mask = jax.device_put(prompt_mask, batch)
+    rng, knobs = jax.device_put((rng, knobs), shd.replicated(mesh))
+    with jax.set_mesh(mesh):
+      out = _generate_jit(params, prompt_tokens, prompt_mask, rng, knobs, **static)
+  n = sampling.max_new_tokens
+  if n == sampling.cap:
+    return out
+  # The loop ran at most N of the C columns; the rest hold pads and zeros.
+  width = lambda x: None if x is None else x[:, :n]
+  return out._replace(tokens=width(out.tokens), mask=width(out.mask),
+                      logprobs=width(out.logprobs), hidden=width(out.hidden))

@@ -1,8 +1,9 @@
 """Tests for opd/sampler.py: cached decoding against recomputation, logprobs,
 seeds, top-k/top-p, EOS/stop handling, hidden states, sharding, validation.
 
-Every compiled ``generate`` is keyed on (B, P, configs), so all tests share
-one prompt batch shape [8, 6] and N = 8 and reuse a handful of configs.
+Every compiled ``generate`` is keyed on (B, P, model config, the sampling
+config's static fields), so all tests share one prompt batch shape [8, 6] and
+N = 8; temperature, top-k, top-p and N <= the cap are traced.
 """
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,8 @@ import pytest
 
 from opd.parallel import sharding as shd
 from opd.models import ModelConfig, forward, init_params, param_logical_axes
-from opd.rollout.sampler import SamplingConfig, filter_logits, generate, left_align
+from opd.rollout.sampler import (SamplingConfig, compiled_programs, filter_logits, generate,
+                                 left_align)
 
 CFG = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128)
 N = 8
@@ -315,3 +317,70 @@ def test_invalid_inputs(model, prompts):
       generate(CFG, model, t, m, key, s)
   with pytest.raises(ValueError, match="not divisible"):
     generate(CFG, model, tokens[:6], mask[:6], key, TEMP1, mesh=shd.make_mesh((8, 1, 1)))
+
+
+def test_sweep_over_traced_fields_compiles_once(model, prompts, greedy_reference):
+  # pad_id=1 is a static key no other test uses, so its first call compiles.
+  base = SamplingConfig(max_new_tokens=N, pad_id=1)
+  before = compiled_programs()
+  sampled = {}
+  for top_p in (1.0, 0.8):
+    for temperature in (0.0, 0.5, 0.7, 1.0, 1.3):
+      out = generate(CFG, model, *prompts, jax.random.key(17), base.replace(
+          temperature=temperature, top_p=top_p))
+      tokens = np.asarray(out.tokens)
+      logits, _ = _full_forward(model, *prompts, out)
+      if temperature == 0.0:
+        np.testing.assert_array_equal(tokens, greedy_reference)
+      # The traced temperature reaches the reported log-probs (T = 1 when greedy).
+      t = temperature or 1.0
+      lp = np.take_along_axis(_log_softmax(logits / t), tokens[..., None], -1)[..., 0]
+      np.testing.assert_allclose(np.asarray(out.logprobs), lp, atol=_logprob_atol(logits / t, lp))
+      if top_p < 1.0:
+        for b, row in enumerate(tokens):
+          for s in range(N):
+            assert row[s] in _numpy_nucleus(logits[b, s].astype(np.float64) / t, top_p), (b, s)
+      sampled[temperature, top_p] = tokens
+  assert compiled_programs() - before == 1
+  # The sweep is not vacuous: the sampled tokens change with the temperature.
+  assert len({v.tobytes() for v in sampled.values()}) > 5
+
+
+def test_max_new_tokens_below_cap_reuses_program(model, prompts, greedy_reference):
+  capped = SamplingConfig(max_new_tokens=N, max_new_tokens_cap=N, temperature=0.0, pad_id=2)
+  full = generate(CFG, model, *prompts, jax.random.key(0), capped)
+  before = compiled_programs()
+  for n in (3, 5):
+    out = generate(CFG, model, *prompts, jax.random.key(0), capped.replace(max_new_tokens=n))
+    assert out.tokens.shape == out.mask.shape == out.logprobs.shape == (8, n)
+    np.testing.assert_array_equal(np.asarray(out.tokens), greedy_reference[:, :n])
+    np.testing.assert_array_equal(np.asarray(out.logprobs), np.asarray(full.logprobs)[:, :n])
+    np.testing.assert_array_equal(np.asarray(out.lengths), n)
+    assert int(out.steps) == n and not np.asarray(out.finished).any()
+  assert compiled_programs() == before
+
+
+def test_filter_logits_traced_matches_numpy_nucleus():
+  jitted = jax.jit(filter_logits)
+  for top_k, top_p, temperature in [(0, 0.9, 1.0), (0, 0.5, 0.7), (20, 0.8, 1.0), (7, 1.0, 1.3),
+                                    (0, 1.0, 0.9), (300, 0.6, 1.1)]:
+    logits = np.random.RandomState(top_k + int(100 * top_p)).randn(6, 256).astype(np.float32)
+    filtered = np.asarray(jitted(jnp.asarray(logits), jnp.float32(temperature),
+                                 jnp.int32(top_k), jnp.float32(top_p)))
+    for row, frow in zip(logits, filtered):
+      kept = set(np.flatnonzero(np.isfinite(frow)).tolist())
+      assert kept == _numpy_nucleus(row.astype(np.float64) / temperature, top_p, top_k)
+  # top_p = 1 is off even where float32 cumulative mass reaches 1 early: a
+  # peaked row (the tail's mass ~255·e^-30 is below eps) keeps every token.
+  peaked = np.zeros((6, 256), np.float32)  # the shape above: the same program
+  peaked[:, 0] = 30.0
+  kept = np.isfinite(np.asarray(jitted(jnp.asarray(peaked), jnp.float32(1.0), jnp.int32(0),
+                                       jnp.float32(1.0))))
+  assert kept.all()
+  assert jitted._cache_size() == 1
+
+
+@pytest.mark.parametrize("cap,match", [(0, "max_new_tokens_cap"), (4, "max_new_tokens_cap=4 <")])
+def test_invalid_max_new_tokens_cap(cap, match):
+  with pytest.raises(ValueError, match=match):
+    SamplingConfig(max_new_tokens=5, max_new_tokens_cap=cap)
