@@ -15,6 +15,13 @@ plus ``forward_kl_coef · Σ_k ŵ_{t,k} KL(q_k,t ‖ p_s,t)`` (default 0). All l
 are divided by ``temperature`` and rebuilt inside the kernels from hidden
 states and heads; ``[B, T, V]`` is never materialised.
 
+With ``grpo_coef > 0`` the GRPO verifier-reward term (docs/DESIGN.md §5) is
+added to the aggregated loss: ``grpo_coef · opd.rl.loss.policy_loss(log p_s(y),
+old_logprobs, advantages, ...)`` with the clipped ratio on the same tokens
+and aggregation, ``log p_s(y)`` at the sampling temperature
+(``pallas_kernels.fused_cross_entropy``, logits never materialised). With
+``grpo_coef == 0`` the term is not even built.
+
 Aggregation over the response tokens (``loss_mask * mask``, minus rows that
 no teacher answered): ``token_mean`` (every token counts equally) or
 ``sequence_mean`` (mean over rows of each row's token mean).
@@ -27,6 +34,7 @@ The batch (teacher hidden states from :class:`opd.distill.cache.HiddenStateCache
     teacher_hidden            K arrays [B, T, D_k], aligned with ``tokens``
     teacher_weights           [B, T, K] >= 0 (opd.distill.schedule)
     positions (optional)      [B, T] int
+    old_logprobs, advantages  [B, T] float, [B] float   (only with grpo_coef > 0)
 """
 from __future__ import annotations
 
@@ -40,10 +48,13 @@ import pallas_kernels
 from pallas_kernels.api import IMPLS
 from opd.config import fields
 from opd.models import ModelConfig, forward, head_matrix
+from opd.rl.config import GRPOConfig
+from opd.rl.loss import policy_loss
 
 ESTIMATORS = ("full", "top_k", "token")
 AGGREGATIONS = ("token_mean", "sequence_mean")
 BATCH_KEYS = ("tokens", "targets", "mask", "loss_mask", "teacher_hidden", "teacher_weights")
+GRPO_KEYS = ("old_logprobs", "advantages")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +67,11 @@ class OPDLossConfig:
     temperature: τ > 0, divides every logit.
     aggregation: ``"token_mean"`` or ``"sequence_mean"``.
     forward_kl_coef: weight of the forward-KL term (>= 0, default 0).
+    grpo_coef: weight of the GRPO policy-gradient term (>= 0, default 0).
+    grpo_temperature: the sampling temperature the ``old_logprobs`` were
+      taken at (the GRPO term's log-probs use it; > 0).
+    grpo_clip_eps_low, grpo_clip_eps_high: the ratio's clip range, as
+      ``GRPOConfig.clip_eps_low`` / ``clip_eps_high`` (their defaults).
     impl: fused-kernel implementation (``"auto"``, ``"pallas"``,
       ``"chunked"``, ``"reference"``).
   """
@@ -64,6 +80,10 @@ class OPDLossConfig:
   temperature: float = 1.0
   aggregation: str = "token_mean"
   forward_kl_coef: float = 0.0
+  grpo_coef: float = 0.0
+  grpo_temperature: float = 1.0
+  grpo_clip_eps_low: float = GRPOConfig.clip_eps_low
+  grpo_clip_eps_high: float = GRPOConfig.clip_eps_high
   impl: str = "auto"
 
   def __post_init__(self):
@@ -74,16 +94,20 @@ class OPDLossConfig:
     fields.set_field(self, "top_k", fields.check_int(owner, "top_k", self.top_k, min_value=1))
     fields.set_field(self, "temperature", fields.check_float(
         owner, "temperature", self.temperature, min_value=0, min_exclusive=True))
-    fields.set_field(self, "forward_kl_coef", fields.check_float(
-        owner, "forward_kl_coef", self.forward_kl_coef, min_value=0))
+    for name, bounds in (("forward_kl_coef", dict(min_value=0)), ("grpo_coef", dict(min_value=0)),
+                         ("grpo_temperature", dict(min_value=0, min_exclusive=True)),
+                         ("grpo_clip_eps_low", dict(min_value=0, max_value=1,
+                                                    max_exclusive=True)),
+                         ("grpo_clip_eps_high", dict(min_value=0))):
+      fields.set_field(self, name, fields.check_float(owner, name, getattr(self, name), **bounds))
 
 
-def _check_batch(batch, k: int, widths: Sequence[int]):
-  missing = [key for key in BATCH_KEYS if key not in batch]
+def _check_batch(batch, k: int, widths: Sequence[int], grpo: bool):
+  missing = [key for key in BATCH_KEYS + (GRPO_KEYS if grpo else ()) if key not in batch]
   if missing:
     raise ValueError(f"batch is missing {missing}; it has {sorted(batch)}")
   bt = tuple(batch["tokens"].shape)
-  for key in ("targets", "mask", "loss_mask"):
+  for key in ("targets", "mask", "loss_mask") + (("old_logprobs",) if grpo else ()):
     if tuple(batch[key].shape) != bt or len(bt) != 2:
       raise ValueError(f"batch[{key!r}].shape={tuple(batch[key].shape)}: expected [B, T]={bt}")
   hidden = batch["teacher_hidden"]
@@ -93,6 +117,9 @@ def _check_batch(batch, k: int, widths: Sequence[int]):
     if tuple(h.shape) != bt + (d,):
       raise ValueError(f"batch['teacher_hidden'][{i}].shape={tuple(h.shape)}: expected "
                        f"[B, T, D_k]={bt + (d,)}")
+  if grpo and tuple(batch["advantages"].shape) != bt[:1]:
+    raise ValueError(f"batch['advantages'].shape={tuple(batch['advantages'].shape)}: expected "
+                     f"[B]={bt[:1]}")
   if tuple(batch["teacher_weights"].shape) != bt + (k,):
     raise ValueError(f"batch['teacher_weights'].shape={tuple(batch['teacher_weights'].shape)}: "
                      f"expected [B, T, K]={bt + (k,)}")
@@ -107,6 +134,18 @@ def _aggregate(per_token, keep, aggregation: str):
   rows = jnp.sum(per_token * keep, axis=1) / jnp.maximum(n, 1.0)
   has = (n > 0).astype(jnp.float32)
   return jnp.sum(rows * has) / jnp.maximum(jnp.sum(has), 1.0)
+
+
+def _grpo_term(config: OPDLossConfig, h_s, w_s, batch, keep, impl: str):
+  """``opd.rl.loss.policy_loss`` on the student's sampled tokens: (scalar, metrics)."""
+  b, t = keep.shape
+  logp = -pallas_kernels.fused_cross_entropy(
+      h_s, w_s, batch["targets"].reshape(b * t), mask=keep.reshape(b * t),
+      temperature=config.grpo_temperature, impl=impl).reshape(b, t)
+  return policy_loss(logp, batch["old_logprobs"].astype(jnp.float32), batch["advantages"],
+                     keep.astype(jnp.float32), clip_eps_low=config.grpo_clip_eps_low,
+                     clip_eps_high=config.grpo_clip_eps_high, kl_coef=0.0,
+                     aggregation=config.aggregation)
 
 
 def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
@@ -124,7 +163,10 @@ def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
   Returns:
     ``loss_fn``. Metrics: ``opd_tokens`` (trained tokens), ``opd_rows``
     (rows with a teacher), ``kl/<name>`` (mean reverse KL over the tokens
-    teacher k weighs; ``full`` only) and ``student_entropy`` (``full``).
+    teacher k weighs; ``full`` only) and ``student_entropy`` (``full``);
+    with ``grpo_coef > 0`` also ``kl_loss`` (the distillation part),
+    ``grpo_loss`` (the policy term before ``grpo_coef``) and
+    ``grpo_clip_frac_low`` / ``grpo_clip_frac_high`` / ``grpo_ratio_mean``.
   """
   heads = tuple(teacher_heads)
   if not heads:
@@ -142,10 +184,11 @@ def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
     raise ValueError(f"teacher_names has {len(names)} names for {len(heads)} teacher_heads")
   widths = [w.shape[0] for w in heads]
   tau, impl = float(config.temperature), config.impl
+  grpo = config.grpo_coef > 0
 
   def loss_fn(params, batch, rng):
     del rng
-    _check_batch(batch, len(heads), widths)
+    _check_batch(batch, len(heads), widths, grpo)
     b, t = batch["tokens"].shape
     out = forward(student_cfg, params, batch["tokens"], batch.get("positions"), batch["mask"],
                   return_logits=False, return_hidden=True)
@@ -179,6 +222,12 @@ def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
                                             impl="reference" if impl == "reference" else "auto")
       per_tok = per_tok + config.forward_kl_coef * fkl
     loss = _aggregate(per_tok.reshape(b, t), keep, config.aggregation)
+    if grpo:
+      pg, pg_metrics = _grpo_term(config, h_s, w_s, batch, keep, impl)
+      metrics.update(kl_loss=loss, grpo_loss=pg)
+      metrics.update({f"grpo_{k}": pg_metrics[k]
+                      for k in ("clip_frac_low", "clip_frac_high", "ratio_mean")})
+      loss = loss + config.grpo_coef * pg
     metrics["opd_tokens"] = jnp.sum(keep.astype(jnp.float32))
     metrics["opd_rows"] = jnp.sum(jnp.any(keep, axis=1).astype(jnp.float32))
     return loss, metrics

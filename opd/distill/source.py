@@ -7,7 +7,11 @@
 2. the student samples G responses per prompt at ``temperature``
    (``opd.rollout.rollout``, key ``fold_in(key(seed), s)``: a resumed run
    samples what an uninterrupted one would), verified only with
-   ``verify=True`` (then ``reward/mean`` is logged);
+   ``verify=True`` or ``grpo_coef > 0`` (then ``reward/mean`` is logged);
+   with ``grpo_coef > 0`` the rewards of rows ``p*G .. p*G+G-1`` (prompt
+   p's samples) become group-normalised advantages
+   (``opd.rl.advantages.group_advantages``), put in the batch with the
+   sampler's ``old_logprobs`` for the loss's GRPO term;
 3. builds the schedule's weights ``w [B, T, K]`` (routing by
    ``Example.domain``, confidence or uniform), annealed to uniform over the
    last ``anneal_steps`` of the run;
@@ -28,7 +32,7 @@ Host metrics per step: ``skips/<teacher>/<reason>`` (cumulative),
 ``skips/steps``, ``weight/<teacher>`` (mean weight over response tokens),
 ``cache/bytes_per_token/<teacher>`` vs ``cache/bytes_per_token/logits``,
 ``response/length_mean``, ``opd/masked_rows``, ``opd/skipped_step``,
-``reward/mean`` (verified), and every ``diag_every`` steps
+``reward/mean`` (verified), ``advantage/abs_mean`` (GRPO term), and every ``diag_every`` steps
 ``diag/<teacher>/...`` (``opd.distill.diagnostics``) on a sample of the
 response tokens that teacher answered.
 """
@@ -51,8 +55,11 @@ from opd.distill.faults import FaultTolerantTeachers
 from opd.distill.loss import AGGREGATIONS, ESTIMATORS, OPDLossConfig
 from opd.models import ModelConfig, forward, head_matrix
 from opd.parallel import sharding as sharding_lib
+from opd.rl.advantages import group_advantages
+from opd.rl.config import GRPOConfig
 from opd.rl.rollout_source import (GRPOSource, draw_prompts, fit_episode, prompt_problem,
                                    training_length)
+from opd.rl.scoring import score_episodes
 from opd.tasks import RewardStats
 from opd.training.train_step import shard_batch
 
@@ -85,6 +92,10 @@ class OPDConfig:
     top_k: k of the ``top_k`` estimator.
     aggregation: ``"token_mean"`` or ``"sequence_mean"``.
     forward_kl_coef: weight of the forward-KL term (default 0).
+    grpo_coef: weight of the GRPO verifier-reward term (default 0: none,
+      and no verification forced).
+    grpo_clip_eps_low, grpo_clip_eps_high: that term's ratio clip range
+      (``GRPOConfig``'s defaults).
     updates_per_batch: optimizer updates on each rollout batch (all served
       from the one hidden-state cache entry).
     deadline_s: seconds each teacher call may take before it is skipped.
@@ -109,6 +120,9 @@ class OPDConfig:
   top_k: int = 8
   aggregation: str = "token_mean"
   forward_kl_coef: float = 0.0
+  grpo_coef: float = 0.0
+  grpo_clip_eps_low: float = GRPOConfig.clip_eps_low
+  grpo_clip_eps_high: float = GRPOConfig.clip_eps_high
   updates_per_batch: int = 1
   deadline_s: float = 60.0
   cache_dtype: str = "bfloat16"
@@ -126,8 +140,12 @@ class OPDConfig:
     for name in ("temperature", "kl_temperature", "confidence_temperature", "deadline_s"):
       fields.set_field(self, name, fields.check_float(owner, name, getattr(self, name),
                                                       min_value=0, min_exclusive=True))
-    fields.set_field(self, "forward_kl_coef", fields.check_float(
-        owner, "forward_kl_coef", self.forward_kl_coef, min_value=0))
+    for name in ("forward_kl_coef", "grpo_coef", "grpo_clip_eps_high"):
+      fields.set_field(self, name, fields.check_float(owner, name, getattr(self, name),
+                                                      min_value=0))
+    fields.set_field(self, "grpo_clip_eps_low", fields.check_float(
+        owner, "grpo_clip_eps_low", self.grpo_clip_eps_low, min_value=0, max_value=1,
+        max_exclusive=True))
     for name in ("confidence_per_token", "verify"):
       fields.set_field(self, name, fields.check_bool(owner, name, getattr(self, name)))
     fields.check_choice(owner, "schedule", self.schedule, SCHEDULES)
@@ -145,11 +163,19 @@ class OPDConfig:
     """B = prompts_per_step * group_size."""
     return self.prompts_per_step * self.group_size
 
+  @property
+  def verifies(self) -> bool:
+    """The rollouts are verified: ``verify`` asked, or the GRPO term needs rewards."""
+    return self.verify or self.grpo_coef > 0
+
   def loss_config(self) -> OPDLossConfig:
     """The loss's options (``opd.distill.loss.make_opd_loss``)."""
     return OPDLossConfig(estimator=self.estimator, top_k=self.top_k,
                          temperature=self.kl_temperature, aggregation=self.aggregation,
-                         forward_kl_coef=self.forward_kl_coef)
+                         forward_kl_coef=self.forward_kl_coef, grpo_coef=self.grpo_coef,
+                         grpo_temperature=self.temperature,
+                         grpo_clip_eps_low=self.grpo_clip_eps_low,
+                         grpo_clip_eps_high=self.grpo_clip_eps_high)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -211,7 +237,7 @@ class OPDSource:
     self._sampling = rollout_lib.sampling_for_chat(
         tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
     self._problem = functools.partial(prompt_problem, tokenizer=tokenizer, cfg=cfg,
-                                      custom_reward=not cfg.verify)
+                                      custom_reward=not cfg.verifies)
     self._student_hidden = make_hidden_fn(student_cfg, mesh=mesh, rules=rules)
     self._tokens = 0.0
 
@@ -252,8 +278,9 @@ class OPDSource:
     examples = [ex for ex in drawn for _ in range(cfg.group_size)]
     episodes = rollout_lib.rollout(
         self.student_cfg, state.params, self.tokenizer, examples,
-        jax.random.fold_in(self._key, step), self._sampling, stats=stats if cfg.verify else None,
-        mesh=self.mesh, rules=self.rules, verify=cfg.verify, batch_size=cfg.batch_size)
+        jax.random.fold_in(self._key, step), self._sampling,
+        stats=stats if cfg.verifies else None, mesh=self.mesh, rules=self.rules,
+        verify=cfg.verifies, batch_size=cfg.batch_size)
     t1 = time.perf_counter()
     kept = [fit_episode(ep, cfg.seq_len)[0] for ep in episodes]
     host = rollout_lib.batch_episodes(kept, seq_len=training_length(kept, cfg),
@@ -266,10 +293,18 @@ class OPDSource:
     opd, row_ok = loss_batch(host, cached, w)
     skipped = not cached.batch_ok
     opd["loss_mask"] = host["loss_mask"] * row_ok[:, None] * (not skipped)
+    if cfg.grpo_coef > 0:
+      # Row p * G + g is sample g of prompt p: [P, G] groups are same-prompt.
+      rewards = np.asarray([sc.reward for sc in score_episodes(episodes)])
+      opd["advantages"] = group_advantages(rewards.reshape(cfg.prompts_per_step,
+                                                           cfg.group_size)).reshape(-1)
+      opd["old_logprobs"] = host["old_logprobs"]
     hidden, weights = opd.pop("teacher_hidden"), opd.pop("teacher_weights")
     batch = shard_batch({**opd, "teacher_weights": np.asarray(weights)}, self.mesh, self.rules)
     batch["teacher_hidden"] = hidden
     metrics = self._metrics(episodes, host, cached, np.asarray(weights), row_ok, skipped)
+    if "advantages" in opd:
+      metrics["advantage/abs_mean"] = float(np.abs(opd["advantages"]).mean())
     if cfg.diag_every and step % cfg.diag_every == 0 and not skipped:
       metrics.update(self._diagnostics(state.params, batch, cached, step))
     metrics.update({"perf/rollout_time_s": t1 - t0, "perf/teacher_time_s": t2 - t1,
