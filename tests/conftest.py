@@ -16,3 +16,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Property tests draw the same examples on every machine and every run, so a
+# CI result never depends on luck; HYPOTHESIS_PROFILE=explore draws fresh ones
+# (see docs/DEVELOPING.md).
+from hypothesis import settings as _hyp_settings  # noqa: E402
+
+_hyp_settings.register_profile("ci", derandomize=True, print_blob=True)
+_hyp_settings.register_profile("explore", derandomize=False, print_blob=True)
+_hyp_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -4,7 +4,7 @@ import json
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from opd.text import chat, parsers
@@ -60,7 +60,11 @@ def test_rendered_call_parses_back_in_both_parsers(call, thinking):
 @given(_garbage)
 def test_parsers_agree_on_any_call_body(body):
   """Whatever sits between the tags, both parsers accept it or both reject it,
-  and an accepted call re-renders to a text that parses to itself."""
+  and an accepted call re-renders to a text that parses to itself.
+
+  A body holding a stop token is left to the test below: the completion
+  parser reads only up to the first stop token, by design."""
+  assume(END not in body and EOS not in body)
   text = f"<tool_call>{body}</tool_call>"
   got_chat, got_verifier = _chat_valid(text), _verifier_valid(text)
   assert got_chat == got_verifier
@@ -68,6 +72,21 @@ def test_parsers_agree_on_any_call_body(body):
   assert (got_chat is not None) == isinstance(decoded, ToolCall)
   if got_chat is not None:
     assert _chat_valid(format_tool_call(got_chat)) == got_chat
+
+
+@pytest.mark.parametrize("stop", [END, EOS])
+def test_a_stop_token_ends_what_the_completion_parser_reads(stop):
+  """Found by hypothesis on CI: ``<tool_call>CALL</tool_call><|end|></tool_call>``.
+  The completion ends at the stop token, so chat reads one valid call; the
+  verifier, given the whole string, also sees the stray close tag. On the text
+  up to the stop token they agree again."""
+  call = '{"name": "f", "arguments": {}}'
+  head = f"<tool_call>{call}</tool_call>"
+  text = f"{head}{stop}</tool_call>"
+  assert _chat_valid(text) == ToolCall("f", {})
+  assert chat.parse_completion(text).finished
+  assert parsers.parse_tool_calls(text).errors == ("stray_close_tag",)
+  assert _verifier_valid(head) == _chat_valid(head) == ToolCall("f", {})
 
 
 @PROPERTY
