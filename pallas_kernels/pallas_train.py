@@ -1,0 +1,354 @@
+"""Pallas gradient-in-forward reverse KL for training (docs/DESIGN.md §4).
+
+For the scalar loss ``L = Σ_t c_t Σ_k ŵ_tk KL(p_t‖q_tk)`` the gradient is
+known during the forward pass. With ``z = h_s W_s / τ``, ``y_k = h_k W_k / τ``,
+``s_t = Σ_k ŵ_tk`` (1, or 0 for an absent token) and ``b = s z − Σ_k ŵ_k y_k``::
+
+    L_t = E_p[b] − s lse(z) + Σ_k ŵ_k lse(y_k),   dL/dz_tv = c_t p_tv (b_tv − E_p[b]),
+    dh_s = τ⁻¹ g W_sᵀ,   dW_s = τ⁻¹ h_sᵀ g,        g = dL/dz.
+
+``g`` needs ``lse(z)`` and ``E_p[b]``, which are known only after the whole
+vocabulary, so an XLA ``lax.scan`` walks the tokens in chunks of ``block_c``
+and runs two phases per chunk:
+
+* phase 1 (:func:`_phase1_kernel`, grid ``(C/bt, V/bv)``, every program
+  independent): the ``1 + K`` logit matmuls of one tile, written to a
+  ``[C, V]`` float32 buffer pair ``(z, b)``, plus per-tile partial statistics
+  (max, ``Σ e^{z−m}``, ``Σ e^{z−m} b``, teacher max / sums) that XLA merges
+  exactly (:func:`merge_tiles`);
+* phase 2: ``g`` from the buffered tiles, ``dh`` and ``dW`` with two matmuls.
+
+Head matmuls: ``3 + K`` per step (4 at K = 1, 6 at K = 3), against
+``2 (1 + K) + 2`` for the per-token custom_vjp path, which recomputes every
+logit tile in its backward. The buffer costs ``8 C V`` bytes (C=256,
+V=131072: 256 MiB); ``block_c`` trades it against the scan length.
+
+Why a token-chunk scan in XLA rather than one kernel: keeping phase 1 free of
+grid-carried state makes it the same program on TPU (Mosaic) and GPU
+(Triton), and the chunk bounds both the buffer and phase 2's resident ``dh``
+block. Phase 2 has two layouts, as :mod:`pallas_kernels.pallas_kl` does:
+
+* ``"tiled"`` (TPU; CPU interpret): one kernel, grid ``(V/bv, C/bt)``; the
+  ``[Ds, bv]`` ``dW`` tile stays resident over the inner token axis (it is
+  aliased with the carried ``dW``, so chunks accumulate in place) and the
+  whole ``[C, Ds]`` ``dh`` block stays resident over the grid;
+* ``"looped"`` (GPU): Triton runs grid points in parallel, so the reductions
+  are in-kernel loops (:mod:`pallas_kernels.pallas_train_looped`): a ``dh``
+  kernel over token tiles and a ``dW`` kernel over vocabulary tiles, with the
+  hidden width chunked by ``block_d``. ``g`` is recomputed (elementwise, no
+  matmul) in each.
+
+T, V (and, looped, the widths) are zero-padded to the blocks: padded columns
+get ``z = NEG`` (so ``p = 0``), padded tokens ``c = ŵ = 0``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import pallas_train_looped as looped, tile_math
+from pallas_kernels.pallas_kl import LAYOUTS, _pow2, _round_up
+
+_F32 = jnp.float32
+_NT = (((1,), (1,)), ((), ()))
+_TN = (((0,), (0,)), ((), ()))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainBlockSizes:
+  """Block sizes of the gradient-in-forward kernels.
+
+  Attributes:
+    block_c: tokens per scan step (the ``[C, V]`` buffer); a multiple of
+      ``block_t``.
+    block_t: tokens per tile.
+    block_v: vocabulary columns per tile.
+    layout: ``"tiled"`` (TPU grid pipeline) or ``"looped"`` (GPU in-kernel loops).
+    block_d: looped only: hidden-width chunk per ``dot``.
+    num_warps, num_stages: looped only: Triton compiler parameters.
+    vmem_limit_bytes: tiled only: scoped VMEM limit requested from Mosaic.
+  """
+  block_c: int
+  block_t: int
+  block_v: int
+  layout: str = "tiled"
+  block_d: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+  vmem_limit_bytes: int = 96 * 2**20
+
+  def __post_init__(self):
+    if self.layout not in LAYOUTS:
+      raise ValueError(f"TrainBlockSizes.layout={self.layout!r}: expected one of {LAYOUTS}")
+    for name in ("block_c", "block_t", "block_v", "block_d", "num_warps", "num_stages",
+                 "vmem_limit_bytes"):
+      val = getattr(self, name)
+      if not (isinstance(val, int) and val > 0):
+        raise ValueError(f"TrainBlockSizes.{name}={val!r} must be a positive int")
+    if self.block_c % self.block_t:
+      raise ValueError(f"TrainBlockSizes.block_c={self.block_c} must be a multiple of "
+                       f"block_t={self.block_t}")
+    if self.layout == "tiled" and (self.block_t % 8 or self.block_v % 128):
+      raise ValueError(f"TrainBlockSizes(block_t={self.block_t}, block_v={self.block_v}): the "
+                       "tiled (TPU) layout needs block_t % 8 == 0 and block_v % 128 == 0")
+    if self.layout == "looped":
+      for name in ("block_t", "block_v", "block_d"):
+        if not (_pow2(getattr(self, name)) and getattr(self, name) >= 16):
+          raise ValueError(f"TrainBlockSizes.{name}={getattr(self, name)}: the looped (Triton) "
+                           "layout needs a power of two >= 16")
+
+  @classmethod
+  def get_default(cls, backend: str | None = None) -> "TrainBlockSizes":
+    """Defaults per backend (``jax.default_backend()`` if None); untuned: no
+    TPU or GPU was available when they were chosen."""
+    backend = backend or jax.default_backend()
+    if backend == "tpu":
+      return cls(block_c=512, block_t=256, block_v=512)
+    if backend in ("gpu", "cuda", "rocm"):
+      return cls(block_c=256, block_t=64, block_v=128, layout="looped", num_stages=3)
+    return cls(block_c=256, block_t=64, block_v=256)
+
+
+def _fit(bs: TrainBlockSizes, t: int, v: int, dtype) -> TrainBlockSizes:
+  """Shrinks blocks larger than the (rounded-up) arrays."""
+  if bs.layout == "tiled":
+    bt = min(bs.block_t, _round_up(t, 8 * max(1, 4 // jnp.dtype(dtype).itemsize)))
+    bv = min(bs.block_v, _round_up(v, 128))
+  else:
+    p2 = lambda n: max(16, 1 << (n - 1).bit_length())
+    bt, bv = min(bs.block_t, p2(t)), min(bs.block_v, p2(v))
+  bc = min(_round_up(bs.block_c, bt), _round_up(t, bt))
+  return dataclasses.replace(bs, block_c=bc, block_t=bt, block_v=bv)
+
+
+def _phase1_kernel(*refs, k, vocab, bv, bd, inv_tau):
+  """refs = hs [bt, Ds], ws [Ds, bv], (h_k, w_k)*K, ŵ_k [bt, 1]*K | z, b [bt, bv],
+  per-tile m, l, sb, (m_k, l_k)*K [bt, 1]."""
+  hs_ref, ws_ref = refs[:2]
+  t_refs, w_hat = refs[2:2 + 2 * k], [r[...] for r in refs[2 + 2 * k:2 + 3 * k]]
+  z_ref, b_ref, *stat_refs = refs[2 + 3 * k:]
+  z = looped.dot_refs(hs_ref, ws_ref, bd) * inv_tau
+  y, s, teacher_stats = jnp.zeros_like(z), jnp.zeros_like(w_hat[0]), []
+  valid = None
+  if vocab % bv:  # padded columns: W is 0 there, so z = x_k = b = 0 before masking
+    valid = pl.program_id(1) * bv + lax.broadcasted_iota(jnp.int32, (1, bv), 1) < vocab
+  for i in range(k):
+    x = looped.dot_refs(t_refs[2 * i], t_refs[2 * i + 1], bd) * inv_tau
+    y, s = y + w_hat[i] * x, s + w_hat[i]
+    x = tile_math._sel(valid, x, tile_math.NEG)
+    m_k = jnp.max(x, axis=1, keepdims=True)
+    teacher_stats += [m_k, jnp.sum(jnp.exp(x - m_k), axis=1, keepdims=True)]
+  b = s * z - y
+  z = tile_math._sel(valid, z, tile_math.NEG)
+  m = jnp.max(z, axis=1, keepdims=True)
+  e = jnp.exp(z - m)
+  z_ref[...], b_ref[...] = z, b
+  for ref, val in zip(stat_refs, [m, jnp.sum(e, axis=1, keepdims=True),
+                                  jnp.sum(e * b, axis=1, keepdims=True), *teacher_stats]):
+    ref[...] = val
+
+
+def phase1(h_s, w_s, h_k, w_k, w_hat_cols, *, inv_tau, bs, interpret, vocab):
+  """Logit buffers and per-tile statistics of one token chunk.
+
+  Args:
+    h_s: [C, Ds]; w_s: [Ds, Vp]; h_k / w_k: K arrays [C, Dt_k] / [Dt_k, Vp]
+      (padded to the blocks); w_hat_cols: K columns [C, 1] of ŵ.
+    vocab: the unpadded V.
+
+  Returns:
+    ``z, b`` [C, Vp] f32 and ``3 + 2K`` per-tile statistics [V/bv, C, 1].
+  """
+  c, vp, k = h_s.shape[0], w_s.shape[1], len(h_k)
+  bt, bv = bs.block_t, bs.block_v
+  nv = vp // bv
+  bd = bs.block_d if bs.layout == "looped" else None
+  specs = []
+  for h, w in [(h_s, w_s), *zip(h_k, w_k)]:
+    specs += [pl.BlockSpec((bt, h.shape[1]), lambda i, j: (i, 0)),
+              pl.BlockSpec((w.shape[0], bv), lambda i, j: (0, j))]
+  tile = pl.BlockSpec((bt, bv), lambda i, j: (i, j))
+  stat = pl.BlockSpec((None, bt, 1), lambda i, j: (j, i, 0))
+  outs = pl.pallas_call(
+      functools.partial(_phase1_kernel, k=k, vocab=vocab, bv=bv, bd=bd, inv_tau=inv_tau),
+      out_shape=[tile_math.out_struct((c, vp), _F32, h_s, w_s)] * 2
+      + [tile_math.out_struct((nv, c, 1), _F32, h_s, w_s)] * (3 + 2 * k),
+      grid=(c // bt, nv),
+      in_specs=specs + [pl.BlockSpec((bt, 1), lambda i, j: (i, 0))] * k,
+      out_specs=[tile] * 2 + [stat] * (3 + 2 * k),
+      compiler_params=_params(bs, ("parallel", "parallel")),
+      interpret=interpret, name="reverse_kl_train_phase1")(
+          h_s, w_s, *[a for hw in zip(h_k, w_k) for a in hw], *w_hat_cols)
+  return outs[0], outs[1], [o[..., 0] for o in outs[2:]]
+
+
+def merge_tiles(m, l, sb, *teacher):
+  """Exact merge of per-tile statistics ``[P, C]`` over the partition axis 0.
+
+  Returns ``(lse, eb, lse_k)``: ``lse(z)`` [C], ``E_p[b]`` [C] and K arrays
+  ``lse(y_k)`` [C]. Every partition has a valid column, so ``Σ l > 0``.
+  """
+  def lse_of(mx, sums):
+    top = jnp.max(mx, axis=0)
+    w = jnp.exp(mx - top)
+    return top, w, jnp.sum(w * sums, axis=0)
+  top, w, l_tot = lse_of(m, l)
+  lse_k = []
+  for i in range(len(teacher) // 2):
+    top_k, _, l_k = lse_of(teacher[2 * i], teacher[2 * i + 1])
+    lse_k.append(top_k + jnp.log(l_k))
+  return top + jnp.log(l_tot), jnp.sum(w * sb, axis=0) / l_tot, lse_k
+
+
+def _phase2_tiled_kernel(z_ref, b_ref, lse_ref, eb_ref, c_ref, hs_ref, ws_ref, dw_in_ref,
+                         dh_ref, dw_ref, *, bt):
+  """Grid (V tiles, token tiles): ``g`` of one tile; dh rows += g W_sᵀ, dW tile += h_sᵀ g."""
+  j, i = pl.program_id(0), pl.program_id(1)
+  g = c_ref[...] * jnp.exp(z_ref[...] - lse_ref[...]) * (b_ref[...] - eb_ref[...])
+  hs, ws = hs_ref[...], ws_ref[...]
+  rows = pl.ds(pl.multiple_of(i * bt, bt), bt)
+  dh = lax.dot_general(g.astype(ws.dtype), ws, _NT, preferred_element_type=_F32)
+
+  @pl.when(j == 0)
+  def _first_tile():
+    dh_ref[rows, :] = dh
+
+  @pl.when(j > 0)
+  def _next_tile():
+    dh_ref[rows, :] += dh
+
+  @pl.when(i == 0)
+  def _carry_dw():
+    dw_ref[...] = dw_in_ref[...]
+
+  dw_ref[...] += lax.dot_general(hs, g.astype(hs.dtype), _TN, preferred_element_type=_F32)
+
+
+def _phase2_tiled(z, b, cols, h_s, w_s, dw, *, bs, interpret):
+  c, vp = z.shape
+  ds = h_s.shape[1]
+  bt, bv = bs.block_t, bs.block_v
+  col = pl.BlockSpec((bt, 1), lambda j, i: (i, 0))
+  tile = pl.BlockSpec((bt, bv), lambda j, i: (i, j))
+  w_tile = pl.BlockSpec((ds, bv), lambda j, i: (0, j))
+  return pl.pallas_call(
+      functools.partial(_phase2_tiled_kernel, bt=bt),
+      out_shape=[tile_math.out_struct((c, ds), _F32, z, w_s), tile_math.out_struct(dw.shape, _F32, z, dw)],
+      grid=(vp // bv, c // bt),
+      in_specs=[tile, tile, col, col, col, pl.BlockSpec((bt, ds), lambda j, i: (i, 0)), w_tile,
+                w_tile],
+      out_specs=[pl.BlockSpec((c, ds), lambda j, i: (0, 0)), w_tile],
+      input_output_aliases={7: 1},
+      compiler_params=_params(bs, ("arbitrary", "arbitrary")),
+      interpret=interpret, name="reverse_kl_train_phase2")(z, b, *cols, h_s, w_s, dw)
+
+
+def _params(bs: TrainBlockSizes, semantics):
+  if bs.layout == "looped":
+    return looped.compiler_params(bs.num_warps, bs.num_stages)
+  return pltpu.CompilerParams(dimension_semantics=semantics,
+                              vmem_limit_bytes=bs.vmem_limit_bytes)
+
+
+def train_grads_core(h_s, w_s, h_k, w_k, w_hat, coef, *, inv_tau, bs, interpret, combine=None):
+  """Loss and gradients; ``combine`` merges per-token statistics across
+  vocabulary shards (identity when unsharded), see :mod:`pallas_kernels.sharded_train`.
+
+  Returns ``(loss, dh_s [T, Ds] f32, dW_s [Ds, V] f32)``; under ``combine``
+  ``dh_s`` is this shard's partial sum and ``dW_s`` its columns.
+  """
+  t, v, k = h_s.shape[0], w_s.shape[1], len(h_k)
+  bc, bd = bs.block_c, (bs.block_d if bs.layout == "looped" else 1)
+  tp, vp = _round_up(t, bc), _round_up(v, bs.block_v)
+  pad = lambda a, shape: jnp.pad(a, [(0, n - d) for n, d in zip(shape, a.shape)])
+  mats = [pad(m, (tp, _round_up(m.shape[1], bd))) for m in (h_s, *h_k)]
+  heads = [pad(w, (_round_up(w.shape[0], bd), vp)) for w in (w_s, *w_k)]
+  chunks = lambda a: a.reshape(tp // bc, bc, *a.shape[1:])
+  xs = ([chunks(m) for m in mats], chunks(pad(w_hat.astype(_F32), (tp, k))),
+        chunks(pad(coef.astype(_F32), (tp,))))
+
+  def step(carry, x):
+    loss, dw = carry
+    (hc, *hkc), w_hat_c, coef_c = x
+    z, b, tiles = phase1(hc, heads[0], hkc, heads[1:], [w_hat_c[:, i:i + 1] for i in range(k)],
+                         inv_tau=inv_tau, bs=bs, interpret=interpret, vocab=v)
+    lse, eb, lse_k = merge_tiles(*tiles)
+    if combine is not None:
+      lse, eb, lse_k = combine(lse, eb, lse_k)
+    s = jnp.sum(w_hat_c, axis=1)
+    per_token = eb - s * lse + sum(w_hat_c[:, i] * lse_k[i] for i in range(k))
+    loss = loss + jnp.sum(jnp.where(coef_c != 0, coef_c * per_token, 0.0))
+    cols = [lse[:, None], eb[:, None], (coef_c * inv_tau)[:, None]]
+    if bs.layout == "looped":
+      dh, dw = looped.phase2(z, b, cols, hc, heads[0], dw, bs=bs, interpret=interpret)
+    else:
+      dh, dw = _phase2_tiled(z, b, cols, hc, heads[0], dw, bs=bs, interpret=interpret)
+    return (loss, dw), dh
+
+  init = tile_math.match_vma((jnp.zeros((), _F32), jnp.zeros(heads[0].shape, _F32)), h_s, w_s)
+  (loss, dw), dh = lax.scan(step, init, xs)
+  return loss, dh.reshape(tp, -1)[:t, :h_s.shape[1]], dw[:w_s.shape[0], :v]
+
+
+@functools.lru_cache(maxsize=None)
+def _grads_fn(inv_tau: float, bs: TrainBlockSizes, interpret: bool):
+  def fn(h_s, w_s, h_k, w_k, w_hat, coef):
+    loss, dh, dw = train_grads_core(h_s, w_s, h_k, w_k, w_hat, coef, inv_tau=inv_tau, bs=bs,
+                                    interpret=interpret)
+    return loss, dh.astype(h_s.dtype), dw.astype(w_s.dtype)
+  return jax.jit(fn)
+
+
+def check_block_sizes(block_sizes, h_s, w_s) -> TrainBlockSizes:
+  """The validated, fitted block sizes (default: ``TrainBlockSizes.get_default()``)."""
+  if block_sizes is not None and not isinstance(block_sizes, TrainBlockSizes):
+    raise ValueError(f"block_sizes={block_sizes!r}: the Pallas training path takes a "
+                     "TrainBlockSizes")
+  return _fit(block_sizes or TrainBlockSizes.get_default(), h_s.shape[0], w_s.shape[1], h_s.dtype)
+
+
+def train_grads_pallas(h_s: jax.Array, w_s: jax.Array, h_k: Sequence[jax.Array],
+                       w_k: Sequence[jax.Array], w_hat: jax.Array, coef: jax.Array,
+                       temperature: float, block_sizes: TrainBlockSizes | None = None,
+                       interpret: bool | None = None):
+  """``(loss, dL/dh_s, dL/dW_s)`` of ``L = Σ_t c_t Σ_k ŵ_tk KL(p_t‖q_tk)`` in one pass.
+
+  Args:
+    h_s: [T, Ds] student hidden states.
+    w_s: [Ds, V] student head.
+    h_k: K >= 1 arrays [T, Dt_k] teacher hidden states.
+    w_k: K arrays [Dt_k, V] teacher heads.
+    w_hat: [T, K] renormalised teacher weights (rows sum to 1, or are all 0).
+    coef: [T] per-token coefficients c_t (e.g. mask / token count).
+    temperature: τ > 0 (static).
+    block_sizes: :class:`TrainBlockSizes` (default: ``get_default()``).
+    interpret: Pallas interpret mode (default: on CPU).
+
+  Returns:
+    ``loss`` scalar f32, ``dh_s`` [T, Ds] and ``dW_s`` [Ds, V] in the input dtypes.
+
+  Raises:
+    ValueError: mismatched shapes, no teachers, or bad block sizes.
+  """
+  if h_s.ndim != 2 or w_s.ndim != 2 or h_s.shape[1] != w_s.shape[0]:
+    raise ValueError(f"{h_s.shape=} and {w_s.shape=}: expected [T, Ds] and [Ds, V]")
+  t, k = h_s.shape[0], len(h_k)
+  if k == 0 or len(w_k) != k:
+    raise ValueError(f"{len(h_k)=} teacher hiddens and {len(w_k)=} heads: need K >= 1 of each")
+  for i, (h, w) in enumerate(zip(h_k, w_k)):
+    if h.shape[0] != t or h.shape[1] != w.shape[0] or w.shape[1] != w_s.shape[1]:
+      raise ValueError(f"teacher {i}: {h.shape=} {w.shape=} do not match {h_s.shape=} {w_s.shape=}")
+  if w_hat.shape != (t, k) or coef.shape != (t,):
+    raise ValueError(f"{w_hat.shape=} and {coef.shape=}: expected [T, K]=({t}, {k}) and [T]")
+  bs = check_block_sizes(block_sizes, h_s, w_s)
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  fn = _grads_fn(1.0 / float(temperature), bs, bool(interpret))
+  return fn(h_s, w_s, tuple(h_k), tuple(w_k), w_hat, coef)
