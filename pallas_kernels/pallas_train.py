@@ -1,11 +1,11 @@
 """Pallas gradient-in-forward reverse KL for training (docs/DESIGN.md §4).
 
 For the scalar loss ``L = Σ_t c_t Σ_k ŵ_tk KL(p_t‖q_tk)`` the gradient is
-known during the forward pass. With ``z = h_s W_s / τ``, ``y_k = h_k W_k / τ``,
-``s_t = Σ_k ŵ_tk`` (1, or 0 for an absent token) and ``b = s z − Σ_k ŵ_k y_k``::
+known during the forward pass. With ``z = h_s W_s / τ``, ``x_k = h_k W_k / τ``,
+``p = softmax(z)`` and ``b = s z − Σ_k ŵ_k x_k`` (``s = Σ_k ŵ_k``: 1, or 0
+for an absent token, so that ``E_p[b] = Σ_k ŵ_k E_p[z − x_k]`` always)::
 
-    L_t = E_p[b] − s lse(z) + Σ_k ŵ_k lse(y_k),   dL/dz_tv = c_t p_tv (b_tv − E_p[b]),
-    dh_s = τ⁻¹ g W_sᵀ,   dW_s = τ⁻¹ h_sᵀ g,        g = dL/dz.
+    g = dL/dz = c p (b − E_p[b]),   dh_s = τ⁻¹ g W_sᵀ,   dW_s = τ⁻¹ h_sᵀ g.
 
 ``g`` needs ``lse(z)`` and ``E_p[b]``, which are known only after the whole
 vocabulary, so an XLA ``lax.scan`` walks the tokens in chunks of ``block_c``
@@ -13,9 +13,11 @@ and runs two phases per chunk:
 
 * phase 1 (:func:`_phase1_kernel`, grid ``(C/bt, V/bv)``, every program
   independent): the ``1 + K`` logit matmuls of one tile, written to a
-  ``[C, V]`` float32 buffer pair ``(z, b)``, plus per-tile partial statistics
-  (max, ``Σ e^{z−m}``, ``Σ e^{z−m} b``, teacher max / sums) that XLA merges
-  exactly (:func:`merge_tiles`);
+  ``[C, V]`` float32 buffer pair ``(z, b)``, plus the per-tile statistics
+  ``(lse, ent, E_p[z − x_k], lse_k)`` of :mod:`pallas_kernels.tile_math`,
+  which XLA merges exactly (:func:`tile_math.merge_stats`; across vocabulary
+  shards :func:`tile_math.merge_stats_collective`). They also give the
+  per-token KL and entropy the training entry returns;
 * phase 2: ``g`` from the buffered tiles, ``dh`` and ``dW`` with two matmuls.
 
 Head matmuls: ``3 + K`` per step (4 at K = 1, 6 at K = 3), against
@@ -55,6 +57,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import pallas_train_looped as looped, tile_math
 from pallas_kernels.pallas_kl import LAYOUTS, _pow2, _round_up
+from pallas_kernels.tile_math import Stats
+from pallas_kernels.train_loss import TrainOut, weighted_loss
 
 _F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))
@@ -128,83 +132,66 @@ def _fit(bs: TrainBlockSizes, t: int, v: int, dtype) -> TrainBlockSizes:
   return dataclasses.replace(bs, block_c=bc, block_t=bt, block_v=bv)
 
 
-def _phase1_kernel(*refs, k, vocab, bv, bd, inv_tau):
-  """refs = hs [bt, Ds], ws [Ds, bv], (h_k, w_k)*K, ŵ_k [bt, 1]*K | z, b [bt, bv],
-  per-tile m, l, sb, (m_k, l_k)*K [bt, 1]."""
+def _phase1_kernel(*refs, k, n_heads, vocab, bv, bd, inv_tau):
+  """refs = hs [bt, Ds], ws [Ds, bv], h_k [bt, Dt]*K, w_k [Dt, bv]*n_heads, ŵ_k [bt, 1]*K |
+  z, b [bt, bv], per-tile lse, ent, e_k*K, lse_k*K [bt, 1]."""
   hs_ref, ws_ref = refs[:2]
-  t_refs, w_hat = refs[2:2 + 2 * k], [r[...] for r in refs[2 + 2 * k:2 + 3 * k]]
-  z_ref, b_ref, *stat_refs = refs[2 + 3 * k:]
+  hk_refs, wk_refs = refs[2:2 + k], refs[2 + k:2 + k + n_heads]
+  w_hat = [r[...] for r in refs[2 + k + n_heads:2 + 2 * k + n_heads]]
+  z_ref, b_ref, *stat_refs = refs[2 + 2 * k + n_heads:]
   z = looped.dot_refs(hs_ref, ws_ref, bd) * inv_tau
-  y, s, teacher_stats = jnp.zeros_like(z), jnp.zeros_like(w_hat[0]), []
+  # A shared head (n_heads = 1) is one input: its tile is loaded once for all K.
+  xs = [looped.dot_refs(hk_refs[i], wk_refs[min(i, n_heads - 1)], bd) * inv_tau
+        for i in range(k)]
   valid = None
   if vocab % bv:  # padded columns: W is 0 there, so z = x_k = b = 0 before masking
     valid = pl.program_id(1) * bv + lax.broadcasted_iota(jnp.int32, (1, bv), 1) < vocab
-  for i in range(k):
-    x = looped.dot_refs(t_refs[2 * i], t_refs[2 * i + 1], bd) * inv_tau
-    y, s = y + w_hat[i] * x, s + w_hat[i]
-    x = tile_math._sel(valid, x, tile_math.NEG)
-    m_k = jnp.max(x, axis=1, keepdims=True)
-    teacher_stats += [m_k, jnp.sum(jnp.exp(x - m_k), axis=1, keepdims=True)]
-  b = s * z - y
-  z = tile_math._sel(valid, z, tile_math.NEG)
-  m = jnp.max(z, axis=1, keepdims=True)
-  e = jnp.exp(z - m)
-  z_ref[...], b_ref[...] = z, b
-  for ref, val in zip(stat_refs, [m, jnp.sum(e, axis=1, keepdims=True),
-                                  jnp.sum(e * b, axis=1, keepdims=True), *teacher_stats]):
+  acc = tile_math.acc_update(tile_math.acc_init(z.shape[0], k), z, xs, valid)
+  lse, ent, e_k, lse_k = tile_math.acc_finalize(acc)
+  # b = s z − Σ_k ŵ_k x_k with s = Σ_k ŵ_k, so that E_p[b] = Σ_k ŵ_k e_k for any ŵ.
+  b = sum(w_hat) * z - sum(w * x for w, x in zip(w_hat, xs))
+  z_ref[...], b_ref[...] = tile_math._sel(valid, z, tile_math.NEG), b
+  for ref, val in zip(stat_refs, [lse, ent, *e_k, *lse_k]):
     ref[...] = val
 
 
-def phase1(h_s, w_s, h_k, w_k, w_hat_cols, *, inv_tau, bs, interpret, vocab):
+def phase1(h_s, w_s, h_k, w_k, w_hat_cols, *, inv_tau, bs, interpret, vocab) -> tuple:
   """Logit buffers and per-tile statistics of one token chunk.
 
   Args:
-    h_s: [C, Ds]; w_s: [Ds, Vp]; h_k / w_k: K arrays [C, Dt_k] / [Dt_k, Vp]
-      (padded to the blocks); w_hat_cols: K columns [C, 1] of ŵ.
+    h_s: [C, Ds]; w_s: [Ds, Vp]; h_k: K arrays [C, Dt_k]; w_k: K heads
+      [Dt_k, Vp], or one head shared by every teacher (all padded to the
+      blocks); w_hat_cols: K columns [C, 1] of ŵ.
     vocab: the unpadded V.
 
   Returns:
-    ``z, b`` [C, Vp] f32 and ``3 + 2K`` per-tile statistics [V/bv, C, 1].
+    ``(z, b, stats)``: [C, Vp] f32 buffers (``z = NEG`` on padded columns)
+    and :class:`tile_math.Stats` with a leading tile axis (``[V/bv, C]``,
+    ``[V/bv, C, K]``).
   """
   c, vp, k = h_s.shape[0], w_s.shape[1], len(h_k)
   bt, bv = bs.block_t, bs.block_v
   nv = vp // bv
   bd = bs.block_d if bs.layout == "looped" else None
-  specs = []
-  for h, w in [(h_s, w_s), *zip(h_k, w_k)]:
-    specs += [pl.BlockSpec((bt, h.shape[1]), lambda i, j: (i, 0)),
-              pl.BlockSpec((w.shape[0], bv), lambda i, j: (0, j))]
+  rows = lambda a: pl.BlockSpec((bt, a.shape[1]), lambda i, j: (i, 0))
+  cols = lambda a: pl.BlockSpec((a.shape[0], bv), lambda i, j: (0, j))
   tile = pl.BlockSpec((bt, bv), lambda i, j: (i, j))
   stat = pl.BlockSpec((None, bt, 1), lambda i, j: (j, i, 0))
   outs = pl.pallas_call(
-      functools.partial(_phase1_kernel, k=k, vocab=vocab, bv=bv, bd=bd, inv_tau=inv_tau),
+      functools.partial(_phase1_kernel, k=k, n_heads=len(w_k), vocab=vocab, bv=bv, bd=bd,
+                        inv_tau=inv_tau),
       out_shape=[tile_math.out_struct((c, vp), _F32, h_s, w_s)] * 2
-      + [tile_math.out_struct((nv, c, 1), _F32, h_s, w_s)] * (3 + 2 * k),
+      + [tile_math.out_struct((nv, c, 1), _F32, h_s, w_s)] * (2 + 2 * k),
       grid=(c // bt, nv),
-      in_specs=specs + [pl.BlockSpec((bt, 1), lambda i, j: (i, 0))] * k,
-      out_specs=[tile] * 2 + [stat] * (3 + 2 * k),
+      in_specs=[rows(h_s), cols(w_s)] + [rows(h) for h in h_k] + [cols(w) for w in w_k]
+      + [pl.BlockSpec((bt, 1), lambda i, j: (i, 0))] * k,
+      out_specs=[tile] * 2 + [stat] * (2 + 2 * k),
       compiler_params=_params(bs, ("parallel", "parallel")),
       interpret=interpret, name="reverse_kl_train_phase1")(
-          h_s, w_s, *[a for hw in zip(h_k, w_k) for a in hw], *w_hat_cols)
-  return outs[0], outs[1], [o[..., 0] for o in outs[2:]]
-
-
-def merge_tiles(m, l, sb, *teacher):
-  """Exact merge of per-tile statistics ``[P, C]`` over the partition axis 0.
-
-  Returns ``(lse, eb, lse_k)``: ``lse(z)`` [C], ``E_p[b]`` [C] and K arrays
-  ``lse(y_k)`` [C]. Every partition has a valid column, so ``Σ l > 0``.
-  """
-  def lse_of(mx, sums):
-    top = jnp.max(mx, axis=0)
-    w = jnp.exp(mx - top)
-    return top, w, jnp.sum(w * sums, axis=0)
-  top, w, l_tot = lse_of(m, l)
-  lse_k = []
-  for i in range(len(teacher) // 2):
-    top_k, _, l_k = lse_of(teacher[2 * i], teacher[2 * i + 1])
-    lse_k.append(top_k + jnp.log(l_k))
-  return top + jnp.log(l_tot), jnp.sum(w * sb, axis=0) / l_tot, lse_k
+          h_s, w_s, *h_k, *w_k, *w_hat_cols)
+  st = [o[..., 0] for o in outs[2:]]
+  stack = lambda a: jnp.stack(a, axis=2)
+  return outs[0], outs[1], Stats(st[0], st[1], stack(st[2:2 + k]), stack(st[2 + k:]))
 
 
 def _phase2_tiled_kernel(z_ref, b_ref, lse_ref, eb_ref, c_ref, hs_ref, ws_ref, dw_in_ref,
@@ -257,12 +244,18 @@ def _params(bs: TrainBlockSizes, semantics):
                               vmem_limit_bytes=bs.vmem_limit_bytes)
 
 
-def train_grads_core(h_s, w_s, h_k, w_k, w_hat, coef, *, inv_tau, bs, interpret, combine=None):
-  """Loss and gradients; ``combine`` merges per-token statistics across
-  vocabulary shards (identity when unsharded), see :mod:`pallas_kernels.sharded_train`.
+def train_grads_core(h_s, w_s, h_k, w_k, w_hat, coef, *, inv_tau, bs, interpret, axis=None):
+  """The token-chunk scan (module docstring) on padded copies of the inputs.
 
-  Returns ``(loss, dh_s [T, Ds] f32, dW_s [Ds, V] f32)``; under ``combine``
-  ``dh_s`` is this shard's partial sum and ``dW_s`` its columns.
+  Args:
+    h_s, w_s, h_k, w_k, w_hat, coef: as :func:`train_grads_pallas`; ``w_k``
+      may hold one head shared by all K teachers.
+    axis: inside ``shard_map``, the mesh axis splitting V: the per-token
+      statistics are merged across it (:func:`tile_math.merge_stats_collective`).
+
+  Returns:
+    ``(Stats [T] / [T, K], dh_s [T, Ds] f32, dW_s [Ds, V] f32)``; with ``axis``
+    ``dh_s`` is this shard's partial sum and ``dW_s`` its columns.
   """
   t, v, k = h_s.shape[0], w_s.shape[1], len(h_k)
   bc, bd = bs.block_c, (bs.block_d if bs.layout == "looped" else 1)
@@ -274,65 +267,68 @@ def train_grads_core(h_s, w_s, h_k, w_k, w_hat, coef, *, inv_tau, bs, interpret,
   xs = ([chunks(m) for m in mats], chunks(pad(w_hat.astype(_F32), (tp, k))),
         chunks(pad(coef.astype(_F32), (tp,))))
 
-  def step(carry, x):
-    loss, dw = carry
+  def step(dw, x):
     (hc, *hkc), w_hat_c, coef_c = x
     z, b, tiles = phase1(hc, heads[0], hkc, heads[1:], [w_hat_c[:, i:i + 1] for i in range(k)],
                          inv_tau=inv_tau, bs=bs, interpret=interpret, vocab=v)
-    lse, eb, lse_k = merge_tiles(*tiles)
-    if combine is not None:
-      lse, eb, lse_k = combine(lse, eb, lse_k)
-    s = jnp.sum(w_hat_c, axis=1)
-    per_token = eb - s * lse + sum(w_hat_c[:, i] * lse_k[i] for i in range(k))
-    loss = loss + jnp.sum(jnp.where(coef_c != 0, coef_c * per_token, 0.0))
-    cols = [lse[:, None], eb[:, None], (coef_c * inv_tau)[:, None]]
+    st = tile_math.merge_stats(tiles, axis=0)
+    if axis is not None:
+      st = tile_math.merge_stats_collective(st, axis)
+    # E_p[b] = Σ_k ŵ_k E_p[z − x_k]; the chain rule through z = h W / τ gives c/τ.
+    cols = [st.lse[:, None], jnp.sum(w_hat_c * st.e_k, axis=1, keepdims=True),
+            (coef_c * inv_tau)[:, None]]
     if bs.layout == "looped":
       dh, dw = looped.phase2(z, b, cols, hc, heads[0], dw, bs=bs, interpret=interpret)
     else:
       dh, dw = _phase2_tiled(z, b, cols, hc, heads[0], dw, bs=bs, interpret=interpret)
-    return (loss, dw), dh
+    return dw, (dh, st)
 
-  init = tile_math.match_vma((jnp.zeros((), _F32), jnp.zeros(heads[0].shape, _F32)), h_s, w_s)
-  (loss, dw), dh = lax.scan(step, init, xs)
-  return loss, dh.reshape(tp, -1)[:t, :h_s.shape[1]], dw[:w_s.shape[0], :v]
+  dw0 = tile_math.match_vma(jnp.zeros(heads[0].shape, _F32), h_s, w_s)
+  dw, (dh, st) = lax.scan(step, dw0, xs)
+  unchunk = lambda a: a.reshape(tp, *a.shape[2:])[:t]
+  return (jax.tree.map(unchunk, st), unchunk(dh)[:, :h_s.shape[1]], dw[:w_s.shape[0], :v])
+
+
+def check_block_sizes(sizes, t: int, v: int, dtype) -> TrainBlockSizes:
+  """The validated, fitted block sizes (default: ``TrainBlockSizes.get_default()``)."""
+  if sizes is not None and not isinstance(sizes, TrainBlockSizes):
+    raise ValueError(f"block_sizes={sizes!r}: impl='pallas' takes a TrainBlockSizes")
+  return _fit(sizes or TrainBlockSizes.get_default(), t, v, dtype)
 
 
 @functools.lru_cache(maxsize=None)
-def _grads_fn(inv_tau: float, bs: TrainBlockSizes, interpret: bool):
+def _grads_fn(inv_tau: float, bs: TrainBlockSizes, interpret: bool, shared_head: bool):
   def fn(h_s, w_s, h_k, w_k, w_hat, coef):
-    loss, dh, dw = train_grads_core(h_s, w_s, h_k, w_k, w_hat, coef, inv_tau=inv_tau, bs=bs,
-                                    interpret=interpret)
-    return loss, dh.astype(h_s.dtype), dw.astype(w_s.dtype)
+    st, dh, dw = train_grads_core(h_s, w_s, h_k, w_k[:1] if shared_head else w_k, w_hat, coef,
+                                  inv_tau=inv_tau, bs=bs, interpret=interpret)
+    kl = tile_math.kl_from_stats(st)
+    return TrainOut(weighted_loss(coef, w_hat, kl), kl, st.ent, dh.astype(h_s.dtype),
+                    dw.astype(w_s.dtype))
   return jax.jit(fn)
 
 
-def check_block_sizes(block_sizes, h_s, w_s) -> TrainBlockSizes:
-  """The validated, fitted block sizes (default: ``TrainBlockSizes.get_default()``)."""
-  if block_sizes is not None and not isinstance(block_sizes, TrainBlockSizes):
-    raise ValueError(f"block_sizes={block_sizes!r}: the Pallas training path takes a "
-                     "TrainBlockSizes")
-  return _fit(block_sizes or TrainBlockSizes.get_default(), h_s.shape[0], w_s.shape[1], h_s.dtype)
-
-
 def train_grads_pallas(h_s: jax.Array, w_s: jax.Array, h_k: Sequence[jax.Array],
-                       w_k: Sequence[jax.Array], w_hat: jax.Array, coef: jax.Array,
-                       temperature: float, block_sizes: TrainBlockSizes | None = None,
-                       interpret: bool | None = None):
-  """``(loss, dL/dh_s, dL/dW_s)`` of ``L = Σ_t c_t Σ_k ŵ_tk KL(p_t‖q_tk)`` in one pass.
+                       w_k: Sequence[jax.Array], w_hat: jax.Array, coef: jax.Array, *,
+                       temperature: float, sizes: TrainBlockSizes | None = None,
+                       shared_head: bool = False, interpret: bool | None = None) -> TrainOut:
+  """The Pallas grads function of :mod:`pallas_kernels.train_loss` (its
+  module docstring has the contract): loss, per-token KL / entropy and the
+  gradients of ``Σ_t c_t Σ_k ŵ_tk KL(p_t‖q_tk)`` in one pass.
 
   Args:
-    h_s: [T, Ds] student hidden states.
-    w_s: [Ds, V] student head.
-    h_k: K >= 1 arrays [T, Dt_k] teacher hidden states.
-    w_k: K arrays [Dt_k, V] teacher heads.
-    w_hat: [T, K] renormalised teacher weights (rows sum to 1, or are all 0).
-    coef: [T] per-token coefficients c_t (e.g. mask / token count).
+    h_s: [T, Ds] student hidden states; w_s: [Ds, V] student head.
+    h_k: K >= 1 arrays [T, Dt_k]; w_k: K heads [Dt_k, V].
+    w_hat: [T, K] f32 renormalised weights; coef: [T] f32 ``c_t`` (0 where
+      the ``w_hat`` row is 0).
     temperature: τ > 0 (static).
-    block_sizes: :class:`TrainBlockSizes` (default: ``get_default()``).
+    sizes: :class:`TrainBlockSizes` (default: ``get_default()``).
+    shared_head: every ``w_k[i]`` is one head: only ``w_k[0]`` is read, each
+      of its tiles once for all K teachers.
     interpret: Pallas interpret mode (default: on CPU).
 
   Returns:
-    ``loss`` scalar f32, ``dh_s`` [T, Ds] and ``dW_s`` [Ds, V] in the input dtypes.
+    :class:`~pallas_kernels.train_loss.TrainOut`: ``loss`` [], ``kl`` [T, K],
+    ``ent`` [T] (f32), ``dh_s`` [T, Ds] / ``dw_s`` [Ds, V] in the input dtypes.
 
   Raises:
     ValueError: mismatched shapes, no teachers, or bad block sizes.
@@ -347,8 +343,8 @@ def train_grads_pallas(h_s: jax.Array, w_s: jax.Array, h_k: Sequence[jax.Array],
       raise ValueError(f"teacher {i}: {h.shape=} {w.shape=} do not match {h_s.shape=} {w_s.shape=}")
   if w_hat.shape != (t, k) or coef.shape != (t,):
     raise ValueError(f"{w_hat.shape=} and {coef.shape=}: expected [T, K]=({t}, {k}) and [T]")
-  bs = check_block_sizes(block_sizes, h_s, w_s)
+  bs = check_block_sizes(sizes, t, w_s.shape[1], h_s.dtype)
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
-  fn = _grads_fn(1.0 / float(temperature), bs, bool(interpret))
+  fn = _grads_fn(1.0 / float(temperature), bs, bool(interpret), bool(shared_head))
   return fn(h_s, w_s, tuple(h_k), tuple(w_k), w_hat, coef)
