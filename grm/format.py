@@ -1,0 +1,220 @@
+r"""The pointwise GRM's prompt and its one output grammar (docs/DESIGN.md §6).
+
+**Prompt.** A query and n >= 1 responses, shown in a seeded random order
+(``build_prompt``); ``GRMPrompt.order[p]`` is the original index of the
+response shown as "Response p+1". The prompt is one user turn of the chat
+format (``prompt_ids`` opens the assistant turn after it).
+
+**Output grammar.** What the GRM writes, what ``format_judgement`` renders as
+an SFT target and what ``grm.parse.parse_judgement`` reads back::
+
+  Principles:
+  Principle 1 (weight 60%): The final answer must be correct.
+  Principle 2: The explanation should be short.
+  Critique:
+  Response 1 gets the answer right ... Response 2 ...
+  Scores: \boxed{7, 3}
+
+Principle lines are ``Principle i: text`` or ``Principle i (weight W%): text``
+(W an integer percentage, 0..100). The critique is free text over any number
+of lines. The **last line** decides: ``Scores: \boxed{s_1, ..., s_n}``, one
+integer in 1..10 per response, **in the order the responses were shown**;
+``unshuffle`` maps them back to the original order. Spaces or tabs around
+the numbers and commas are allowed; nothing may follow the line except
+whitespace. Principles and critique are never required for a sample to be
+valid (the score line is; there is no format reward, docs/DESIGN.md §6).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from opd import tasks as tasks_lib
+
+SCORES_PREFIX = "Scores:"
+PRINCIPLES_HEADER = "Principles:"
+CRITIQUE_HEADER = "Critique:"
+MIN_SCORE, MAX_SCORE = 1, 10
+HINT_PREFIX = "The best response is: Response "
+
+_INSTRUCTION = (
+    "Judge the responses to the query below. First write a line \"Principles:\" followed by "
+    "the principles that matter for this query, one per line, as \"Principle 1: ...\" or "
+    "weighted as \"Principle 1 (weight 30%): ...\". Then write a line \"Critique:\" followed "
+    "by a critique of each response against those principles. End with exactly one line "
+    "\"Scores: \\boxed{{s_1, ..., s_n}}\" that gives each of the {n} responses an integer "
+    "score from 1 to 10, in the order they are shown.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Principle:
+  """One judging principle; ``weight`` is an integer percentage or None."""
+  text: str
+  weight: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GRMPrompt:
+  """A rendered GRM prompt.
+
+  Attributes:
+    text: the user message (instruction, query, responses in shown order).
+    order: ``[n]`` permutation; ``order[p]`` is the original index of the
+      response shown at position p ("Response p+1").
+    hint: shown position (1-based) named by a hint line, or None.
+  """
+  text: str
+  order: tuple[int, ...]
+  hint: int | None = None
+
+  @property
+  def n(self) -> int:
+    return len(self.order)
+
+
+def permutation(n: int, seed) -> tuple[int, ...]:
+  """A seeded permutation of ``range(n)`` (``np.random.default_rng(seed)``).
+
+  ``seed`` is anything ``default_rng`` takes, e.g. ``(run_seed, example,
+  sample)``, so every (example, sample) draws its own order; ``None`` gives
+  the identity (no shuffling).
+  """
+  n = _check_n(n)
+  if seed is None:
+    return tuple(range(n))
+  return tuple(int(i) for i in np.random.default_rng(seed).permutation(n))
+
+
+def _check_n(n) -> int:
+  if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+    raise ValueError(f"n={n!r} must be an int >= 1 (the number of responses)")
+  return int(n)
+
+
+def _check_order(order: Sequence[int], n: int | None = None) -> tuple[int, ...]:
+  order = tuple(int(i) for i in order)
+  if sorted(order) != list(range(len(order))) or (n is not None and len(order) != n):
+    raise ValueError(f"order={order} must be a permutation of range({n if n is not None else len(order)})")
+  return order
+
+
+def build_prompt(query: str, responses: Sequence[str], *, seed=None,
+                 hint_best: int | None = None) -> GRMPrompt:
+  """The GRM prompt for ``query`` and its responses, shown in a seeded order.
+
+  Args:
+    query: the user's request (plain text, no chat special tokens).
+    responses: n >= 1 response texts, in their original order.
+    seed: ``permutation``'s seed; None shows them in the original order.
+    hint_best: original index of the best response; when given, the line
+      "The best response is: Response j" (j its shown position) ends the
+      prompt (hinted sampling of rejective fine-tuning).
+
+  Returns:
+    A ``GRMPrompt``.
+  """
+  if not isinstance(query, str):
+    raise ValueError(f"query must be a str, got {type(query).__name__}")
+  if isinstance(responses, str) or not all(isinstance(r, str) for r in responses):
+    raise ValueError(f"responses must be a sequence of str, got {responses!r:.80}")
+  n = _check_n(len(responses))
+  order = permutation(n, seed)
+  parts = [_INSTRUCTION.format(n=n), "", "[Query]", query.strip(), "[End of Query]"]
+  for p, i in enumerate(order):
+    parts += ["", f"[Response {p + 1}]", responses[i].strip(), f"[End of Response {p + 1}]"]
+  hint = None
+  if hint_best is not None:
+    if isinstance(hint_best, bool) or not isinstance(hint_best, (int, np.integer)) or not (
+        0 <= hint_best < n):
+      raise ValueError(f"hint_best={hint_best!r} must be an index in [0, {n})")
+    hint = order.index(int(hint_best)) + 1
+    parts += ["", f"{HINT_PREFIX}{hint}"]
+  return GRMPrompt(text="\n".join(parts), order=order, hint=hint)
+
+
+def prompt_messages(prompt: GRMPrompt) -> list[dict[str, str]]:
+  """The prompt as raw chat messages (one user turn)."""
+  return [{"role": "user", "content": prompt.text}]
+
+
+def user_prompt_ids(tokenizer, text: str) -> np.ndarray:
+  """``[P]`` int32 ids: BOS, one user turn holding ``text``, the opened assistant turn."""
+  rendered = tasks_lib.render_messages([{"role": "user", "content": text}],
+                                       add_generation_prompt=True)
+  return np.asarray(tokenizer.encode(rendered, add_bos=True), np.int32)
+
+
+def prompt_ids(tokenizer, prompt: GRMPrompt) -> np.ndarray:
+  """``[P]`` int32 ids of a GRM prompt (``user_prompt_ids``)."""
+  return user_prompt_ids(tokenizer, prompt.text)
+
+
+def shuffle(values: Sequence, order: Sequence[int]) -> tuple:
+  """Original order -> shown order: ``shown[p] = values[order[p]]``."""
+  order = _check_order(order, len(values))
+  return tuple(values[i] for i in order)
+
+
+def unshuffle(shown: Sequence, order: Sequence[int]) -> tuple:
+  """Shown order -> original order: ``original[order[p]] = shown[p]``.
+
+  Raises:
+    ValueError: ``order`` is not a permutation of ``range(len(shown))``.
+  """
+  order = _check_order(order, len(shown))
+  out = [None] * len(shown)
+  for p, i in enumerate(order):
+    out[i] = shown[p]
+  return tuple(out)
+
+
+def format_scores(scores: Sequence[int]) -> str:
+  r"""The final line, ``Scores: \boxed{7, 3}``; each score an int in 1..10."""
+  scores = tuple(scores)
+  if not scores:
+    raise ValueError("scores must hold at least one score")
+  for i, s in enumerate(scores):
+    if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not (
+        MIN_SCORE <= s <= MAX_SCORE):
+      raise ValueError(f"scores[{i}]={s!r} must be an int in [{MIN_SCORE}, {MAX_SCORE}]")
+  return SCORES_PREFIX + " \\boxed{" + ", ".join(str(int(s)) for s in scores) + "}"
+
+
+def format_principle(index: int, principle: Principle) -> str:
+  """``Principle i: text`` or ``Principle i (weight W%): text`` (i 1-based)."""
+  text = principle.text.strip() if isinstance(principle.text, str) else principle.text
+  if not isinstance(text, str) or not text or "\n" in text:
+    raise ValueError(f"principle {index} text={principle.text!r:.80} must be a non-empty "
+                     "one-line str")
+  w = principle.weight
+  if w is None:
+    return f"Principle {index}: {text}"
+  if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or not 0 <= w <= 100:
+    raise ValueError(f"principle {index} weight={w!r} must be an int percentage in [0, 100]")
+  return f"Principle {index} (weight {int(w)}%): {text}"
+
+
+def format_judgement(principles: Sequence[Principle | str], critique: str,
+                     scores: Sequence[int]) -> str:
+  """A judgement text in the output grammar (module docstring); SFT targets.
+
+  Args:
+    principles: ``Principle``s or plain strings (unweighted), one line each.
+    critique: free text; leading and trailing whitespace is dropped.
+    scores: one int in 1..10 per response, in the **shown** order.
+
+  Returns:
+    The text, ending with the scores line (no trailing newline).
+  """
+  if not isinstance(critique, str):
+    raise ValueError(f"critique must be a str, got {type(critique).__name__}")
+  lines = [PRINCIPLES_HEADER]
+  for i, p in enumerate(principles):
+    lines.append(format_principle(i + 1, p if isinstance(p, Principle) else Principle(p)))
+  lines.append(CRITIQUE_HEADER)
+  if critique.strip():
+    lines.append(critique.strip())
+  lines.append(format_scores(scores))
+  return "\n".join(lines)
