@@ -245,7 +245,7 @@ class TeacherPool:
     n_shards = batch_shard_count(sharding_lib.batch_sharding(self.teacher_mesh, self.rules, 2))
     padded = np.concatenate([np.arange(b), np.zeros(-b % n_shards, int)])
     hidden = self._forward(name, tokens[padded], mask[padded])
-    return jax.device_put(hidden, jax.devices()[0])[:b]
+    return jax.device_put(hidden, jax.local_devices()[0])[:b]
 
   def hidden(self, name: str, tokens, mask) -> jax.Array:
     """:meth:`hidden_one` when both meshes' batch shards divide B, else
