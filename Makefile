@@ -33,6 +33,21 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m experiments.benchmarks.run_all $(BENCH_ARGS)
 
+# tunix's logit-distillation step on the OPD-step benchmark's model and batch,
+# in its own venv (never the main requirements); writes
+# benchmark_results/tunix_opd_step.json, which experiments.benchmarks.opd_step
+# merges (or runs in the same run when .venv-tunix exists).
+# BENCH_ARGS=--quick for smoke sizes.
+# Pins: tunix 0.1.7 with this repo's jax/flax/optax/numpy (checked 2026-12-01).
+.PHONY: bench-tunix
+bench-tunix:
+	test -f .venv-tunix/.installed || { $(PYTHON) -m venv .venv-tunix && \
+	  .venv-tunix/bin/python -m pip install --quiet --upgrade pip && \
+	  .venv-tunix/bin/python -m pip install --quiet google-tunix==0.1.7 jax==0.10.2 \
+	    jaxlib==0.10.2 flax==0.12.8 optax==0.2.8 numpy==2.4.6 && \
+	  touch .venv-tunix/.installed; }
+	.venv-tunix/bin/python -m experiments.benchmarks.tunix_opd_step $(BENCH_ARGS)
+
 # Hand-written mutants of the core math against their tests (~20-40 min on
 # 2 cores; not in CI). Table printed and written to benchmark_results/mutants.json.
 .PHONY: mutants

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from experiments.benchmarks import common, kl_loss, kl_loss_gpu, sampler, train_step
+from experiments.benchmarks import common, kl_loss, kl_loss_gpu, opd_step, sampler, train_step
 
 
 def _sampler_headline(p: dict) -> str:
@@ -42,6 +42,20 @@ def _kl_gpu_headline(p: dict) -> str:
           f"{p['cuda_lowering']['triton_kernels']} kernels lower for CUDA")
 
 
+def _opd_step_headline(p: dict) -> str:
+  parts = []
+  for r in p["ratios"]:
+    if r["V"] == max(p["sizes"]["vocab"]) and "vs_materialised" in r:
+      a = r["vs_materialised"]
+      part = f"V={r['V']} K={r['K']}: {a['peak_mem_ratio']:.1f}x less memory than materialised"
+      if "time_ratio" in a:
+        part += f", time {a['time_ratio']:.2f}x"
+      if "time_ratio" in r.get("vs_tunix_rkl", {}):
+        part += f", time vs tunix {r['vs_tunix_rkl']['time_ratio']:.2f}x"
+      parts.append(part)
+  return "; ".join(parts)
+
+
 # name -> (main, arguments at default sizes, extra arguments for --quick, headline)
 BENCHMARKS: dict[str, tuple[Callable[..., dict], list[str], list[str],
                             Callable[[dict], str]]] = {
@@ -49,6 +63,7 @@ BENCHMARKS: dict[str, tuple[Callable[..., dict], list[str], list[str],
     "train_step": (train_step.main, [], ["--quick"], _train_step_headline),
     "kl_loss": (kl_loss.main, [], ["--quick"], _kl_headline),
     "kl_loss_gpu": (kl_loss_gpu.main, ["--cpu-smoke"], [], _kl_gpu_headline),
+    "opd_step": (opd_step.main, [], ["--quick"], _opd_step_headline),
 }
 
 
