@@ -1,10 +1,28 @@
-"""Generative reward models and test-time pipelines: planned, not yet implemented.
+"""Generative reward models (docs/DESIGN.md §6).
 
-This package will hold the pointwise generative reward model with SPCT
-training (rejective fine-tuning, then rule-based RL), k-sample and
-meta-RM-guided voting, and the verifier / test-time pipelines
-(DeepSeekMath-V2 proof verification, GENCLUSTER code selection), designed in
-docs/DESIGN.md §6–§7. It sits above ``opd`` and below ``experiments``
-(docs/DESIGN.md §1) and exports nothing yet; today a learned reward would
-reach GRPO as a plain ``reward_fn`` callable (``opd.rl.scoring.score_episodes``).
+A pointwise GRM reads a query and n >= 1 responses (shown in a seeded random
+order) and writes principles, a critique and one integer score in 1..10 per
+response (``grm.format``; ``grm.parse`` reads it and never raises). A
+judgement is correct when the ground-truth best response scores strictly
+highest (``grm.correctness``), which is also the rule-RL reward.
+Inference-time scaling samples k judgements in one sampler call
+(``grm.judge``) and votes (``grm.voting``, pure numpy), optionally guided by
+a scalar-head meta-RM (``grm.meta_rm``). Baselines: a Bradley–Terry scalar
+RM (``grm.scalar_rm``), a pairwise "A or B" judge (``grm.pairwise``) and a
+random pick (``grm.voting.random_winners``). The package sits above ``opd``
+and below ``experiments`` (docs/DESIGN.md §1).
 """
+from grm import correctness, format, judge, meta_rm, pairwise, parse, scalar_rm, voting
+from grm.correctness import best_index, check_ratings, is_correct, rule_reward
+from grm.format import (GRMPrompt, Principle, build_prompt, format_judgement, format_scores,
+                        permutation, prompt_ids, shuffle, unshuffle)
+from grm.judge import SampledJudgement, build_prompts, sample_judgements, score_arrays
+from grm.meta_rm import (add_scalar_head, binary_cross_entropy, meta_batch, meta_input_ids,
+                         meta_loss_fn, meta_scores)
+from grm.pairwise import (PairwiseJudgement, PairwisePrompt, build_pairwise_prompt,
+                          format_pairwise, judge_pairs, parse_pairwise, preferred_index)
+from grm.parse import REASONS, Judgement, invalid_counts, parse_judgement
+from grm.scalar_rm import (bradley_terry_loss, bt_loss_fn, pair_batch, score_sequences,
+                           sequence_rewards, train_reward_model)
+from grm.voting import (NO_WINNER, Vote, meta_vote, random_winners, select_top, unique_argmax,
+                        vote, vote_correct, weighted_vote)

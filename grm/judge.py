@@ -1,0 +1,124 @@
+"""Sampling GRM judgements: k shuffled samples per example, one sampler call (docs/DESIGN.md §6).
+
+For E examples (a query and its n_e responses) and k samples each, the E·k
+prompts, every one with its own seeded response order (seed ``(seed, e,
+j)``), go through ``opd.rollout.episodes.sample`` together, then each output
+is parsed (``grm.parse``) and its scores mapped back to the original order.
+``score_arrays`` turns one example's samples into the ``[k, n]`` / ``[k]``
+arrays the pure voting functions (``grm.voting``) take.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from grm.format import GRMPrompt, build_prompt, prompt_ids, unshuffle
+from grm.parse import Judgement, parse_judgement
+from opd.models import ModelConfig
+from opd.rollout.episodes import sample
+from opd.rollout.sampler import SamplingConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledJudgement:
+  """One GRM sample for one example.
+
+  Attributes:
+    prompt: the prompt it answered (``prompt.order`` is its shuffle).
+    text: what the model wrote (stop token excluded).
+    judgement: the parse, scores in the shown order.
+    finished: the sample ended with a stop token (False: cut at the budget).
+  """
+  prompt: GRMPrompt
+  text: str
+  judgement: Judgement
+  finished: bool
+
+  @property
+  def scores(self) -> tuple[int, ...] | None:
+    """The scores in the original response order, or None when invalid."""
+    if not self.judgement.valid:
+      return None
+    return unshuffle(self.judgement.scores, self.prompt.order)
+
+
+def _check_groups(groups) -> list[tuple[str, tuple[str, ...]]]:
+  out = []
+  for e, g in enumerate(groups):
+    if not (isinstance(g, (tuple, list)) and len(g) == 2):
+      raise ValueError(f"groups[{e}] must be a (query, responses) pair, got {g!r:.80}")
+    query, responses = g
+    if isinstance(responses, str) or len(responses) == 0:
+      raise ValueError(f"groups[{e}] responses must be a non-empty sequence of str")
+    out.append((query, tuple(responses)))
+  return out
+
+
+def build_prompts(groups, k: int, seed: int, *, hints: Sequence[int | None] | None = None
+                  ) -> list[list[GRMPrompt]]:
+  """``[E][k]`` prompts; sample j of example e is shuffled with seed ``(seed, e, j)``.
+
+  Args:
+    groups: E ``(query, responses)`` pairs.
+    k: samples per example (>= 1).
+    seed: int base seed of the shuffles.
+    hints: optional ``[E]`` original index of the best response per example
+      (hinted sampling), None entries for no hint.
+  """
+  groups = _check_groups(groups)
+  if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+    raise ValueError(f"k={k!r} must be an int >= 1")
+  if hints is not None and len(hints) != len(groups):
+    raise ValueError(f"hints has {len(hints)} entries for {len(groups)} groups")
+  return [[build_prompt(q, r, seed=(int(seed), e, j),
+                        hint_best=None if hints is None else hints[e]) for j in range(k)]
+          for e, (q, r) in enumerate(groups)]
+
+
+def sample_judgements(model_cfg: ModelConfig, params, tokenizer, groups, *, k: int, seed: int,
+                      sampling: SamplingConfig, hints: Sequence[int | None] | None = None,
+                      prompt_bucket: int = 32, mesh=None, rules=None
+                      ) -> list[list[SampledJudgement]]:
+  """k judgements per example, all E·k prompts in one batched sampler call.
+
+  Args:
+    model_cfg, params: the GRM.
+    tokenizer: its tokenizer (``opd.text.tokenizers``).
+    groups: E ``(query, responses)`` pairs, responses in their original order.
+    k: samples per example.
+    seed: seeds both the shuffles (``build_prompts``) and the sampler.
+    sampling: e.g. ``opd.rollout.episodes.sampling_for_chat(tok, ...)``.
+    hints: optional per-example best index for hinted sampling.
+    prompt_bucket, mesh, rules: passed to ``opd.rollout.episodes.sample``.
+
+  Returns:
+    ``[E][k]`` ``SampledJudgement``s.
+  """
+  prompts = build_prompts(groups, k, seed, hints=hints)
+  flat = [p for row in prompts for p in row]
+  ids = [prompt_ids(tokenizer, p) for p in flat]
+  completions = sample(model_cfg, params, tokenizer, ids, int(seed), sampling,
+                       prompt_bucket=prompt_bucket, mesh=mesh, rules=rules)
+  out = [SampledJudgement(prompt=p, text=c.text, judgement=parse_judgement(c.text, p.n),
+                          finished=c.finished) for p, c in zip(flat, completions)]
+  return [out[e * k:(e + 1) * k] for e in range(len(prompts))]
+
+
+def score_arrays(samples: Sequence[SampledJudgement]) -> tuple[np.ndarray, np.ndarray]:
+  """One example's samples as ``(scores [k, n] int64, valid [k] bool)``, original order.
+
+  Rows of invalid samples are zeros (the voting functions ignore them).
+  """
+  if not samples:
+    raise ValueError("samples must hold at least one SampledJudgement")
+  n = samples[0].prompt.n
+  if any(s.prompt.n != n for s in samples):
+    raise ValueError(f"samples mix response counts {[s.prompt.n for s in samples]}")
+  scores = np.zeros((len(samples), n), np.int64)
+  valid = np.zeros(len(samples), bool)
+  for j, s in enumerate(samples):
+    if s.scores is not None:
+      scores[j], valid[j] = s.scores, True
+  return scores, valid

@@ -1,0 +1,129 @@
+"""grm.judge and grm.pairwise: k shuffled samples in one sampler call, scores mapped back."""
+import re
+
+import jax
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+import grm.judge as judge_lib
+import grm.pairwise as pairwise_lib
+from grm.format import format_judgement
+from grm.meta_rm import meta_batch, meta_input_ids
+from grm.parse import invalid_counts
+from grm.voting import vote
+from opd.models import ModelConfig, init_params
+from opd.rollout.episodes import Completion, sampling_for_chat
+from opd.text.tokenizers import ByteTokenizer
+
+TOK = ByteTokenizer()
+
+
+def _fake_sampler(calls):
+  """A stand-in for ``opd.rollout.episodes.sample`` that judges by reading
+  each shown response's hidden score ("resp-<i>-s<score>")."""
+
+  def sample(model_cfg, params, tokenizer, prompts, rng, sampling, **kwargs):
+    calls.append(len(prompts))
+    out = []
+    for ids in prompts:
+      text = tokenizer.decode(ids)
+      shown = [int(s) for s in re.findall(r"\[Response \d+\]\nresp-\d+-s(\d+)", text)]
+      body = format_judgement(["Correctness."], "Read the scores.", shown)
+      out.append(Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), True, body))
+    return out
+
+  return sample
+
+
+def test_k_samples_go_through_one_call_and_scores_come_back_in_original_order(monkeypatch):
+  calls = []
+  monkeypatch.setattr(judge_lib, "sample", _fake_sampler(calls))
+  truth = [[3, 9, 5, 1], [8, 2], [6]]
+  groups = [(f"q{e}", [f"resp-{i}-s{s}" for i, s in enumerate(t)]) for e, t in enumerate(truth)]
+  k = 5
+  samples = judge_lib.sample_judgements(None, None, TOK, groups, k=k, seed=7,
+                                        sampling=sampling_for_chat(TOK, max_new_tokens=8))
+  assert calls == [len(groups) * k]
+  orders = set()
+  for e, t in enumerate(truth):
+    assert len(samples[e]) == k
+    for s in samples[e]:
+      assert s.judgement.valid and s.scores == tuple(t)
+      orders.add(s.prompt.order)
+    scores, valid = judge_lib.score_arrays(samples[e])
+    assert valid.all()
+    np.testing.assert_array_equal(vote(scores, valid).totals, k * np.asarray(t))
+  assert len(orders) > 3  # samples are shuffled differently
+  again = judge_lib.build_prompts(groups, k, 7)
+  assert [[p.order for p in row] for row in again] == [[s.prompt.order for s in row]
+                                                       for row in samples]
+
+
+def test_tiny_random_grm_samples_end_to_end_and_invalid_outputs_are_counted():
+  cfg = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                    d_ff=64)
+  params = init_params(cfg, jax.random.key(0))
+  groups = [("2+2?", ["4", "5"]), ("Say hi.", ["hi", "bye", "hello"])]
+  samples = judge_lib.sample_judgements(cfg, params, TOK, groups, k=2, seed=0,
+                                        sampling=sampling_for_chat(TOK, max_new_tokens=6))
+  flat = [s for row in samples for s in row]
+  assert [len(row) for row in samples] == [2, 2]
+  counts = invalid_counts(s.judgement for s in flat)
+  n_valid = sum(s.judgement.valid for s in flat)
+  assert sum(counts.values()) + n_valid == len(flat)
+  for row in samples:
+    scores, valid = judge_lib.score_arrays(row)
+    assert scores.shape == (2, row[0].prompt.n)
+    assert vote(scores, valid).num_valid == valid.sum()
+  # The meta-RM reads the prompt followed by exactly what the GRM wrote.
+  ids = meta_input_ids(TOK, flat[0].prompt, flat[0].text)
+  assert TOK.decode(ids).endswith("<|assistant|>" + flat[0].text)
+  batch = meta_batch(TOK, [s.prompt for s in flat], [s.text for s in flat], [1, 0, 0, 1],
+                     seq_len=1024)
+  assert batch["tokens"].shape == (4, 1024) and batch["labels"].tolist() == [1, 0, 0, 1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text() | st.lists(st.sampled_from(["Better:", " ", "A", "B", "\n", "AB", "a", "\t",
+                                              "Better: C"]), max_size=12).map("".join))
+def test_pairwise_parser_never_raises(text):
+  j = pairwise_lib.parse_pairwise(text)
+  assert (j.choice is None) == (j.reason is not None)
+  if j.valid:
+    last = text.rstrip().split("\n")[-1]
+    assert re.sub(r"[ \t]", "", last.strip()) == "Better:" + j.choice
+  else:
+    assert j.reason in pairwise_lib.PAIRWISE_REASONS
+
+
+def test_pairwise_round_trip_reasons_and_swap_mapping(monkeypatch):
+  for choice in "AB":
+    assert pairwise_lib.parse_pairwise(pairwise_lib.format_pairwise("why\nnot", choice)).choice \
+        == choice
+  reasons = [pairwise_lib.parse_pairwise(t).reason for t in
+             [None, "  ", "Better: A\nmore", "Better: C", "Better: A B"]]
+  assert reasons == ["not_text", "empty", "no_choice_line", "malformed_choice",
+                     "malformed_choice"]
+  swaps = [pairwise_lib.build_pairwise_prompt("q", "first", "second", seed=(1, e)).swapped
+           for e in range(200)]
+  assert 60 < sum(swaps) < 140  # a fair coin: 100 ± 5 SE of 200 flips is 100 ± 35
+
+  # A judge that always prefers the response "good" must map back to its
+  # original index whichever side it was shown on.
+  def sample(model_cfg, params, tokenizer, prompts, rng, sampling, **kwargs):
+    out = []
+    for ids in prompts:
+      text = tokenizer.decode(ids)
+      a = re.search(r"\[Response A\]\n(\w+)", text).group(1)
+      body = pairwise_lib.format_pairwise("", "A" if a == "good" else "B")
+      out.append(Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), True, body))
+    return out
+
+  monkeypatch.setattr(pairwise_lib, "sample", sample)
+  pairs = [("q", "good", "bad") if e % 3 else ("q", "bad", "good") for e in range(30)]
+  preferred, judgements = pairwise_lib.judge_pairs(None, None, TOK, pairs, seed=3,
+                                                   sampling=sampling_for_chat(TOK,
+                                                                              max_new_tokens=4))
+  assert all(j.valid for j in judgements)
+  np.testing.assert_array_equal(preferred, [0 if e % 3 else 1 for e in range(30)])
+  assert pairwise_lib.preferred_index(pairwise_lib.parse_pairwise("x"), False) == -1
