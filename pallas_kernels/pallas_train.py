@@ -2,8 +2,8 @@
 
 For the scalar loss ``L = Σ_t c_t Σ_k ŵ_tk KL(p_t‖q_tk)`` the gradient is
 known during the forward pass. With ``z = h_s W_s / τ``, ``x_k = h_k W_k / τ``,
-``p = softmax(z)`` and ``b = s z − Σ_k ŵ_k x_k`` (``s = Σ_k ŵ_k``: 1, or 0
-for an absent token, so that ``E_p[b] = Σ_k ŵ_k E_p[z − x_k]`` always)::
+``p = softmax(z)`` and ``b = z − Σ_k ŵ_k x_k`` (so ``E_p[b] = Σ_k ŵ_k E_p[z − x_k]``
+wherever ``Σ_k ŵ_k = 1``, i.e. wherever ``c ≠ 0``: the grads-function contract)::
 
     g = dL/dz = c p (b − E_p[b]),   dh_s = τ⁻¹ g W_sᵀ,   dW_s = τ⁻¹ h_sᵀ g.
 
@@ -40,8 +40,12 @@ block. Phase 2 has two layouts, as :mod:`pallas_kernels.pallas_kl` does:
   hidden width chunked by ``block_d``. ``g`` is recomputed (elementwise, no
   matmul) in each.
 
-T, V (and, looped, the widths) are zero-padded to the blocks: padded columns
-get ``z = NEG`` (so ``p = 0``), padded tokens ``c = ŵ = 0``.
+T, V (and, looped, the widths) are zero-padded to the blocks. Padded tokens
+get ``c = ŵ = 0``, so ``g = 0``; padded columns are masked out of the
+statistics, and their (non-zero) ``g`` meets the zero columns of the padded
+``W_s`` in ``dh`` and is sliced off ``dW``. Phase 2 is sequential over its
+grid (``"arbitrary"``: ``dh`` is resident throughout), so a two-core TPU
+chip runs it on one core.
 """
 from __future__ import annotations
 
@@ -114,7 +118,7 @@ class TrainBlockSizes:
     TPU or GPU was available when they were chosen."""
     backend = backend or jax.default_backend()
     if backend == "tpu":
-      return cls(block_c=512, block_t=256, block_v=512)
+      return cls(block_c=256, block_t=256, block_v=512)
     if backend in ("gpu", "cuda", "rocm"):
       return cls(block_c=256, block_t=64, block_v=128, layout="looped", num_stages=3)
     return cls(block_c=256, block_t=64, block_v=256)
@@ -144,13 +148,11 @@ def _phase1_kernel(*refs, k, n_heads, vocab, bv, bd, inv_tau):
   xs = [looped.dot_refs(hk_refs[i], wk_refs[min(i, n_heads - 1)], bd) * inv_tau
         for i in range(k)]
   valid = None
-  if vocab % bv:  # padded columns: W is 0 there, so z = x_k = b = 0 before masking
+  if vocab % bv:  # padded columns (W = 0 there) must not enter the softmax statistics
     valid = pl.program_id(1) * bv + lax.broadcasted_iota(jnp.int32, (1, bv), 1) < vocab
   acc = tile_math.acc_update(tile_math.acc_init(z.shape[0], k), z, xs, valid)
   lse, ent, e_k, lse_k = tile_math.acc_finalize(acc)
-  # b = s z − Σ_k ŵ_k x_k with s = Σ_k ŵ_k, so that E_p[b] = Σ_k ŵ_k e_k for any ŵ.
-  b = sum(w_hat) * z - sum(w * x for w, x in zip(w_hat, xs))
-  z_ref[...], b_ref[...] = tile_math._sel(valid, z, tile_math.NEG), b
+  z_ref[...], b_ref[...] = z, z - sum(w * x for w, x in zip(w_hat, xs))
   for ref, val in zip(stat_refs, [lse, ent, *e_k, *lse_k]):
     ref[...] = val
 
@@ -165,8 +167,7 @@ def phase1(h_s, w_s, h_k, w_k, w_hat_cols, *, inv_tau, bs, interpret, vocab) -> 
     vocab: the unpadded V.
 
   Returns:
-    ``(z, b, stats)``: [C, Vp] f32 buffers (``z = NEG`` on padded columns)
-    and :class:`tile_math.Stats` with a leading tile axis (``[V/bv, C]``,
+    ``(z, b, stats)``: [C, Vp] f32 buffers and :class:`tile_math.Stats` with a leading tile axis (``[V/bv, C]``,
     ``[V/bv, C, K]``).
   """
   c, vp, k = h_s.shape[0], w_s.shape[1], len(h_k)
@@ -260,7 +261,8 @@ def train_grads_core(h_s, w_s, h_k, w_k, w_hat, coef, *, inv_tau, bs, interpret,
   t, v, k = h_s.shape[0], w_s.shape[1], len(h_k)
   bc, bd = bs.block_c, (bs.block_d if bs.layout == "looped" else 1)
   tp, vp = _round_up(t, bc), _round_up(v, bs.block_v)
-  pad = lambda a, shape: jnp.pad(a, [(0, n - d) for n, d in zip(shape, a.shape)])
+  pad = lambda a, shape: (a if a.shape == shape
+                          else jnp.pad(a, [(0, n - d) for n, d in zip(shape, a.shape)]))
   mats = [pad(m, (tp, _round_up(m.shape[1], bd))) for m in (h_s, *h_k)]
   heads = [pad(w, (_round_up(w.shape[0], bd), vp)) for w in (w_s, *w_k)]
   chunks = lambda a: a.reshape(tp // bc, bc, *a.shape[1:])

@@ -50,7 +50,7 @@ def dot_refs(h_ref, w_ref, bd, rows=slice(None), cols=slice(None)):
 
 
 def _g(z_ref, b_ref, lse_ref, eb_ref, c_ref, rows, cols):
-  """``g = c/τ · p (b − E_p[b])`` of one tile; ``p = 0`` on padded columns (z = NEG)."""
+  """``g = c/τ · p (b − E_p[b])`` of one tile."""
   return (c_ref[rows, :] * jnp.exp(z_ref[rows, cols] - lse_ref[rows, :])
           * (b_ref[rows, cols] - eb_ref[rows, :]))
 
