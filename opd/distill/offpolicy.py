@@ -45,7 +45,7 @@ import pallas_kernels
 from opd import rollout as rollout_lib
 from opd.config import fields
 from opd.distill.cold_start import teacher_sft_pairs
-from opd.distill.loss import AGGREGATIONS, _aggregate, _check_batch
+from opd.distill.loss import AGGREGATIONS, BATCH_KEYS
 from opd.distill.teachers import Teacher, TeacherPool
 from opd.models import ModelConfig, forward, head_matrix
 from opd.parallel import sharding as sharding_lib
@@ -149,6 +149,36 @@ def _check_text(data: TeacherText, k: int) -> None:
                      f"into the {k} teachers")
 
 
+def _check_batch(batch, widths: Sequence[int]) -> None:
+  """Keys and shapes of a loss batch (module docstring)."""
+  missing = [key for key in BATCH_KEYS if key not in batch]
+  if missing:
+    raise ValueError(f"batch is missing {missing}; it has {sorted(batch)}")
+  hidden = batch["teacher_hidden"]
+  if len(hidden) != len(widths):
+    raise ValueError(f"batch['teacher_hidden'] has {len(hidden)} arrays for K={len(widths)} "
+                     "teacher heads")
+  bt = tuple(batch["tokens"].shape)
+  want = {"targets": bt, "mask": bt, "loss_mask": bt, "teacher_weights": bt + (len(widths),)}
+  got = {key: tuple(batch[key].shape) for key in want}
+  for i, (h, d) in enumerate(zip(hidden, widths)):
+    want[f"teacher_hidden[{i}]"], got[f"teacher_hidden[{i}]"] = bt + (d,), tuple(h.shape)
+  for key, shape in want.items():
+    if len(bt) != 2 or got[key] != shape:
+      raise ValueError(f"batch[{key}].shape={got[key]}: expected {shape} (tokens: [B, T]={bt})")
+
+
+def _aggregate(per_token, keep, aggregation: str):
+  """Scalar from [B, T] per-token losses over ``keep``: the mean over kept tokens
+  (``token_mean``) or the mean over rows with any of each row's mean (``sequence_mean``)."""
+  keep = keep.astype(jnp.float32)
+  if aggregation == "sequence_mean":
+    n = jnp.sum(keep, axis=1, keepdims=True)
+    keep = keep / jnp.maximum(n, 1.0) / jnp.maximum(jnp.sum(n > 0), 1)
+    return jnp.sum(per_token * keep)
+  return jnp.sum(per_token * keep) / jnp.maximum(jnp.sum(keep), 1.0)
+
+
 def make_forward_kl_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array], *,
                          temperature: float = 1.0, aggregation: str = "token_mean",
                          teacher_names: Sequence[str] | None = None, impl: str = "auto"):
@@ -175,7 +205,7 @@ def make_forward_kl_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.A
 
   def loss_fn(params, batch, rng):
     del rng
-    _check_batch(batch, len(heads), widths, grpo=False)
+    _check_batch(batch, widths)
     b, t = batch["tokens"].shape
     out = forward(student_cfg, params, batch["tokens"], batch.get("positions"), batch["mask"],
                   return_logits=False, return_hidden=True)

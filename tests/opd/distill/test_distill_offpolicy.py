@@ -202,3 +202,18 @@ def test_bad_input_is_refused(mesh, pool):
                     pad_id=TOK.pad_id, mesh=mesh)
   with pytest.raises(ValueError, match=r"teacher_heads\[0\].shape"):
     make_forward_kl_loss(STUDENT, [jnp.zeros((4, V + 1))])
+
+
+def test_bad_batches_are_refused(mesh, pool):
+  loss_fn = make_forward_kl_loss(STUDENT, pool.heads)
+  params = init_params(STUDENT, jax.random.key(0))
+  source = OffPolicySource(pool, text_of(pool, prompts(1, "train"), seed=0, max_new_tokens=2),
+                           OffPolicyConfig(batch_size=2, seq_len=64), pad_id=TOK.pad_id,
+                           mesh=mesh)
+  batch, _ = source.next_batch(None, 0)
+  with pytest.raises(ValueError, match=r"missing \['loss_mask'\]"):
+    loss_fn(params, {k: v for k, v in batch.items() if k != "loss_mask"}, None)
+  with pytest.raises(ValueError, match="1 arrays for K=2"):
+    loss_fn(params, {**batch, "teacher_hidden": batch["teacher_hidden"][:1]}, None)
+  with pytest.raises(ValueError, match=r"batch\[teacher_weights\].shape=\(2, 64, 1\)"):
+    loss_fn(params, {**batch, "teacher_weights": batch["teacher_weights"][..., :1]}, None)
