@@ -22,6 +22,13 @@
 5. drops skipped teachers and renormalises per token; rows no teacher
    answered get ``loss_mask`` 0.
 
+Several jax processes (docs/DESIGN.md §3, "Several processes"): every
+process runs steps 1-5 on the same prompts with the same key, on its own
+devices (``mesh`` is then a process-local mesh, e.g.
+``opd.parallel.distributed.local_mesh()``) and with a local copy of the
+student's params gathered from the training state; each then feeds its own
+rows of the identical host batch to the step on ``train_mesh``.
+
 A batch none of the teachers answered is **skipped**: it goes to the loop
 with an all-zero ``loss_mask`` (loss 0, gradient 0) and the metric
 ``opd/skipped_step`` = 1 (the loop has no skip, and keeping the step keeps
@@ -54,6 +61,7 @@ from opd.distill.cache import HiddenStateCache, loss_batch
 from opd.distill.faults import FaultTolerantTeachers
 from opd.distill.loss import AGGREGATIONS, ESTIMATORS, OPDLossConfig
 from opd.models import ModelConfig, forward, head_matrix
+from opd.parallel import distributed
 from opd.parallel import sharding as sharding_lib
 from opd.rl.advantages import group_advantages
 from opd.rl.config import GRPOConfig
@@ -212,13 +220,16 @@ class OPDSource:
     heads: the K heads ``W_k`` [D_k, V] (``TeacherPool.heads``).
     domains: the K teachers' domains (routing; None: never routed to).
     total_steps: the run's length (annealing ends at its last step).
-    tokenizer, mesh, rules, seed: as ``opd.rl.rollout_source.GRPOSource``.
+    tokenizer, mesh, rules, seed: as ``opd.rl.rollout_source.GRPOSource``;
+      with several processes ``mesh`` must hold only this process's devices.
+    train_mesh: the mesh of the training step (default ``mesh``); batches
+      are placed on it.
   """
 
   def __init__(self, student_cfg: ModelConfig, cfg: OPDConfig, prompts: Iterator, *,
                teachers: FaultTolerantTeachers, heads: Sequence[jax.Array],
                domains: Sequence[str | None], total_steps: int, tokenizer, mesh,
-               rules=sharding_lib.DEFAULT_RULES, seed: int = 0):
+               rules=sharding_lib.DEFAULT_RULES, seed: int = 0, train_mesh=None):
     self.student_cfg, self.cfg, self.prompts, self.tokenizer = student_cfg, cfg, prompts, tokenizer
     self.teachers, self.heads, self.domains = teachers, tuple(heads), list(domains)
     self.names = teachers.names
@@ -230,6 +241,14 @@ class OPDSource:
       raise ValueError(f"OPDConfig.anneal_steps={cfg.anneal_steps} exceeds the run's "
                        f"steps={total_steps}")
     self.mesh, self.rules = mesh, rules
+    self.train_mesh = mesh if train_mesh is None else train_mesh
+    self._multi = jax.process_count() > 1
+    if self._multi:
+      foreign = sorted({d.process_index for d in mesh.devices.flat} - {jax.process_index()})
+      if foreign:
+        raise ValueError(f"with {jax.process_count()} processes OPDSource's rollout mesh must hold "
+                         f"only this process's devices; it has devices of processes {foreign} "
+                         "(use opd.parallel.distributed.local_mesh())")
     self.updates_per_batch = cfg.updates_per_batch
     self.cache = HiddenStateCache(teachers, dtype=cfg.cache_dtype,
                                   sharding=sharding_lib.batch_sharding(mesh, rules, 3))
@@ -276,8 +295,9 @@ class OPDSource:
     if drawn is None:
       return None
     examples = [ex for ex in drawn for _ in range(cfg.group_size)]
+    params = distributed.replicate_on(state.params, self.mesh) if self._multi else state.params
     episodes = rollout_lib.rollout(
-        self.student_cfg, state.params, self.tokenizer, examples,
+        self.student_cfg, params, self.tokenizer, examples,
         jax.random.fold_in(self._key, step), self._sampling,
         stats=stats if cfg.verifies else None, mesh=self.mesh, rules=self.rules,
         verify=cfg.verifies, batch_size=cfg.batch_size)
@@ -299,18 +319,30 @@ class OPDSource:
       opd["advantages"] = group_advantages(rewards.reshape(cfg.prompts_per_step,
                                                            cfg.group_size)).reshape(-1)
       opd["old_logprobs"] = host["old_logprobs"]
-    hidden, weights = opd.pop("teacher_hidden"), opd.pop("teacher_weights")
-    batch = shard_batch({**opd, "teacher_weights": np.asarray(weights)}, self.mesh, self.rules)
-    batch["teacher_hidden"] = hidden
-    metrics = self._metrics(episodes, host, cached, np.asarray(weights), row_ok, skipped)
+    hidden, weights = opd.pop("teacher_hidden"), np.asarray(opd.pop("teacher_weights"))
+    batch = self._place({**opd, "teacher_weights": weights}, hidden)
+    metrics = self._metrics(episodes, host, cached, weights, row_ok, skipped)
     if "advantages" in opd:
       metrics["advantage/abs_mean"] = float(np.abs(opd["advantages"]).mean())
     if cfg.diag_every and step % cfg.diag_every == 0 and not skipped:
-      metrics.update(self._diagnostics(state.params, batch, cached, step))
+      metrics.update(self._diagnostics(params, opd, cached, step))
     metrics.update({"perf/rollout_time_s": t1 - t0, "perf/teacher_time_s": t2 - t1,
                     "perf/diag_time_s": time.perf_counter() - t2})
     self._tokens = float(host["mask"].sum())
     return batch, metrics
+
+  def _place(self, host_batch, hidden):
+    """The step's batch on ``train_mesh``; ``hidden`` (already on ``mesh``)
+    is reused as is with one process."""
+    if not self._multi:
+      batch = shard_batch(host_batch, self.train_mesh, self.rules)
+      batch["teacher_hidden"] = hidden
+      return batch
+    # Every process holds the whole (identical) batch and feeds its own rows.
+    rows = distributed.process_batch_rows(self.train_mesh, self.rules, self.cfg.batch_size)
+    local = {**host_batch, "teacher_hidden": tuple(np.asarray(h) for h in hidden)}
+    return shard_batch(jax.tree.map(lambda x: np.asarray(x)[rows], local), self.train_mesh,
+                       self.rules)
 
   def _metrics(self, episodes, host, cached, weights, row_ok, skipped) -> dict[str, float]:
     lengths = [len(ep.response_ids) for ep in episodes]
@@ -330,7 +362,8 @@ class OPDSource:
     return metrics
 
   def _diagnostics(self, params, batch, cached, step: int) -> dict[str, float]:
-    """``diag/<teacher>/...`` on the response tokens of the rows each teacher answered."""
+    """``diag/<teacher>/...`` on the response tokens of the rows each teacher
+    answered; ``params`` and ``batch`` (host arrays) as the rollout saw them."""
     h_s = self._student_hidden(params, batch["tokens"], batch["mask"])
     w_s = head_matrix(self.student_cfg, params)
     loss_mask = np.asarray(batch["loss_mask"])

@@ -28,6 +28,7 @@ from opd.distill.loss import make_opd_loss
 from opd.distill.source import OPDConfig, OPDSource, make_hidden_fn
 from opd.distill.teachers import Teacher, TeacherPool
 from opd.models import ModelConfig, head_matrix
+from opd.parallel import distributed
 from opd.parallel import sharding as sharding_lib
 from opd.rl.rollout_source import PromptStream, training_length
 from opd.tasks import Example
@@ -70,18 +71,24 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
     Others: as ``opd.rl.grpo.train_grpo``.
 
   Raises:
-    ValueError: bad arguments (naming them), or more than one jax process.
+    ValueError: bad arguments (naming them); with several jax processes, a
+      ``TeacherPool`` placed on other processes' devices.
     NonFiniteError: a NaN/inf loss or gradient; nothing saved for that step.
+
+  Several jax processes: the step trains on ``mesh`` (all processes'
+  devices); rollouts, teacher forwards and diagnostics run in every process
+  on its own devices (``opd.distill.source``), the teachers placed there
+  (pass ``Teacher``s, or a pool built on
+  ``opd.parallel.distributed.local_mesh()``).
   """
   for name, value, typ in (("cfg", cfg, OPDConfig), ("optim", optim, OptimConfig)):
     if not isinstance(value, typ):
       raise ValueError(f"{name} must be a {typ.__name__}, got {type(value).__name__}")
-  if jax.process_count() > 1:
-    raise ValueError("train_opd runs in one process (rollouts and teacher answers are gathered "
-                     f"on the host); got jax.process_count()={jax.process_count()}")
   rules = sharding_lib.validate_rules(rules)
+  multi = jax.process_count() > 1
+  host_mesh = distributed.local_mesh() if multi else mesh
   pool = teachers if isinstance(teachers, TeacherPool) else TeacherPool(
-      teachers, student_cfg.vocab_size, mesh, rules=rules)
+      teachers, student_cfg.vocab_size, host_mesh, rules=rules)
   asked = FaultTolerantTeachers.from_pool(pool, deadline_s=cfg.deadline_s)
   unknown = sorted(set(teacher_fns or {}) - set(pool.names))
   if unknown:
@@ -89,11 +96,15 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
   asked.teachers.update(teacher_fns or {})
   source = OPDSource(student_cfg, cfg, PromptStream(prompts, seed=seed), teachers=asked,
                      heads=pool.heads, domains=[t.domain for t in pool.teachers],
-                     total_steps=steps, tokenizer=tokenizer, mesh=mesh, rules=rules, seed=seed)
+                     total_steps=steps, tokenizer=tokenizer, mesh=pool.mesh, rules=rules,
+                     seed=seed, train_mesh=mesh)
   optimizer = make_optimizer(optim)
   state, shardings = init_train_state(student_cfg, optimizer, mesh, rules, rng=seed,
                                       params=params)
-  loss_fn = make_opd_loss(student_cfg, pool.heads, cfg.loss_config(), teacher_names=pool.names)
+  # With several processes the heads live on this process's devices: the
+  # step (on every process's devices) takes them as host constants.
+  heads = [np.asarray(h) for h in pool.heads] if multi else pool.heads
+  loss_fn = make_opd_loss(student_cfg, heads, cfg.loss_config(), teacher_names=pool.names)
   step_fn = make_train_step(loss_fn, optimizer, mesh, shardings, rules=rules)
   state, history = train_loop.run_trainer(
       state, step_fn, source, steps, checkpoint_dir=checkpoint_dir,
@@ -131,6 +142,8 @@ def make_heldout_eval(student_cfg: ModelConfig, pool: TeacherPool, prompts: Sequ
                        f"{pool.teacher(name).domain!r}")
 
   def fn(params) -> dict[str, float]:
+    if jax.process_count() > 1:
+      params = distributed.replicate_on(params, mesh)
     episodes = rollout_lib.rollout(student_cfg, params, tokenizer, prompts, seed, sampling,
                                    mesh=mesh, rules=rules, verify=False)
     host = rollout_lib.batch_episodes(episodes, seq_len=training_length(episodes, cfg),

@@ -127,6 +127,23 @@ def gather_to_host(tree):
   return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
 
 
+def local_mesh():
+  """A data-parallel ``(n, 1, 1)`` mesh over this process's own devices.
+
+  Host-driven work that every process repeats on the same inputs (the
+  sampler, teacher forwards, diagnostics: docs/DESIGN.md §3, "Several
+  processes") runs here, so its outputs are ordinary local arrays.
+  """
+  return sharding_lib.make_mesh((-1, 1, 1), jax.local_devices())
+
+
+def replicate_on(tree, mesh):
+  """Every (possibly cross-process sharded) array of ``tree`` as a full copy
+  replicated over ``mesh`` (a local mesh): ``gather_to_host`` then
+  ``device_put``. Costs one all-gather of the tree per call."""
+  return jax.device_put(gather_to_host(tree), sharding_lib.replicated(mesh))
+
+
 def batch_shard_count(sharding: NamedSharding) -> int:
   """How many ways ``sharding`` splits dim 0 (the batch)."""
   entry = sharding.spec[0] if len(sharding.spec) else None

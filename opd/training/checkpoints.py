@@ -362,7 +362,7 @@ def load_params(directory: str | os.PathLike, model_cfg, *, step: int | None = N
       shardings = sharding.tree_shardings(param_logical_axes(model_cfg), shapes, mesh,
                                           rules or sharding.DEFAULT_RULES)
     else:
-      dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
       shardings = jax.tree.map(lambda _: dev, shapes)
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, shardings)
