@@ -17,7 +17,8 @@ import sys
 import time
 from typing import Any, Callable
 
-from experiments.benchmarks import common, kl_loss, kl_loss_gpu, opd_step, sampler, train_step
+from experiments.benchmarks import (common, kl_loss, kl_loss_gpu, opd_step, rollout, sampler,
+                                    train_step)
 
 
 def _sampler_headline(p: dict) -> str:
@@ -56,6 +57,16 @@ def _opd_step_headline(p: dict) -> str:
   return "; ".join(parts)
 
 
+def _rollout_headline(p: dict) -> str:
+  agg = p["grpo_total"]
+  text = (f"GRPO largest stage {agg['largest_stage']} "
+          f"({100 * agg['share'][agg['largest_stage']]:.0f}%)")
+  for s in p.get("speedups", []):
+    if "verify" in s and s["batch"] == "grpo/code":
+      text += f"; code verify {s['verify']:.2f}x vs baseline (outputs match: {s['outputs_match']})"
+  return text
+
+
 # name -> (main, arguments at default sizes, extra arguments for --quick, headline)
 BENCHMARKS: dict[str, tuple[Callable[..., dict], list[str], list[str],
                             Callable[[dict], str]]] = {
@@ -64,6 +75,7 @@ BENCHMARKS: dict[str, tuple[Callable[..., dict], list[str], list[str],
     "kl_loss": (kl_loss.main, [], ["--quick"], _kl_headline),
     "kl_loss_gpu": (kl_loss_gpu.main, ["--cpu-smoke"], [], _kl_gpu_headline),
     "opd_step": (opd_step.main, [], ["--quick"], _opd_step_headline),
+    "rollout": (rollout.main, [], ["--quick"], _rollout_headline),
 }
 
 

@@ -1,0 +1,483 @@
+"""Rollout throughput of one GRPO and one OPD rollout batch, split by stage.
+
+A rollout batch is what ``GRPOSource.next_batch`` / ``OPDSource.next_batch``
+build before a training update. This benchmark composes the same library
+calls, timing each stage apart:
+
+* ``sample``: ``opd.rollout.rollout``'s sampler calls (prefill + decode,
+  host-side decoding of the completions; multi-turn agent episodes also step
+  their environment and score their reward here);
+* ``verify``: the single-turn task verifiers (the code domain runs every
+  distinct program in the sandbox);
+* ``reference`` (GRPO, ``kl_coef > 0``): the frozen reference's log-probs;
+* ``teacher`` (OPD): the teachers' hidden states through
+  ``FaultTolerantTeachers`` + ``HiddenStateCache`` (one forward per teacher
+  over its routed rows);
+* ``assembly``: host-side scoring, advantages, padding (``batch_episodes``),
+  OPD weights and ``loss_batch``, and the transfer to the mesh.
+
+Sizes are those of the demo (``make demo`` runs
+``experiments/configs/specialists.py``: GRPO with P=8 prompts x G=8 samples,
+N=80 new tokens, one batch per domain) and of
+``experiments/configs/distill.py`` (OPD: P=8 x G=4, N=48, teachers
+``math`` and ``instruct``). The policies come from a specialists workdir
+(``--policies``, default ``workdirs/demo`` when ``make demo`` has made it):
+GRPO samples with each domain's SFT checkpoint (where the demo's GRPO starts),
+OPD's student is the base and its teachers the GRPO specialists. Without one
+the models are randomly initialised (``policies: "random"`` in the JSON); a
+random policy rarely writes a program that parses, so the sandbox then never
+runs and ``verify`` is tiny. ``--quick`` uses the ``:tiny`` config variants.
+
+Each batch runs with the step seeds 0 .. iters-1 twice: once to compile every
+shape they need (``first_call_s`` is step 0's), then timed; the stage times
+are medians over the timed iterations.
+
+Same-run baseline: ``--baseline REV`` (default ``BASELINE_COMMIT``, the
+commit before the verify-stage optimisation; ``none`` skips it) runs this
+very script in a child process whose ``opd`` and ``pallas_kernels`` packages
+are REV's (``git archive REV opd pallas_kernels`` into a temporary directory
+put first on ``sys.path``), then merges its stage times into this run's JSON
+as ``baseline`` with per-stage ``speedup`` = baseline seconds / these seconds.
+Both runs record their commit; ``outputs_match`` says whether the two
+produced identical episodes and rewards (a digest of every batch's response
+ids and rewards), which is what makes the comparison one of equal work.
+
+  python -m experiments.benchmarks.rollout --policies=workdirs/demo_check
+  python -m experiments.benchmarks.rollout --quick          # seconds, smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from experiments.benchmarks import common
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# The commit before the sandbox's batched runs (the optimisation this
+# benchmark measures); --baseline overrides it.
+BASELINE_COMMIT = "d7d69f7"
+GRPO_STAGES = ("sample", "verify", "reference", "assembly")
+OPD_STAGES = ("sample", "verify", "teacher", "assembly")
+
+
+def _parse(argv):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--policies", default=None,
+                 help="a specialists workdir (default workdirs/demo if present; 'random' for "
+                      "random inits)")
+  p.add_argument("--domains", nargs="+", default=None, help="GRPO domains (default: all)")
+  p.add_argument("--iters", type=int, default=3)
+  p.add_argument("--baseline", default=None,
+                 help=f"git revision to compare with (default {BASELINE_COMMIT}; 'none' skips)")
+  p.add_argument("--quick", action="store_true",
+                 help="tiny configs, GRPO on math only, one iteration, no baseline")
+  p.add_argument("--out", default="benchmark_results")
+  p.add_argument("--name", default="rollout", help="JSON file name (without .json)")
+  args = p.parse_args(argv)
+  if args.quick:
+    args.iters = 1
+    args.domains = args.domains or ["math"]
+    args.baseline = args.baseline or "none"
+  if args.iters < 1:
+    raise ValueError(f"--iters={args.iters} must be >= 1")
+  return args
+
+
+def _commit(cwd=ROOT) -> dict[str, Any]:
+  """``{"commit": hash, "dirty": bool}`` of the checkout at ``cwd`` (None outside git)."""
+  try:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "opd", "pallas_kernels"],
+                           cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+    return {"commit": head, "dirty": bool(dirty)}
+  except (OSError, subprocess.CalledProcessError):
+    return {"commit": None, "dirty": None}
+
+
+def _policies_dir(arg) -> pathlib.Path | None:
+  if arg == "random":
+    return None
+  path = pathlib.Path(arg or "workdirs/demo")
+  if (path / "base" / "checkpoints").is_dir():
+    return path
+  if arg:
+    raise ValueError(f"--policies={arg}: no specialists workdir there (no base/checkpoints)")
+  return None
+
+
+def _params(model_cfg, directory: pathlib.Path | None, seed: int, mesh, rules):
+  from opd.models import init_params
+  from opd.training.checkpoints import load_params
+  if directory is None:
+    return init_params(model_cfg, jax.random.key(seed))
+  return load_params(directory, model_cfg, mesh=mesh, rules=rules)
+
+
+class _Stages:
+  """Accumulates per-stage seconds of one batch; ``t(name)`` times a block."""
+
+  def __init__(self):
+    self.seconds: dict[str, float] = {}
+
+  def add(self, name: str, s: float):
+    self.seconds[name] = self.seconds.get(name, 0.0) + s
+
+  def timed(self, name: str, fn, *args, **kwargs):
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args, **kwargs))
+    self.add(name, time.perf_counter() - t0)
+    return out
+
+
+def _digest(episodes) -> str:
+  """Hash of every episode's response ids and reward: equal work across runs."""
+  h = hashlib.sha256()
+  for ep in episodes:
+    h.update(np.asarray(ep.response_ids, np.int32).tobytes())
+    h.update(repr(None if ep.reward is None else (round(ep.reward.reward, 9),
+                                                  ep.reward.reason)).encode())
+  return h.hexdigest()[:16]
+
+
+def _rollout(stages: _Stages, model_cfg, params, tok, examples, key, sampling, *, mesh, rules,
+             verify: bool, batch_size: int, task_kwargs=None):
+  from opd import rollout as rollout_lib
+  timings: dict[str, float] = {}
+  t0 = time.perf_counter()
+  episodes = rollout_lib.rollout(model_cfg, params, tok, examples, key, sampling,
+                                 timings=timings, mesh=mesh, rules=rules, verify=verify,
+                                 batch_size=batch_size, task_kwargs=task_kwargs)
+  total = time.perf_counter() - t0
+  stages.add("verify", timings.get("verify", 0.0))
+  stages.add("sample", total - timings.get("verify", 0.0))  # sampling + episode building
+  return episodes
+
+
+def _grpo_batch(setup: dict, step: int) -> tuple[dict[str, float], dict[str, Any]]:
+  """One GRPO rollout batch (``GRPOSource.next_batch`` without the prompt stream)."""
+  from opd.rl.advantages import group_advantages
+  from opd.rl.rollout_source import fit_episode, training_length
+  from opd.rl.scoring import score_episodes
+  from opd.rollout import batch_episodes
+  from opd.training.train_step import shard_batch
+  cfg, stages = setup["cfg"], _Stages()
+  group = [ex for ex in setup["examples"] for _ in range(cfg.group_size)]
+  episodes = _rollout(stages, setup["model_cfg"], setup["params"], setup["tok"], group,
+                      jax.random.fold_in(jax.random.key(0), step), setup["sampling"],
+                      mesh=setup["mesh"], rules=setup["rules"], verify=True,
+                      batch_size=cfg.batch_size, task_kwargs=setup["task_kwargs"])
+
+  def assemble():
+    scores = score_episodes(episodes)
+    rewards = np.asarray([s.reward for s in scores]).reshape(cfg.prompts_per_step,
+                                                            cfg.group_size)
+    adv = group_advantages(rewards, scale_by_std=cfg.scale_advantages_by_std,
+                           eps=cfg.advantage_eps)
+    kept = [fit_episode(ep, cfg.seq_len)[0] for ep in episodes]
+    host = batch_episodes(kept, seq_len=training_length(kept, cfg), pad_id=setup["tok"].pad_id)
+    host["advantages"] = adv.reshape(-1)
+    return shard_batch(host, setup["mesh"], setup["rules"])
+
+  batch = stages.timed("assembly", assemble)
+  if setup["reference"] is not None:
+    stages.timed("reference", setup["reference"], setup["params"], batch)
+  info = {"prompts": len(group),
+          "policy_tokens": int(sum(ep.num_policy_tokens for ep in episodes)),
+          "digest": _digest(episodes)}
+  return stages.seconds, info
+
+
+def _opd_batch(setup: dict, step: int) -> tuple[dict[str, float], dict[str, Any]]:
+  """One OPD rollout batch (``OPDSource.next_batch`` without diagnostics)."""
+  from opd.distill import schedule
+  from opd.distill.cache import loss_batch
+  from opd.rl.rollout_source import fit_episode, training_length
+  from opd.rollout import batch_episodes
+  from opd.training.train_step import shard_batch
+  cfg, stages = setup["cfg"], _Stages()
+  examples = [ex for ex in setup["examples"] for _ in range(cfg.group_size)]
+  episodes = _rollout(stages, setup["model_cfg"], setup["params"], setup["tok"], examples,
+                      jax.random.fold_in(jax.random.key(0), step), setup["sampling"],
+                      mesh=setup["mesh"], rules=setup["rules"], verify=cfg.verifies,
+                      batch_size=cfg.batch_size)
+  domains = [ex.domain for ex in examples]
+
+  def pad():
+    kept = [fit_episode(ep, cfg.seq_len)[0] for ep in episodes]
+    host = batch_episodes(kept, seq_len=training_length(kept, cfg), pad_id=setup["tok"].pad_id)
+    w = schedule.routing_weights(domains, setup["teacher_domains"], host["tokens"].shape[1])
+    return host, w
+
+  host, w = stages.timed("assembly", pad)
+  routed = np.asarray(w)[:, 0, :].argmax(axis=1).astype(np.int32)  # one-hot routing
+  t0 = time.perf_counter()
+  cached = setup["cache"].get(("bench", step, t0), host["tokens"], host["mask"], routed)
+  jax.block_until_ready(cached.hidden)
+  stages.add("teacher", time.perf_counter() - t0)
+
+  def assemble():
+    opd, row_ok = loss_batch(host, cached, w)
+    opd["loss_mask"] = host["loss_mask"] * row_ok[:, None]
+    hidden, weights = opd.pop("teacher_hidden"), opd.pop("teacher_weights")
+    batch = shard_batch({**opd, "teacher_weights": np.asarray(weights)}, setup["mesh"],
+                        setup["rules"])
+    batch["teacher_hidden"] = hidden
+    return batch
+
+  stages.timed("assembly", assemble)
+  info = {"prompts": len(examples),
+          "policy_tokens": int(sum(ep.num_policy_tokens for ep in episodes)),
+          "digest": _digest(episodes)}
+  return stages.seconds, info
+
+
+def _configs(quick: bool):
+  from experiments.configs import distill as distill_config
+  from experiments.configs import specialists as specialists_config
+  variant = "tiny" if quick else None
+  return specialists_config.get_config(variant), distill_config.get_config(variant)
+
+
+def _grpo_setups(spec, policies, domains, mesh, rules) -> list[tuple[str, dict]]:
+  from experiments import common as job_common
+  from experiments.sft import domain_examples
+  from opd import rollout as rollout_lib
+  from opd.config.fields import from_group
+  from opd.models import to_model_config
+  from opd.rl import GRPOConfig
+  from opd.rl.rollout_source import make_reference_fn
+  from opd.tasks import AgentRewardConfig
+  model_cfg = to_model_config(spec.model)
+  tok = job_common.tokenizer_for(model_cfg)
+  cfg = from_group(GRPOConfig, spec.grpo, "config.grpo")
+  sampling = rollout_lib.sampling_for_chat(tok, max_new_tokens=cfg.max_new_tokens,
+                                           temperature=cfg.temperature, top_k=cfg.top_k,
+                                           top_p=cfg.top_p)
+  agent = {"agent": {"config": from_group(AgentRewardConfig, spec.agent_reward,
+                                          "config.agent_reward")}}
+  reference = (make_reference_fn(model_cfg, cfg.temperature, mesh=mesh, rules=rules)
+               if cfg.kl_coef > 0 else None)
+  out = []
+  for d in domains:
+    ckpt = None if policies is None else policies / d / "sft" / "checkpoints"
+    examples = domain_examples((d,), "train", cfg.prompts_per_step, spec.seed,
+                               tuple(spec.grpo_data.difficulties))
+    out.append((f"grpo/{d}", dict(
+        cfg=cfg, model_cfg=model_cfg, tok=tok, sampling=sampling, examples=examples,
+        params=_params(model_cfg, ckpt, spec.seed, mesh, rules), mesh=mesh, rules=rules,
+        reference=reference, task_kwargs=agent if d == "agent" else None)))
+  return out
+
+
+def _opd_setup(dist, policies, mesh, rules) -> dict:
+  from experiments import common as job_common
+  from experiments.sft import domain_examples
+  from opd import rollout as rollout_lib
+  from opd.distill import OPDConfig, Teacher, TeacherPool
+  from opd.distill.cache import HiddenStateCache
+  from opd.distill.faults import FaultTolerantTeachers
+  from opd.config.fields import from_group
+  from opd.models import to_model_config
+  from opd.parallel import sharding
+  model_cfg = to_model_config(dist.student.model)
+  tok = job_common.tokenizer_for(model_cfg)
+  cfg = from_group(OPDConfig, dist.opd, "config.opd")
+  teachers = []
+  for i, (name, group) in enumerate(dist.teachers.items()):
+    t_cfg = to_model_config(group.model)
+    ckpt = None if policies is None else policies / group.domain / "grpo" / "checkpoints"
+    teachers.append(Teacher(name, t_cfg, _params(t_cfg, ckpt, 100 + i, mesh, rules),
+                            group.domain))
+  pool = TeacherPool(teachers, model_cfg.vocab_size, mesh, rules=rules)
+  asked = FaultTolerantTeachers.from_pool(pool, deadline_s=cfg.deadline_s)
+  domains = [t.domain for t in teachers]
+  per = -(-cfg.prompts_per_step // len(domains))
+  examples = domain_examples(tuple(domains), "train", per, dist.seed,
+                             tuple(dist.data.difficulties))[:cfg.prompts_per_step]
+  ckpt = None if policies is None else policies / "base" / "checkpoints"
+  return dict(cfg=cfg, model_cfg=model_cfg, tok=tok, examples=examples, mesh=mesh, rules=rules,
+              params=_params(model_cfg, ckpt, dist.seed, mesh, rules), teacher_domains=domains,
+              sampling=rollout_lib.sampling_for_chat(tok, max_new_tokens=cfg.max_new_tokens,
+                                                     temperature=cfg.temperature),
+              cache=HiddenStateCache(asked, dtype=cfg.cache_dtype,
+                                     sharding=sharding.batch_sharding(mesh, rules, 3)))
+
+
+def _measure(name: str, fn, setup: dict, stage_names, iters: int) -> dict[str, Any]:
+  """Compile run, then ``iters`` timed batches; the row of medians."""
+  t0 = time.perf_counter()
+  fn(setup, 0)
+  first = time.perf_counter() - t0
+  # Warm pass over the timed steps first: every shape they meet (prompt and
+  # length buckets, agent turns) is compiled once, as in a long run.
+  for step in range(1, iters):
+    fn(setup, step)
+  runs = [fn(setup, step) for step in range(iters)]
+  seconds = {s: float(np.median([r[0].get(s, 0.0) for r in runs])) for s in stage_names}
+  total = float(np.median([sum(r[0].values()) for r in runs]))
+  prompts = runs[0][1]["prompts"]
+  tokens = float(np.median([r[1]["policy_tokens"] for r in runs]))
+  return {"batch": name, "stages": seconds, "total_s": total, "first_call_s": first,
+          "prompts": prompts, "policy_tokens": tokens, "prompts_per_s": prompts / total,
+          "tokens_per_s": tokens / total,
+          "share": {s: v / total for s, v in seconds.items()},
+          "digests": [r[1]["digest"] for r in runs]}
+
+
+def _aggregate(rows, stage_names) -> dict[str, Any]:
+  seconds = {s: sum(r["stages"].get(s, 0.0) for r in rows) for s in stage_names}
+  total = sum(r["total_s"] for r in rows)
+  return {"stages": seconds, "total_s": total,
+          "share": {s: v / total for s, v in seconds.items()},
+          "largest_stage": max(seconds, key=seconds.get)}
+
+
+def measure(args) -> dict[str, Any]:
+  """This checkout's figures (no baseline)."""
+  from opd.tasks import ALL_DOMAINS
+  from opd.parallel import sharding
+  spec, dist = _configs(args.quick)
+  policies = _policies_dir(args.policies)
+  rules = sharding.validate_rules(tuple(spec.sharding_rules))
+  # Data parallel over as many devices as divide both batches (all of them
+  # at the default sizes; the tiny OPD batch has 4 rows).
+  batches = (spec.grpo.prompts_per_step * spec.grpo.group_size,
+             dist.opd.prompts_per_step * dist.opd.group_size)
+  n = math.gcd(jax.device_count(), *batches)
+  mesh = sharding.make_mesh((n, 1, 1), jax.devices()[:n])
+  domains = args.domains or list(ALL_DOMAINS)
+  grpo = [_measure(name, _grpo_batch, setup, GRPO_STAGES, args.iters)
+          for name, setup in _grpo_setups(spec, policies, domains, mesh, rules)]
+  opd_setup = _opd_setup(dist, policies, mesh, rules)
+  opd = _measure("opd", _opd_batch, opd_setup, OPD_STAGES, args.iters)
+  g, o = spec.grpo, opd_setup["cfg"]
+  return {
+      **_commit(),
+      "policies": str(policies) if policies else "random", "mesh": dict(mesh.shape),
+      "sizes": {"quick": args.quick, "iters": args.iters, "grpo_domains": domains,
+                "grpo": {"prompts_per_step": g.prompts_per_step, "group_size": g.group_size,
+                         "max_new_tokens": g.max_new_tokens, "seq_len": g.seq_len},
+                "opd": {"prompts_per_step": o.prompts_per_step, "group_size": o.group_size,
+                        "max_new_tokens": o.max_new_tokens, "seq_len": o.seq_len,
+                        "teachers": list(opd_setup["teacher_domains"])},
+                "model": spec.model.to_dict()},
+      "rows": grpo + [opd],
+      "grpo_total": _aggregate(grpo, GRPO_STAGES),
+  }
+
+
+def run_baseline(rev: str, args) -> dict[str, Any]:
+  """This script's figures with the ``opd`` / ``pallas_kernels`` packages of ``rev``."""
+  with tempfile.TemporaryDirectory(prefix="rollout-baseline-") as tmp:
+    archive = subprocess.run(["git", "archive", rev, "opd", "pallas_kernels"], cwd=ROOT,
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+    commit = subprocess.run(["git", "rev-parse", rev], cwd=ROOT, capture_output=True,
+                            text=True, check=True).stdout.strip()
+    policies = _policies_dir(args.policies)
+    argv = ["--baseline", "none", "--iters", str(args.iters), "--out", tmp, "--name", "child",
+            "--policies", str(policies) if policies else "random"]
+    if args.domains:
+      argv += ["--domains", *args.domains]
+    if args.quick:
+      argv.append("--quick")
+    code = ("import sys; sys.path[:0] = [sys.argv.pop(1), sys.argv.pop(1)]; "
+            "from experiments.benchmarks import rollout; rollout.child_main(sys.argv[1:])")
+    proc = subprocess.run([sys.executable, "-c", code, tmp, str(ROOT), *argv], cwd=tmp,
+                          capture_output=True, text=True, env=os.environ.copy())
+    if proc.returncode:
+      raise RuntimeError(f"baseline at {rev} failed:\n{proc.stderr[-4000:]}")
+    result = json.loads((pathlib.Path(tmp) / "child.json").read_text())
+  result.update(commit=commit, dirty=False)
+  return result
+
+
+def merge(current: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
+  """Per-batch, per-stage ``speedup`` = baseline seconds / current seconds."""
+  base_rows = {r["batch"]: r for r in baseline["rows"]}
+  speedups = []
+  for r in current["rows"]:
+    b = base_rows.get(r["batch"])
+    if b is None:
+      continue
+    row = {"batch": r["batch"], "total": b["total_s"] / r["total_s"],
+           "outputs_match": b["digests"] == r["digests"]}
+    for s, v in r["stages"].items():
+      if v > 0 and b["stages"].get(s, 0) > 0:
+        row[s] = b["stages"][s] / v
+    speedups.append(row)
+  agg_b, agg_c = baseline["grpo_total"], current["grpo_total"]
+  stage = agg_b["largest_stage"]
+  return {"baseline": {k: baseline[k] for k in ("commit", "dirty", "rows", "grpo_total")},
+          "speedups": speedups,
+          "outputs_match": all(s["outputs_match"] for s in speedups) and bool(speedups),
+          "largest_stage": {"stage": stage, "baseline_s": agg_b["stages"][stage],
+                            "current_s": agg_c["stages"][stage],
+                            "speedup": agg_b["stages"][stage] / agg_c["stages"][stage]}}
+
+
+def _table(rows) -> str:
+  flat = []
+  for r in rows:
+    row = {"batch": r["batch"], "total_s": r["total_s"], "prompts_per_s": r["prompts_per_s"],
+           "tokens_per_s": r["tokens_per_s"]}
+    for s, v in r["stages"].items():
+      row[f"{s}_s"] = v
+      row[f"{s}_%"] = 100 * r["share"][s]
+    flat.append(row)
+  columns = ["batch", "total_s", "prompts_per_s", "tokens_per_s"]
+  for s in dict.fromkeys(GRPO_STAGES + OPD_STAGES):
+    columns += [f"{s}_s", f"{s}_%"]
+  return common.format_table(flat, columns)
+
+
+def child_main(argv) -> None:
+  """Entry point of the baseline child: measure and write JSON only."""
+  args = _parse(argv)
+  common.write_result(args.name, measure(args), args.out)
+
+
+def main(argv=None) -> dict:
+  args = _parse(argv)
+  payload = measure(args)
+  rev = BASELINE_COMMIT if args.baseline is None else args.baseline
+  if rev != "none":
+    payload.update(merge(payload, run_baseline(rev, args)))
+  print(f"rollout batches ({payload['policies']} policies, commit {payload['commit']}"
+        f"{' + uncommitted changes' if payload['dirty'] else ''}), "
+        f"{jax.devices()[0].device_kind}; stage medians over {args.iters} batches")
+  print(_table(payload["rows"]))
+  agg = payload["grpo_total"]
+  print(f"GRPO, all domains: {agg['total_s']:.3g} s; largest stage {agg['largest_stage']} "
+        f"({100 * agg['share'][agg['largest_stage']]:.0f}%)")
+  if "baseline" in payload:
+    print(f"\nbaseline at {payload['baseline']['commit']}:")
+    print(_table(payload["baseline"]["rows"]))
+    print("\nspeedup (baseline / current):")
+    print(common.format_table(payload["speedups"],
+                              ["batch", "total", *dict.fromkeys(GRPO_STAGES + OPD_STAGES),
+                               "outputs_match"]))
+    ls = payload["largest_stage"]
+    print(f"largest stage ({ls['stage']}, GRPO all domains): {ls['baseline_s']:.3g} s -> "
+          f"{ls['current_s']:.3g} s, {ls['speedup']:.2f}x; identical episodes and rewards: "
+          f"{payload['outputs_match']}")
+  path = common.write_result(args.name, payload, args.out)
+  print(f"wrote {path}")
+  return payload
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

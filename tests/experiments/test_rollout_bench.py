@@ -1,0 +1,50 @@
+"""Smoke test of experiments/benchmarks/rollout.py at --quick sizes (no baseline child).
+
+Timings are not asserted (the reference machine is shared). The test checks
+the JSON record (machine, sizes, per-stage seconds and shares, rates), and
+the baseline merge on a baseline built here from the run's own rows, whose
+speedups are known exactly.
+"""
+import copy
+import json
+
+from experiments.benchmarks import rollout
+
+
+def test_quick_record_and_merge(tmp_path):
+  payload = rollout.main(["--quick", "--policies", "random", "--out", str(tmp_path)])
+  record = json.loads((tmp_path / "rollout.json").read_text())
+  assert record["machine"]["backend"] == "cpu" and "cpu_count" in record["machine"]
+  assert record["policies"] == "random" and "commit" in record
+  sizes = record["sizes"]
+  assert sizes["quick"] and sizes["grpo_domains"] == ["math"]
+  assert sizes["grpo"]["group_size"] >= 2 and sizes["opd"]["teachers"]
+  assert [r["batch"] for r in record["rows"]] == ["grpo/math", "opd"]
+  for row, stages in zip(record["rows"], (rollout.GRPO_STAGES, rollout.OPD_STAGES)):
+    assert set(row["stages"]) == set(stages)
+    assert row["stages"]["sample"] > 0 and row["stages"]["assembly"] > 0
+    # One timed batch: the total is the sum of its stages, the shares sum to 1.
+    assert abs(sum(row["stages"].values()) - row["total_s"]) <= 1e-9 * row["total_s"] + 1e-12
+    assert abs(sum(row["share"].values()) - 1.0) < 1e-9
+    assert row["prompts_per_s"] == row["prompts"] / row["total_s"]
+    assert row["tokens_per_s"] == row["policy_tokens"] / row["total_s"] and row["policy_tokens"] > 0
+  assert record["rows"][0]["stages"]["reference"] > 0  # kl_coef > 0 in the GRPO config
+  assert record["rows"][1]["stages"]["teacher"] > 0
+  assert record["grpo_total"]["largest_stage"] in rollout.GRPO_STAGES
+  assert "baseline" not in record and payload["rows"] == record["rows"]
+
+  # A baseline whose every stage took twice as long: every speedup is 2.
+  base = copy.deepcopy(payload)
+  base.update(commit="0" * 40, dirty=False)
+  for row in base["rows"]:
+    row["stages"] = {s: 2 * v for s, v in row["stages"].items()}
+    row["total_s"] *= 2
+  base["grpo_total"] = rollout._aggregate(base["rows"][:1], rollout.GRPO_STAGES)
+  merged = rollout.merge(payload, base)
+  assert merged["outputs_match"] and merged["baseline"]["commit"] == "0" * 40
+  for s in merged["speedups"]:
+    assert abs(s["total"] - 2) < 1e-12 and abs(s["sample"] - 2) < 1e-12
+  assert abs(merged["largest_stage"]["speedup"] - 2) < 1e-12
+  # Different episodes in the baseline: the comparison is flagged as unequal work.
+  base["rows"][0]["digests"] = ["different"]
+  assert not rollout.merge(payload, base)["outputs_match"]
