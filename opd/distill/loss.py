@@ -2,7 +2,7 @@
 
 Per response token ``t`` with renormalised teacher weights ``ŵ_{t,k}``::
 
-    full    L_t = Σ_k ŵ_{t,k} KL(p_s,t ‖ q_k,t)          pallas_kernels.fused_reverse_kl
+    full    L_t = Σ_k ŵ_{t,k} KL(p_s,t ‖ q_k,t)          pallas_kernels.fused_reverse_kl_train
     top_k   the same KL on each teacher's top-k tokens,    pallas_kernels.fused_topk_kl
             student and teacher renormalised there
     token   a_t = log p_s(y_t) − Σ_k ŵ_{t,k} log q_k(y_t)  pallas_kernels.fused_token_level_kl
@@ -24,7 +24,13 @@ and aggregation, ``log p_s(y)`` at the sampling temperature
 
 Aggregation over the response tokens (``loss_mask * mask``, minus rows that
 no teacher answered): ``token_mean`` (every token counts equally) or
-``sequence_mean`` (mean over rows of each row's token mean).
+``sequence_mean`` (mean over rows of each row's token mean). Either is a sum
+``Σ_t c_t L_t`` with per-token coefficients ``c`` (:func:`token_coefficients`),
+which is what lets the ``full`` estimator train through
+``pallas_kernels.fused_reverse_kl_train`` (loss and gradients in one pass,
+docs/DESIGN.md §4). ``OPDLossConfig.gradient_in_forward=False`` takes the
+per-token path ``fused_reverse_kl`` under autodiff instead (same value and
+gradient; for analysis).
 
 The batch (teacher hidden states from :class:`opd.distill.cache.HiddenStateCache`)::
 
@@ -74,6 +80,9 @@ class OPDLossConfig:
       ``GRPOConfig.clip_eps_low`` / ``clip_eps_high`` (their defaults).
     impl: fused-kernel implementation (``"auto"``, ``"pallas"``,
       ``"chunked"``, ``"reference"``).
+    gradient_in_forward: ``full`` estimator only: train through
+      ``pallas_kernels.fused_reverse_kl_train`` (default) rather than the
+      per-token ``fused_reverse_kl`` (module docstring).
   """
   estimator: str = "full"
   top_k: int = 8
@@ -85,9 +94,12 @@ class OPDLossConfig:
   grpo_clip_eps_low: float = GRPOConfig.clip_eps_low
   grpo_clip_eps_high: float = GRPOConfig.clip_eps_high
   impl: str = "auto"
+  gradient_in_forward: bool = True
 
   def __post_init__(self):
     owner = "OPDLossConfig"
+    fields.set_field(self, "gradient_in_forward", fields.check_bool(
+        owner, "gradient_in_forward", self.gradient_in_forward))
     fields.check_choice(owner, "estimator", self.estimator, ESTIMATORS)
     fields.check_choice(owner, "aggregation", self.aggregation, AGGREGATIONS)
     fields.check_choice(owner, "impl", self.impl, IMPLS)
@@ -125,15 +137,18 @@ def _check_batch(batch, k: int, widths: Sequence[int], grpo: bool):
                      f"expected [B, T, K]={bt + (k,)}")
 
 
-def _aggregate(per_token, keep, aggregation: str):
-  """Scalar loss from [B, T] per-token losses over the ``keep`` tokens."""
+def token_coefficients(keep, aggregation: str):
+  """[B, T] float32 ``c`` with ``Σ_t c_t L_t`` the aggregated loss over ``keep``.
+
+  ``token_mean``: ``keep / n``; ``sequence_mean``: ``keep / (n_b · rows)``
+  (n_b the kept tokens of row b, rows the rows with any). 0 off ``keep``.
+  """
   keep = keep.astype(jnp.float32)
   if aggregation == "token_mean":
-    return jnp.sum(per_token * keep) / jnp.maximum(jnp.sum(keep), 1.0)
-  n = jnp.sum(keep, axis=1)
-  rows = jnp.sum(per_token * keep, axis=1) / jnp.maximum(n, 1.0)
-  has = (n > 0).astype(jnp.float32)
-  return jnp.sum(rows * has) / jnp.maximum(jnp.sum(has), 1.0)
+    return keep / jnp.maximum(jnp.sum(keep), 1.0)
+  n = jnp.sum(keep, axis=1, keepdims=True)
+  rows = jnp.sum((n > 0).astype(jnp.float32))
+  return keep / jnp.maximum(n, 1.0) / jnp.maximum(rows, 1.0)
 
 
 def _grpo_term(config: OPDLossConfig, h_s, w_s, batch, keep, impl: str):
@@ -183,6 +198,9 @@ def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
   if len(names) != len(heads):
     raise ValueError(f"teacher_names has {len(names)} names for {len(heads)} teacher_heads")
   widths = [w.shape[0] for w in heads]
+  # One head array for every teacher (e.g. specialists keeping the base's
+  # head): the training loss loads each head tile once for all K.
+  shared = len(heads) > 1 and all(w is heads[0] for w in heads)
   tau, impl = float(config.temperature), config.impl
   grpo = config.grpo_coef > 0
 
@@ -199,11 +217,17 @@ def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
     keep = ((batch["loss_mask"] > 0) & batch["mask"].astype(bool)
             & (jnp.sum(weights, axis=-1) > 0))  # [B, T]
     w_flat, m_flat = weights.reshape(b * t, -1), keep.reshape(b * t)
+    coef = token_coefficients(keep, config.aggregation).reshape(b * t)
     args = (h_s, w_s, h_k, heads, w_flat)
     metrics = {}
-    if config.estimator == "full":
+    per_tok, loss = jnp.zeros((b * t,), jnp.float32), jnp.float32(0.0)
+    if config.estimator == "full" and config.gradient_in_forward:
+      loss, aux = pallas_kernels.fused_reverse_kl_train(*args, coef, temperature=tau, impl=impl,
+                                                        shared_head=shared, return_aux=True)
+    elif config.estimator == "full":
       per_tok, aux = pallas_kernels.fused_reverse_kl(*args, mask=m_flat, temperature=tau,
                                                      impl=impl, return_aux=True)
+    if config.estimator == "full":
       uses = (w_flat > 0) & m_flat[:, None]  # [BT, K]
       kl_k = jnp.sum(aux["kl"] * uses, axis=0) / jnp.maximum(jnp.sum(uses, axis=0), 1)
       metrics.update({f"kl/{n}": kl_k[i] for i, n in enumerate(names)})
@@ -221,7 +245,7 @@ def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
       fkl = pallas_kernels.fused_forward_kl(*args, mask=m_flat, temperature=tau,
                                             impl="reference" if impl == "reference" else "auto")
       per_tok = per_tok + config.forward_kl_coef * fkl
-    loss = _aggregate(per_tok.reshape(b, t), keep, config.aggregation)
+    loss = loss + jnp.sum(coef * per_tok)
     if grpo:
       pg, pg_metrics = _grpo_term(config, h_s, w_s, batch, keep, impl)
       metrics.update(kl_loss=loss, grpo_loss=pg)
