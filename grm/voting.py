@@ -74,8 +74,7 @@ def _check(scores, valid) -> tuple[np.ndarray, np.ndarray]:
     raise ValueError(f"scores must be [k, n] with n >= 1, got {s.shape=}")
   if v.dtype != bool or v.shape != (s.shape[0],):
     raise ValueError(f"valid must be a bool [k] array, got {v.dtype} {v.shape=} for {s.shape=}")
-  s = np.where(v[:, None], s, 0).astype(np.float64)
-  return s, v
+  return s.astype(np.float64), v
 
 
 def _result(totals, used: np.ndarray, num_invalid: int, any_vote: bool,
