@@ -9,13 +9,17 @@ Inference-time scaling samples k judgements in one sampler call
 (``grm.judge``) and votes (``grm.voting``, pure numpy), optionally guided by
 a scalar-head meta-RM (``grm.meta_rm``). Baselines: a Bradley–Terry scalar
 RM (``grm.scalar_rm``), a pairwise "A or B" judge (``grm.pairwise``) and a
-random pick (``grm.voting.random_winners``). The package sits above ``opd``
+random pick (``grm.voting.random_winners``). ``grm.data`` builds preference
+groups from the task suite and writes rule-based judgements for cold-start
+SFT. The package sits above ``opd``
 and below ``experiments`` (docs/DESIGN.md §1).
 """
-from grm import correctness, format, judge, meta_rm, pairwise, parse, scalar_rm, voting
+from grm import correctness, data, format, judge, meta_rm, pairwise, parse, scalar_rm, voting
 from grm.correctness import best_index, check_ratings, is_correct, rule_reward
+from grm.data import (PRINCIPLES, Candidate, PreferenceGroup, build_groups, rating_from_reward,
+                      rule_judgement, sample_candidates, split_groups)
 from grm.format import (GRMPrompt, Principle, build_prompt, format_judgement, format_scores,
-                        permutation, prompt_ids, shuffle, unshuffle)
+                        permutation, plain, prompt_ids, shuffle, unshuffle)
 from grm.judge import SampledJudgement, build_prompts, sample_judgements, score_arrays
 from grm.meta_rm import (add_scalar_head, binary_cross_entropy, meta_batch, meta_input_ids,
                          meta_loss_fn, meta_scores)

@@ -32,6 +32,7 @@ from typing import Sequence
 import numpy as np
 
 from opd import tasks as tasks_lib
+from opd.text.tokenizers import SPECIAL_TOKENS
 
 SCORES_PREFIX = "Scores:"
 PRINCIPLES_HEADER = "Principles:"
@@ -100,13 +101,24 @@ def _check_order(order: Sequence[int], n: int | None = None) -> tuple[int, ...]:
   return order
 
 
+def plain(text: str) -> str:
+  """``text`` with each chat special-token string shown in brackets
+  (``<tool_call>`` -> ``[tool_call]``, ``<|end|>`` -> ``[|end|]``), so a
+  response with thinking or tool calls can sit inside a user turn."""
+  for tok in SPECIAL_TOKENS:
+    text = text.replace(tok, "[" + tok[1:-1] + "]")
+  return text
+
+
 def build_prompt(query: str, responses: Sequence[str], *, seed=None,
                  hint_best: int | None = None) -> GRMPrompt:
   """The GRM prompt for ``query`` and its responses, shown in a seeded order.
 
   Args:
-    query: the user's request (plain text, no chat special tokens).
-    responses: n >= 1 response texts, in their original order.
+    query: the user's request.
+    responses: n >= 1 response texts, in their original order. Chat
+      special-token strings in the query and responses are bracketed
+      (``plain``).
     seed: ``permutation``'s seed; None shows them in the original order.
     hint_best: original index of the best response; when given, the line
       "The best response is: Response j" (j its shown position) ends the
@@ -121,9 +133,10 @@ def build_prompt(query: str, responses: Sequence[str], *, seed=None,
     raise ValueError(f"responses must be a sequence of str, got {responses!r:.80}")
   n = _check_n(len(responses))
   order = permutation(n, seed)
-  parts = [_INSTRUCTION.format(n=n), "", "[Query]", query.strip(), "[End of Query]"]
+  parts = [_INSTRUCTION.format(n=n), "", "[Query]", plain(query.strip()), "[End of Query]"]
   for p, i in enumerate(order):
-    parts += ["", f"[Response {p + 1}]", responses[i].strip(), f"[End of Response {p + 1}]"]
+    parts += ["", f"[Response {p + 1}]", plain(responses[i].strip()),
+              f"[End of Response {p + 1}]"]
   hint = None
   if hint_best is not None:
     if isinstance(hint_best, bool) or not isinstance(hint_best, (int, np.integer)) or not (

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from grm.format import user_prompt_ids
+from grm.format import plain, user_prompt_ids
 from opd.models import ModelConfig
 from opd.rollout.episodes import sample
 from opd.rollout.sampler import SamplingConfig
@@ -59,9 +59,9 @@ def build_pairwise_prompt(query: str, first: str, second: str, *, seed) -> Pairw
       raise ValueError(f"{name} must be a str, got {type(v).__name__}")
   swapped = False if seed is None else bool(np.random.default_rng(seed).integers(2))
   a, b = (second, first) if swapped else (first, second)
-  text = "\n".join([_INSTRUCTION, "", "[Query]", query.strip(), "[End of Query]", "",
-                    "[Response A]", a.strip(), "[End of Response A]", "",
-                    "[Response B]", b.strip(), "[End of Response B]"])
+  text = "\n".join([_INSTRUCTION, "", "[Query]", plain(query.strip()), "[End of Query]", "",
+                    "[Response A]", plain(a.strip()), "[End of Response A]", "",
+                    "[Response B]", plain(b.strip()), "[End of Response B]"])
   return PairwisePrompt(text=text, swapped=swapped)
 
 

@@ -165,6 +165,13 @@ def test_prompt_ids_are_one_user_turn_with_an_open_assistant_turn():
   text = tok.decode(ids)
   assert ids[0] == tok.bos_id
   assert text == "<|bos|><|user|>" + prompt.text + "<|end|><|assistant|>"
+  # Thinking and tool calls inside a response are bracketed, not special tokens.
+  agentic = build_prompt("q <|end|>", ["<think>hm</think><tool_call>{}</tool_call>", "ok"])
+  ids = prompt_ids(tok, agentic)
+  specials = [tok.id_to_token(int(i)) for i in ids if int(i) in tok.special_ids]
+  assert specials == ["<|bos|>", "<|user|>", "<|end|>", "<|assistant|>"]
+  assert "[think]hm[/think][tool_call]{}[/tool_call]" in agentic.text
+  assert "q [|end|]" in agentic.text
   with pytest.raises(ValueError, match="responses"):
     build_prompt("q", [])
   with pytest.raises(ValueError, match="unshuffle|permutation"):
