@@ -30,7 +30,8 @@ from typing import Any
 
 from opd.text import parsers
 from opd.tasks.sandbox.api import (KERNEL_ISOLATION, IsolationUnavailable, Sandbox,
-                                   SandboxLimits)
+                                   SandboxLimits, SandboxResult)
+from opd.tasks.sandbox.batch import run_python_batch
 from opd.tasks.base import Draft, Example, Reward, Task, _check_batch, malformed
 
 N_TESTS = 6
@@ -134,7 +135,7 @@ class CodeTask(Task):
     Args:
       sandbox: runs the programs (default: a ``Sandbox`` created on first use,
         "auto" isolation, 1 s CPU, 2 s wall, requiring ``required_isolation``).
-      workers: parallel sandbox runs in ``verify_batch``.
+      workers: concurrent (batched) sandbox runs in ``verify_batch``.
       allow_weak_isolation: explicit, logged opt-in to a sandbox without
         ``required_isolation`` (e.g. "rlimits" where namespaces are missing).
 
@@ -186,14 +187,20 @@ class CodeTask(Task):
     return Draft(prompt, (("assistant", reference),), {"n_args": len(sig.split(",")),
                                                         "tests": tests})
 
-  def verify(self, example: Example, response: str) -> Reward:
+  def _program(self, example: Example, response: str) -> str | Reward:
+    """The program to run for ``response`` (its function + the harness), or
+    the malformed-response reward when it defines no usable ``f``."""
     self.check_example(example)
     code = parsers.extract_python_function(response, "f", example.meta["n_args"])
     if not code.ok:
       return malformed(code.reason, passed=0.0)
+    harness = _HARNESS.format(inputs=[args for args, _ in example.meta["tests"]],
+                              mark=_RESULT_MARK)
+    return code.source + harness
+
+  def _score(self, example: Example, result: SandboxResult) -> Reward:
+    """The reward of one sandbox run of ``_program``'s text."""
     tests = example.meta["tests"]
-    harness = _HARNESS.format(inputs=[args for args, _ in tests], mark=_RESULT_MARK)
-    result = self.sandbox.run_python(code.source + harness)
     if result.infrastructure_error:
       raise SandboxFailure(result.reason)
     line = next((ln for ln in reversed(result.stdout.splitlines()) if ln.startswith(_RESULT_MARK)),
@@ -212,10 +219,28 @@ class CodeTask(Task):
     reason = "ok" if passed == len(tests) else f"partial:{passed}/{len(tests)}"
     return Reward(frac, 1.0, {"passed": frac}, reason)
 
+  def verify(self, example: Example, response: str) -> Reward:
+    program = self._program(example, response)
+    if isinstance(program, Reward):
+      return program
+    return self._score(example, self.sandbox.run_python(program))
+
   def verify_batch(self, examples: Sequence[Example], responses: Sequence[str]) -> list[Reward]:
-    """Runs up to ``workers`` sandboxes at a time."""
+    """``verify`` of each pair. The programs run in ``workers`` concurrent
+    batched sandbox runs (``opd.tasks.sandbox.batch``: one set-up per batch,
+    each program still alone in its own process, uid and work directory, and
+    the result a single run would give)."""
     _check_batch(examples, responses)
-    if self.workers == 1 or len(examples) <= 1:
-      return [self.verify(e, r) for e, r in zip(examples, responses)]
-    with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
-      return list(pool.map(self.verify, examples, responses))
+    programs = [self._program(e, r) for e, r in zip(examples, responses)]
+    todo = [i for i, p in enumerate(programs) if not isinstance(p, Reward)]
+    sandbox = self.sandbox if todo else None  # created on first use, as in verify
+    if isinstance(sandbox, Sandbox):
+      run = lambda idx: run_python_batch(sandbox, [programs[i] for i in idx])  # noqa: E731
+    else:  # any object with run_python (tests, custom sandboxes)
+      run = lambda idx: [sandbox.run_python(programs[i]) for i in idx]  # noqa: E731
+    chunks = [todo[w::self.workers] for w in range(min(self.workers, len(todo)))]
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(chunks))) as pool:
+      for idx, results in zip(chunks, pool.map(run, chunks)):
+        for i, result in zip(idx, results):
+          programs[i] = result
+    return [p if isinstance(p, Reward) else self._score(e, p) for e, p in zip(examples, programs)]

@@ -281,7 +281,7 @@ class Sandbox:
       raise ValueError(f"argv must be a non-empty sequence of str, got {argv!r}")
     return self._run({"argv": list(argv)}, stdin, files)
 
-  def _run(self, program: dict, stdin: str, files: Mapping[str, str] | None) -> SandboxResult:
+  def _run(self, program: dict, stdin: str, files: Mapping[str, str] | None, launch=None):
     if not isinstance(stdin, str):
       raise ValueError(f"stdin must be str, got {type(stdin).__name__}")
     files = dict(files or {})
@@ -294,11 +294,12 @@ class Sandbox:
     run_id = uuid.uuid4().hex
     base = tempfile.mkdtemp(prefix=f"opd-sandbox-{run_id}-")
     try:
-      return self._run_in(base, run_id, program, stdin, files)
+      return self._run_in(base, run_id, program, stdin, files, launch or self._launch)
     finally:
       shutil.rmtree(base, ignore_errors=True)
 
-  def _run_in(self, base, run_id, program, stdin, files) -> SandboxResult:
+  def _run_in(self, base, run_id, program, stdin, files, launch):
+    """Directories, uid and cgroup of a run around ``launch`` (``_launch`` or a batch's)."""
     start = time.monotonic()
     drop_uid = None
     if self._drops_uid:
@@ -320,13 +321,30 @@ class Sandbox:
         return SandboxResult(False, f"sandbox_error:cgroup: {e}", None, "", "",
                              time.monotonic() - start, self.enforced, run_id)
     try:
-      return self._launch(base, run_id, program, stdin, files, workdir, drop_uid, group, start)
+      return launch(base, run_id, program, stdin, files, workdir, drop_uid, group, start)
     finally:
       if group is not None:
         group.remove()
 
   def _launch(self, base, run_id, program, stdin, files, workdir, drop_uid, group,
               start) -> SandboxResult:
+    run = self._execute(base, run_id, program, stdin, files, workdir, drop_uid, group,
+                        start + self.limits.wall_s, self.limits.output_bytes)
+    if isinstance(run, str):
+      return SandboxResult(False, run, None, "", "", time.monotonic() - start, self.enforced,
+                           run_id)
+    out, err, killed, status = run
+    stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+    reason, returncode = outcome.classify(
+        killed, status, stderr, cpu_limit_s=self.limits.cpu_s,
+        oom_kills=group.oom_kills() if group else 0,
+        supervisor_reachable=self.isolation == "rlimits" and not self._drops_uid)
+    return SandboxResult(reason == "ok", reason, returncode, stdout, stderr,
+                         time.monotonic() - start, self.enforced, run_id)
+
+  def _execute(self, base, run_id, program, stdin, files, workdir, drop_uid, group,
+               deadline: float, cap: int) -> tuple[bytes, bytes, str | None, str] | str:
+    """``(stdout, stderr, killed, status text)`` of the launcher, or why it did not start."""
     status_r, status_w = os.pipe()
     cfg = {"mode": self.isolation, "workdir": workdir, "base": base, "program": program,
            "stdin": stdin, "files": files, "status_fd": status_w, "drop_uid": drop_uid,
@@ -344,12 +362,11 @@ class Sandbox:
           pass_fds=(status_w,), start_new_session=True, env=env, cwd=base)
     except OSError as e:
       os.close(status_r)
-      return SandboxResult(False, f"sandbox_error:launch failed: {e}", None, "", "",
-                           time.monotonic() - start, self.enforced, run_id)
+      return f"sandbox_error:launch failed: {e}"
     finally:
       os.close(status_w)
     try:
-      out, err, killed = outcome.collect(proc, start + self.limits.wall_s, self.limits.output_bytes)
+      out, err, killed = outcome.collect(proc, deadline, cap)
     finally:
       outcome.kill_group(proc.pid)
       if group is not None:
@@ -357,13 +374,7 @@ class Sandbox:
       proc.wait()
       status = outcome.read_all(status_r)
       os.close(status_r)
-    stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
-    reason, returncode = outcome.classify(
-        killed, status, stderr, cpu_limit_s=self.limits.cpu_s,
-        oom_kills=group.oom_kills() if group else 0,
-        supervisor_reachable=self.isolation == "rlimits" and not self._drops_uid)
-    return SandboxResult(reason == "ok", reason, returncode, stdout, stderr,
-                         time.monotonic() - start, self.enforced, run_id)
+    return out, err, killed, status
 
 
 # ----------------------------------------------------------------------------

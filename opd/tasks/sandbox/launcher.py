@@ -309,6 +309,114 @@ def _supervise(cfg: dict, install_guard) -> int:
   return 0
 
 
+def _fresh_workdir(cfg: dict, owner: int):
+  """Replaces the tmpfs at ``WORKDIR`` by a new, empty one owned by ``owner``
+  (the previous program's is detached and freed once nothing holds it)."""
+  _, libc = _libc()
+  _check(libc.umount2(WORKDIR.encode(), _MNT_DETACH), "detach the work tmpfs")
+  opts = f"size={cfg['limits']['file_bytes']},mode=0700,uid={owner},gid={owner}".encode()
+  _check(libc.mount(b"tmpfs", WORKDIR.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts),
+         "work tmpfs")
+
+
+def _collect_worker(pid: int, fds: list, deadline: float, cap: int, time, select):
+  """``(outputs, wstatus, usage, killed)`` of the worker, read and reaped as
+  ``outcome.collect`` does for a single run; then every process left is killed."""
+  bufs = {fd: bytearray() for fd in fds}
+  open_fds, total, killed, reaped = list(fds), 0, None, None
+  while open_fds and killed is None:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+      killed = "wall_time_limit"
+      break
+    for fd in select.select(open_fds, [], [], remaining)[0]:
+      chunk = os.read(fd, 65536)
+      if not chunk:
+        open_fds.remove(fd)
+        continue
+      bufs[fd] += chunk[:max(0, cap - total)]
+      total += len(chunk)
+      if total > cap:
+        killed = "output_limit"
+        break
+  while killed is None and reaped is None:
+    got, wstatus, usage = os.wait4(pid, os.WNOHANG)
+    if got == pid:
+      reaped = (wstatus, usage)
+    elif time.monotonic() >= deadline:
+      killed = "wall_time_limit"
+    else:
+      time.sleep(0.0005)
+  try:  # pid 1 of the namespace: -1 is every other process of the run
+    os.kill(-1, _SIGKILL)
+  except ProcessLookupError:
+    pass
+  while True:
+    try:
+      got, wstatus, usage = os.wait4(-1, 0)
+    except ChildProcessError:
+      break
+    if got == pid and reaped is None:
+      reaped = (wstatus, usage)
+  return [bytes(bufs[fd]) for fd in fds], reaped[0], reaped[1], killed
+
+
+def _supervise_batch(cfg: dict, install_guard) -> int:
+  """Runs the programs ``cfg["program"]["batch"]`` one after another, each in a
+  fresh worker (forked as in a single run, under its own uid from
+  ``cfg["program"]["uids"]``) on a fresh work tmpfs, with a ``wall_s`` deadline
+  and the output cap of its own; nothing of program i survives into program
+  i + 1. Writes one record per program on stdout (which no program holds):
+  ``"STATUS_LEN STDOUT_LEN STDERR_LEN KILLED WALL_S\\n"`` then the three
+  byte strings; STATUS is what the status pipe of a single run would say.
+  """
+  import resource  # noqa: F401 - imported once here, not in every worker
+  import select
+  import time
+  if os.getpid() != 1:
+    raise OSError("batch runs need the run's own pid namespace")
+  _, libc = _libc()
+  _check(libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(DUMPABLE)")
+  lim, records = cfg["limits"], os.dup(1)
+  for source, uid in zip(cfg["program"]["batch"], cfg["program"]["uids"]):
+    prog = dict(cfg, program={"python": source}, drop_uid=uid, workdir=WORKDIR, stdin="",
+                files={})
+    _fresh_workdir(cfg, uid if cfg["mode"] == "namespaces-root" else 0)
+    _write_files(prog)
+    status_r, prog["status_fd"] = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+      os.dup2(out_w, 1)
+      os.dup2(err_w, 2)
+      for fd in (records, cfg["status_fd"], status_r, out_r, err_r, out_w, err_w):
+        os.close(fd)  # the run's status pipe and the records stay out of reach
+      _worker(prog, install_guard)
+    for fd in (prog["status_fd"], out_w, err_w):
+      os.close(fd)
+    (out, err), wstatus, usage, killed = _collect_worker(
+        pid, [out_r, err_r], start + lim["wall_s"], lim["output_bytes"], time, select)
+    wall = time.monotonic() - start
+    os.close(out_r)
+    os.close(err_r)
+    status = b""
+    while chunk := os.read(status_r, 65536):
+      status += chunk
+    os.close(status_r)
+    cpu = usage.ru_utime + usage.ru_stime
+    if os.WIFSIGNALED(wstatus):
+      status += f"signal {os.WTERMSIG(wstatus)} {cpu}\n".encode()
+    else:
+      status += f"exit {os.WEXITSTATUS(wstatus)} {cpu}\n".encode()
+    head = f"{len(status)} {len(out)} {len(err)} {killed or '-'} {wall}\n".encode()
+    view = memoryview(head + status + out + err)
+    while view:
+      view = view[os.write(records, view):]
+  return 0
+
+
 def _launcher_main(config_path: str) -> int:
   with open(config_path, "rb") as f:
     cfg = marshal.load(f)
@@ -326,7 +434,8 @@ def _launcher_main(config_path: str) -> int:
         _, libc = _libc()
         _check(libc.prctl(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
         _build_root(cfg)
-        os._exit(_supervise(cfg, install_guard))
+        supervise = _supervise_batch if "batch" in cfg["program"] else _supervise
+        os._exit(supervise(cfg, install_guard))
       except BaseException as e:  # noqa: BLE001
         _report(cfg, f"setup_error {e!r}")
         os._exit(_SETUP_EXIT)
