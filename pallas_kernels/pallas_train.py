@@ -80,6 +80,9 @@ class TrainBlockSizes:
     block_v: vocabulary columns per tile.
     layout: ``"tiled"`` (TPU grid pipeline) or ``"looped"`` (GPU in-kernel loops).
     block_d: looped only: hidden-width chunk per ``dot``.
+    v_splits: looped only: vocabulary splits of the ``dh`` kernel, run as
+      parallel programs (``C/bt`` alone would leave most SMs idle) whose
+      partial sums ``[S, C, Ds]`` XLA adds.
     num_warps, num_stages: looped only: Triton compiler parameters.
     vmem_limit_bytes: tiled only: scoped VMEM limit requested from Mosaic.
   """
@@ -88,6 +91,7 @@ class TrainBlockSizes:
   block_v: int
   layout: str = "tiled"
   block_d: int = 64
+  v_splits: int = 1
   num_warps: int = 4
   num_stages: int = 2
   vmem_limit_bytes: int = 96 * 2**20
@@ -95,8 +99,8 @@ class TrainBlockSizes:
   def __post_init__(self):
     if self.layout not in LAYOUTS:
       raise ValueError(f"TrainBlockSizes.layout={self.layout!r}: expected one of {LAYOUTS}")
-    for name in ("block_c", "block_t", "block_v", "block_d", "num_warps", "num_stages",
-                 "vmem_limit_bytes"):
+    for name in ("block_c", "block_t", "block_v", "block_d", "v_splits", "num_warps",
+                 "num_stages", "vmem_limit_bytes"):
       val = getattr(self, name)
       if not (isinstance(val, int) and val > 0):
         raise ValueError(f"TrainBlockSizes.{name}={val!r} must be a positive int")
@@ -120,7 +124,8 @@ class TrainBlockSizes:
     if backend == "tpu":
       return cls(block_c=256, block_t=256, block_v=512)
     if backend in ("gpu", "cuda", "rocm"):
-      return cls(block_c=256, block_t=64, block_v=128, layout="looped", num_stages=3)
+      return cls(block_c=256, block_t=64, block_v=128, layout="looped", v_splits=32,
+                 num_stages=3)
     return cls(block_c=256, block_t=64, block_v=256)
 
 
@@ -133,7 +138,8 @@ def _fit(bs: TrainBlockSizes, t: int, v: int, dtype) -> TrainBlockSizes:
     p2 = lambda n: max(16, 1 << (n - 1).bit_length())
     bt, bv = min(bs.block_t, p2(t)), min(bs.block_v, p2(v))
   bc = min(_round_up(bs.block_c, bt), _round_up(t, bt))
-  return dataclasses.replace(bs, block_c=bc, block_t=bt, block_v=bv)
+  return dataclasses.replace(bs, block_c=bc, block_t=bt, block_v=bv,
+                             v_splits=min(bs.v_splits, -(-v // bv)))
 
 
 def _phase1_kernel(*refs, k, n_heads, vocab, bv, bd, inv_tau):
@@ -148,7 +154,7 @@ def _phase1_kernel(*refs, k, n_heads, vocab, bv, bd, inv_tau):
   xs = [looped.dot_refs(hk_refs[i], wk_refs[min(i, n_heads - 1)], bd) * inv_tau
         for i in range(k)]
   valid = None
-  if vocab % bv:  # padded columns (W = 0 there) must not enter the softmax statistics
+  if vocab is not None:  # padded columns (W = 0 there) must not enter the statistics
     valid = pl.program_id(1) * bv + lax.broadcasted_iota(jnp.int32, (1, bv), 1) < vocab
   acc = tile_math.acc_update(tile_math.acc_init(z.shape[0], k), z, xs, valid)
   lse, ent, e_k, lse_k = tile_math.acc_finalize(acc)
@@ -164,7 +170,8 @@ def phase1(h_s, w_s, h_k, w_k, w_hat_cols, *, inv_tau, bs, interpret, vocab) -> 
     h_s: [C, Ds]; w_s: [Ds, Vp]; h_k: K arrays [C, Dt_k]; w_k: K heads
       [Dt_k, Vp], or one head shared by every teacher (all padded to the
       blocks); w_hat_cols: K columns [C, 1] of ŵ.
-    vocab: the unpadded V.
+    vocab: the unpadded V. A tile of padding alone gets ``lse = NEG``, which
+      :func:`tile_math.merge_stats` weights by exactly 0.
 
   Returns:
     ``(z, b, stats)``: [C, Vp] f32 buffers and :class:`tile_math.Stats` with a leading tile axis (``[V/bv, C]``,
@@ -179,8 +186,8 @@ def phase1(h_s, w_s, h_k, w_k, w_hat_cols, *, inv_tau, bs, interpret, vocab) -> 
   tile = pl.BlockSpec((bt, bv), lambda i, j: (i, j))
   stat = pl.BlockSpec((None, bt, 1), lambda i, j: (j, i, 0))
   outs = pl.pallas_call(
-      functools.partial(_phase1_kernel, k=k, n_heads=len(w_k), vocab=vocab, bv=bv, bd=bd,
-                        inv_tau=inv_tau),
+      functools.partial(_phase1_kernel, k=k, n_heads=len(w_k),
+                        vocab=vocab if vocab < vp else None, bv=bv, bd=bd, inv_tau=inv_tau),
       out_shape=[tile_math.out_struct((c, vp), _F32, h_s, w_s)] * 2
       + [tile_math.out_struct((nv, c, 1), _F32, h_s, w_s)] * (2 + 2 * k),
       grid=(c // bt, nv),
@@ -260,7 +267,7 @@ def train_grads_core(h_s, w_s, h_k, w_k, w_hat, coef, *, inv_tau, bs, interpret,
   """
   t, v, k = h_s.shape[0], w_s.shape[1], len(h_k)
   bc, bd = bs.block_c, (bs.block_d if bs.layout == "looped" else 1)
-  tp, vp = _round_up(t, bc), _round_up(v, bs.block_v)
+  tp, vp = _round_up(t, bc), _round_up(v, bs.block_v * (bs.v_splits if bd > 1 else 1))
   pad = lambda a, shape: (a if a.shape == shape
                           else jnp.pad(a, [(0, n - d) for n, d in zip(shape, a.shape)]))
   mats = [pad(m, (tp, _round_up(m.shape[1], bd))) for m in (h_s, *h_k)]

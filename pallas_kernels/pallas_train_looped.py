@@ -5,8 +5,9 @@ accumulator (see :mod:`pallas_kernels.pallas_train` for the math and the
 tiled TPU layout). Given one token chunk's buffered ``(z, b)`` tiles and the
 per-token ``lse(z)``, ``E_p[b]`` and ``c/τ``, ``g = c/τ · p (b − E_p[b])``:
 
-* ``dh`` kernel, grid ``(C/bt,)``: loops over vocabulary tiles and adds
-  ``g W_sᵀ`` into its ``[bt, Ds]`` block, ``block_d`` columns per ``dot``;
+* ``dh`` kernel, grid ``(C/bt, S)``: program ``(i, s)`` loops over the
+  vocabulary tiles of split ``s`` and adds ``g W_sᵀ`` into its partial
+  ``[bt, Ds]`` block, ``block_d`` columns per ``dot``; XLA sums the S splits;
 * ``dW`` kernel, grid ``(V/bv,)``: starts from the carried ``dW`` tile (aliased
   in place) and loops over token tiles adding ``h_sᵀ g``.
 
@@ -56,7 +57,7 @@ def _g(z_ref, b_ref, lse_ref, eb_ref, c_ref, rows, cols):
 
 
 def _dh_kernel(z_ref, b_ref, lse_ref, eb_ref, c_ref, ws_ref, dh_ref, *, bv, bd):
-  """Grid (token tiles,): dh [bt, Ds] = Σ_j g_j W_s[:, j]ᵀ."""
+  """Grid (token tiles, splits): partial dh [bt, Ds] = Σ_j g_j W_s[:, j]ᵀ over the split."""
   n_chunks = ws_ref.shape[0] // bd
 
   @pl.loop(0, n_chunks)
@@ -98,7 +99,7 @@ def phase2(z, b, cols, h_s, w_s, dw, *, bs, interpret):
   """(dh [C, Ds] f32, updated dW [Ds, Vp] f32) of one token chunk.
 
   Args:
-    z, b: [C, Vp] f32 buffers; cols: ``lse, E_p[b], c/τ`` columns [C, 1];
+    z, b: [C, Vp] f32 buffers (Vp a multiple of ``block_v · v_splits``); cols: ``lse, E_p[b], c/τ`` columns [C, 1];
     h_s: [C, Ds]; w_s: [Ds, Vp]; dw: [Ds, Vp] f32 carried gradient.
   """
   c, vp = z.shape
@@ -106,13 +107,15 @@ def phase2(z, b, cols, h_s, w_s, dw, *, bs, interpret):
   bt, bv, bd = bs.block_t, bs.block_v, bs.block_d
   params = compiler_params(bs.num_warps, bs.num_stages)
   full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
-  row = lambda a: pl.BlockSpec((bt, a.shape[1]), lambda i: (i, 0))
+  splits = bs.v_splits
+  zb_split = pl.BlockSpec((bt, vp // splits), lambda i, s: (i, s))
   dh = pl.pallas_call(
       functools.partial(_dh_kernel, bv=bv, bd=bd),
-      out_shape=tile_math.out_struct((c, ds), _F32, z, w_s),
-      grid=(c // bt,),
-      in_specs=[row(z), row(b)] + [row(x) for x in cols] + [full(w_s)],
-      out_specs=pl.BlockSpec((bt, ds), lambda i: (i, 0)),
+      out_shape=tile_math.out_struct((splits, c, ds), _F32, z, w_s),
+      grid=(c // bt, splits),
+      in_specs=[zb_split, zb_split] + [pl.BlockSpec((bt, 1), lambda i, s: (i, 0))] * 3
+      + [pl.BlockSpec((w_s.shape[0], vp // splits), lambda i, s: (0, s))],
+      out_specs=pl.BlockSpec((None, bt, ds), lambda i, s: (s, i, 0)),
       compiler_params=params, interpret=interpret,
       name="reverse_kl_train_dh_looped")(z, b, *cols, w_s)
   v_tile = lambda rows: pl.BlockSpec((rows, bv), lambda j: (0, j))
@@ -125,4 +128,4 @@ def phase2(z, b, cols, h_s, w_s, dw, *, bs, interpret):
       input_output_aliases={6: 0},
       compiler_params=params, interpret=interpret,
       name="reverse_kl_train_dw_looped")(z, b, *cols, h_s, dw)
-  return dh, dw
+  return jnp.sum(dh, axis=0), dw

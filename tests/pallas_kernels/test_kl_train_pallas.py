@@ -10,7 +10,7 @@ The factor grid is test_kl_pallas.py's (T, V, K, τ, mask, dtype, layout),
 covered by its pairwise ``DESIGN``. Blocks are small so that T=300 spans five
 token chunks of 64 with a remainder (C does not divide T), V=1000 has a
 remainder tile, and the looped layout pads the teacher widths (40, 24) to
-``block_d=16``. Rows 1-3 of every problem have zero / one-hot / partial
+``block_d=16`` and V to a multiple of 3·128 for its three ``dh`` splits. Rows 1-3 of every problem have zero / one-hot / partial
 teacher weights (kl_problems.make_problem).
 """
 import jax
@@ -29,7 +29,8 @@ from test_kl_pallas import DESIGN, LEVELS
 
 BLOCKS = {
     "tiled": TrainBlockSizes(block_c=64, block_t=32, block_v=256),
-    "looped": TrainBlockSizes(block_c=64, block_t=32, block_v=128, layout="looped", block_d=16),
+    "looped": TrainBlockSizes(block_c=64, block_t=32, block_v=128, layout="looped", block_d=16,
+                              v_splits=3),
 }
 
 
@@ -158,8 +159,9 @@ def test_head_matmul_count(k, want):
 def test_train_kernels_lower(platform, layout, count):
   sizes = {"tiled": TrainBlockSizes(block_c=256, block_t=128, block_v=512),
            "looped": TrainBlockSizes(block_c=128, block_t=64, block_v=128, layout="looped",
-                                     block_d=16)}[layout]
-  p = kp.make_problem(300, 1000, 2, dtype=jnp.bfloat16, with_mask=False)
+                                     block_d=16, v_splits=4)}[layout]
+  # V = 1100: a padded vocabulary that is not a power of two, T = 300: C ∤ T.
+  p = kp.make_problem(300, 1100, 2, dtype=jnp.bfloat16, with_mask=False)
   fn = lambda *a: train_grads_pallas(*a, temperature=0.7, sizes=sizes, interpret=False)
   disabled = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
   exported = export.export(jax.jit(fn), platforms=[platform], disabled_checks=disabled)(
@@ -214,6 +216,7 @@ def test_sharded_equals_single_device(single_device, mesh_shape):
     (dict(block_c=64, block_t=32, block_v=128, layout="mosaic"), "layout"),
     (dict(block_c=64, block_t=48, block_v=128, layout="looped"), "block_t=48"),
     (dict(block_c=0, block_t=32, block_v=128), "block_c=0"),
+    (dict(block_c=64, block_t=32, block_v=128, layout="looped", v_splits=0), "v_splits=0"),
 ])
 def test_block_sizes_validation(kwargs, match):
   with pytest.raises(ValueError, match=match):
