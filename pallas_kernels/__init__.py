@@ -10,10 +10,11 @@ token-level estimators) share its chunked machinery.
 
 For training, :func:`fused_reverse_kl_train` returns the scalar
 ``Σ_t c_t · loss_t`` with its gradients computed in the same pass
-(gradient in forward, docs/DESIGN.md §4).
+(gradient in forward, docs/DESIGN.md §4); :func:`fused_cross_entropy_train`
+is its cross-entropy counterpart.
 
 Module map: ``api`` (public call, dispatch), ``train_loss`` (training
-entry, grads functions), ``inputs`` (validation),
+entry, grads functions), ``train_ce``, ``inputs`` (validation),
 ``tile_math`` (online accumulators, shared by every path), ``chunked``,
 ``pallas_kl`` (+ ``pallas_kl_tiled``, ``pallas_kl_looped``), ``reference``,
 ``sharded``, ``divergence`` + ``losses`` (companion losses).
@@ -26,11 +27,13 @@ from pallas_kernels.pallas_kl import BlockSizes, vocab_stats_pallas
 from pallas_kernels.reference import reverse_kl_reference, vocab_stats_reference
 from pallas_kernels.sharded import fused_reverse_kl_sharded, vocab_stats_sharded
 from pallas_kernels.tile_math import Stats
+from pallas_kernels.train_ce import fused_cross_entropy_train
 from pallas_kernels.train_loss import TrainChunkSizes, fused_reverse_kl_train
 
 __all__ = [
-    "BlockSizes", "ChunkSizes", "Stats", "TrainChunkSizes", "fused_cross_entropy", "fused_forward_kl", "fused_jsd",
-    "fused_reverse_kl", "fused_reverse_kl_sharded", "fused_reverse_kl_train", "fused_token_level_kl", "fused_topk_kl",
+    "BlockSizes", "ChunkSizes", "Stats", "TrainChunkSizes", "fused_cross_entropy",
+    "fused_cross_entropy_train", "fused_forward_kl", "fused_jsd", "fused_reverse_kl",
+    "fused_reverse_kl_sharded", "fused_reverse_kl_train", "fused_token_level_kl", "fused_topk_kl",
     "reverse_kl_reference", "stats_function", "vocab_stats_chunked", "vocab_stats_pallas",
     "vocab_stats_reference", "vocab_stats_sharded",
 ]

@@ -123,7 +123,7 @@ class TrainChunkSizes:
         raise ValueError(f"TrainChunkSizes.{name}={val!r} must be a positive int")
 
 
-def _fold_chunks(body, carry, t: int, block_t: int):
+def fold_chunks(body, carry, t: int, block_t: int):
   """``carry, ys = body(carry, start, size)`` over token chunks; ys concatenated
   along T (one ``lax.scan`` over full chunks plus one static remainder chunk)."""
   bt = min(block_t, t)
@@ -218,7 +218,7 @@ def train_grads_chunked(h_s, w_s, h_k, w_k, w_hat, coef, *, temperature: float,
     return run(rows(h_s), hk_c=[rows(h) for h in h_k], wh_c=rows(w_hat), c_c=rows(coef), dw=dw)
 
   dw0 = tile_math.match_vma(jnp.zeros(w_s.shape, jnp.float32), h_s, w_s)
-  dw, (dh, lse, ent, e_k, lse_k) = _fold_chunks(body, dw0, t, sizes.block_t)
+  dw, (dh, lse, ent, e_k, lse_k) = fold_chunks(body, dw0, t, sizes.block_t)
   kl = tile_math.kl_from_stats(tile_math.Stats(lse, ent, e_k, lse_k))
   return TrainOut(weighted_loss(coef, w_hat, kl), kl, ent, dh.astype(h_s.dtype),
                   dw.astype(w_s.dtype))
@@ -238,30 +238,39 @@ def grads_function(impl: str) -> Callable[..., TrainOut]:
   return GRADS_FUNCTIONS[api.resolve_impl(impl)]
 
 
+def saved_gradient_vjp(run):
+  """``f(h_s, w_s, rest) -> outs`` with ``(outs, (dh_s, dw_s)) = run(h_s, w_s, rest)``.
+
+  ``outs[0]`` is the scalar loss; the VJP w.r.t. ``(h_s, w_s)`` is the saved
+  gradient times the loss cotangent (the other outputs must leave through
+  ``stop_gradient``: their cotangents are ignored). ``rest`` (a tuple of
+  arrays) gets no gradient. Shared by every gradient-in-forward loss.
+  """
+  @jax.custom_vjp
+  def f(h_s, w_s, rest):
+    return run(h_s, w_s, rest)[0]
+
+  def fwd(h_s, w_s, rest):
+    return run(h_s, w_s, rest)
+
+  def bwd(grads, g):
+    scale = lambda d: (d.astype(jnp.float32) * g[0]).astype(d.dtype)
+    return scale(grads[0]), scale(grads[1]), None
+
+  f.defvjp(fwd, bwd)
+  return f
+
+
 @functools.lru_cache(maxsize=None)
 def _train_fn(impl: str, sizes, temperature: float, shared_head: bool):
-  """``f(h_s, w_s, h_k, w_k, w_hat, coef) -> (loss, kl, ent)`` whose VJP w.r.t.
-  ``(h_s, w_s)`` is the saved gradient times the loss cotangent."""
-  run = functools.partial(GRADS_FUNCTIONS[impl], temperature=temperature, sizes=sizes,
-                          shared_head=shared_head)
+  """Jitted ``f(h_s, w_s, (h_k, w_k, w_hat, coef)) -> (loss, kl, ent)`` of ``impl``."""
+  grads_fn = functools.partial(GRADS_FUNCTIONS[impl], temperature=temperature, sizes=sizes,
+                               shared_head=shared_head)
 
-  @jax.custom_vjp
-  def train(h_s, w_s, h_k, w_k, w_hat, coef):
-    out = run(h_s, w_s, h_k, w_k, w_hat, coef)
-    return out.loss, out.kl, out.ent
-
-  def fwd(h_s, w_s, h_k, w_k, w_hat, coef):
-    out = run(h_s, w_s, h_k, w_k, w_hat, coef)
+  def run(h_s, w_s, rest):
+    out = grads_fn(h_s, w_s, *rest)
     return (out.loss, out.kl, out.ent), (out.dh_s, out.dw_s)
-
-  def bwd(res, g):
-    dh, dw = res
-    g_loss = g[0]  # kl / ent leave through stop_gradient: their cotangents are 0
-    scale = lambda d: (d.astype(jnp.float32) * g_loss).astype(d.dtype)
-    return scale(dh), scale(dw), None, None, None, None
-
-  train.defvjp(fwd, bwd)
-  return jax.jit(train)
+  return jax.jit(saved_gradient_vjp(run))
 
 
 def check_coef(coef, t: int) -> jax.Array:
@@ -346,7 +355,7 @@ def fused_reverse_kl_train(student_hidden, student_head, teacher_hidden, teacher
   h_k = tuple(jax.lax.stop_gradient(h) for h in inp.h_k)
   w_k = tuple(jax.lax.stop_gradient(w) for w in inp.w_k)
   fn = _train_fn(impl, block_sizes, inp.temperature, shared)
-  loss, kl, ent = fn(inp.h_s, inp.w_s, h_k, w_k, w_hat, c_eff)
+  loss, kl, ent = fn(inp.h_s, inp.w_s, (h_k, w_k, w_hat, c_eff))
   if not return_aux:
     return loss
   aux = {"kl": jnp.where(keep[:, None], jax.lax.stop_gradient(kl), 0.0),

@@ -5,10 +5,14 @@ Both take the batch layout of ``opd.training.data`` — ``tokens``, ``targets``,
 return ``loss_fn(params, batch, rng) -> (loss, metrics)`` for
 ``opd.training.train_step.make_train_step``.
 
-With ``fused=True`` the LM head is applied inside
-``pallas_kernels.losses.fused_cross_entropy`` (hidden states and the head in,
-per-token loss out), so ``[B, T, V]`` logits are never materialised — the
-path to use at a 128K vocabulary.
+With ``fused=True`` the LM head is applied inside the fused cross-entropy
+(hidden states and the head in), so ``[B, T, V]`` logits are never
+materialised — the path to use at a 128K vocabulary. By default that is
+``pallas_kernels.train_ce.fused_cross_entropy_train``, which computes the
+mean loss and its gradients in one pass (docs/DESIGN.md §4);
+``gradient_in_forward=False`` takes the per-token
+``pallas_kernels.losses.fused_cross_entropy`` under autodiff (same value and
+gradient; it also has a Pallas statistics kernel).
 """
 from __future__ import annotations
 
@@ -29,13 +33,19 @@ def _check_batch(batch):
 
 
 def lm_loss(cfg: ModelConfig, *, fused: bool = False, impl: str = "auto",
-            block_sizes=None):
+            block_sizes=None, gradient_in_forward: bool = True):
   """Mean cross-entropy of ``targets`` over tokens with ``loss_mask * mask``.
+
+  ``impl`` / ``block_sizes`` go to the fused loss (``fused=True``): with
+  ``gradient_in_forward`` those of ``fused_cross_entropy_train``
+  (``"auto" | "chunked" | "reference"``, ``TrainChunkSizes``), else those of
+  ``fused_cross_entropy``.
 
   Metrics: ``tokens`` (the number of trained targets) and ``accuracy``
   (argmax == target; unfused path only, the fused one never sees logits).
   """
   from pallas_kernels import losses as fused_losses  # jax-only dependency
+  from pallas_kernels import train_ce
 
   def loss_fn(params, batch, rng):
     del rng
@@ -46,17 +56,23 @@ def lm_loss(cfg: ModelConfig, *, fused: bool = False, impl: str = "auto",
                   segment_ids=batch.get("segment_ids"), return_logits=not fused,
                   return_hidden=fused)
     metrics = {}
+    total = jnp.sum(weights)
+    coef = weights / jnp.maximum(total, 1.0)  # [B, T]: the mean as Σ c_t nll_t
     if fused:
       B, T, D = out.hidden.shape
-      nll = fused_losses.fused_cross_entropy(
-          out.hidden.reshape(B * T, D), head_matrix(cfg, params), targets.reshape(B * T),
-          mask=weights.reshape(B * T) > 0, impl=impl, block_sizes=block_sizes).reshape(B, T)
+      h, w_head, y = out.hidden.reshape(B * T, D), head_matrix(cfg, params), targets.reshape(B * T)
+      if gradient_in_forward:
+        loss = train_ce.fused_cross_entropy_train(h, w_head, y, coef.reshape(B * T), impl=impl,
+                                                  block_sizes=block_sizes)
+      else:
+        nll = fused_losses.fused_cross_entropy(h, w_head, y, mask=weights.reshape(B * T) > 0,
+                                               impl=impl, block_sizes=block_sizes)
+        loss = jnp.sum(nll * coef.reshape(B * T))
     else:
       nll = -token_logprobs(out.logits, targets)
       correct = (jnp.argmax(out.logits, axis=-1) == targets).astype(jnp.float32)
-      metrics["accuracy"] = jnp.sum(correct * weights) / jnp.maximum(jnp.sum(weights), 1.0)
-    total = jnp.sum(weights)
-    loss = jnp.sum(nll * weights) / jnp.maximum(total, 1.0)
+      metrics["accuracy"] = jnp.sum(correct * weights) / jnp.maximum(total, 1.0)
+      loss = jnp.sum(nll * coef)
     metrics["tokens"] = total
     return loss, metrics
 
