@@ -32,8 +32,9 @@ updates of 32 teacher sequences (the teachers sample ≤ 2 × 256 × 5 answers
 of ≤ 48 tokens once; the student samples nothing); merging and task
 arithmetic train nothing. The jobs report ``sampled_tokens`` and ``updates``.
 
-Reference machine (2 CPU cores): tiny ≈ 1.5 min (one process, mostly
-compiles); the default is not measured here (mixed RL ≈ one specialist's
+Reference machine (2 CPU cores): tiny ≈ 1 min of CPU (52 s user time with a
+cold compilation cache, mostly compiles; 2.3 min wall on a machine loaded
+by other jobs); the default is not measured here (mixed RL ≈ one specialist's
 GRPO stage at 5× the steps). Expected result: every stage finishes and
 writes its checkpoint; OPD's claim (docs/DESIGN.md §3) is that the OPD
 student keeps each specialist's score where these baselines lose some
