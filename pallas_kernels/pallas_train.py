@@ -174,8 +174,8 @@ def phase1(h_s, w_s, h_k, w_k, w_hat_cols, *, inv_tau, bs, interpret, vocab) -> 
       :func:`tile_math.merge_stats` weights by exactly 0.
 
   Returns:
-    ``(z, b, stats)``: [C, Vp] f32 buffers and :class:`tile_math.Stats` with a leading tile axis (``[V/bv, C]``,
-    ``[V/bv, C, K]``).
+    ``(z, b, stats)``: [C, Vp] f32 buffers and :class:`tile_math.Stats` with
+    a leading tile axis (``[V/bv, C]``, ``[V/bv, C, K]``).
   """
   c, vp, k = h_s.shape[0], w_s.shape[1], len(h_k)
   bt, bv = bs.block_t, bs.block_v
@@ -235,7 +235,8 @@ def _phase2_tiled(z, b, cols, h_s, w_s, dw, *, bs, interpret):
   w_tile = pl.BlockSpec((ds, bv), lambda j, i: (0, j))
   return pl.pallas_call(
       functools.partial(_phase2_tiled_kernel, bt=bt),
-      out_shape=[tile_math.out_struct((c, ds), _F32, z, w_s), tile_math.out_struct(dw.shape, _F32, z, dw)],
+      out_shape=[tile_math.out_struct((c, ds), _F32, z, w_s),
+                 tile_math.out_struct(dw.shape, _F32, z, dw)],
       grid=(vp // bv, c // bt),
       in_specs=[tile, tile, col, col, col, pl.BlockSpec((bt, ds), lambda j, i: (i, 0)), w_tile,
                 w_tile],
@@ -266,8 +267,9 @@ def train_grads_core(h_s, w_s, h_k, w_k, w_hat, coef, *, inv_tau, bs, interpret,
     ``dh_s`` is this shard's partial sum and ``dW_s`` its columns.
   """
   t, v, k = h_s.shape[0], w_s.shape[1], len(h_k)
-  bc, bd = bs.block_c, (bs.block_d if bs.layout == "looped" else 1)
-  tp, vp = _round_up(t, bc), _round_up(v, bs.block_v * (bs.v_splits if bd > 1 else 1))
+  looped_layout, bc = bs.layout == "looped", bs.block_c
+  bd = bs.block_d if looped_layout else 1  # widths padded to the looped layout's chunks
+  tp, vp = _round_up(t, bc), _round_up(v, bs.block_v * (bs.v_splits if looped_layout else 1))
   pad = lambda a, shape: (a if a.shape == shape
                           else jnp.pad(a, [(0, n - d) for n, d in zip(shape, a.shape)]))
   mats = [pad(m, (tp, _round_up(m.shape[1], bd))) for m in (h_s, *h_k)]
@@ -286,7 +288,7 @@ def train_grads_core(h_s, w_s, h_k, w_k, w_hat, coef, *, inv_tau, bs, interpret,
     # E_p[b] = Σ_k ŵ_k E_p[z − x_k]; the chain rule through z = h W / τ gives c/τ.
     cols = [st.lse[:, None], jnp.sum(w_hat_c * st.e_k, axis=1, keepdims=True),
             (coef_c * inv_tau)[:, None]]
-    if bs.layout == "looped":
+    if looped_layout:
       dh, dw = looped.phase2(z, b, cols, hc, heads[0], dw, bs=bs, interpret=interpret)
     else:
       dh, dw = _phase2_tiled(z, b, cols, hc, heads[0], dw, bs=bs, interpret=interpret)

@@ -99,7 +99,8 @@ def phase2(z, b, cols, h_s, w_s, dw, *, bs, interpret):
   """(dh [C, Ds] f32, updated dW [Ds, Vp] f32) of one token chunk.
 
   Args:
-    z, b: [C, Vp] f32 buffers (Vp a multiple of ``block_v · v_splits``); cols: ``lse, E_p[b], c/τ`` columns [C, 1];
+    z, b: [C, Vp] f32 buffers (Vp a multiple of ``block_v · v_splits``);
+    cols: ``lse, E_p[b], c/τ`` columns [C, 1];
     h_s: [C, Ds]; w_s: [Ds, Vp]; dw: [Ds, Vp] f32 carried gradient.
   """
   c, vp = z.shape

@@ -10,8 +10,9 @@ The factor grid is test_kl_pallas.py's (T, V, K, τ, mask, dtype, layout),
 covered by its pairwise ``DESIGN``. Blocks are small so that T=300 spans five
 token chunks of 64 with a remainder (C does not divide T), V=1000 has a
 remainder tile, and the looped layout pads the teacher widths (40, 24) to
-``block_d=16`` and V to a multiple of 3·128 for its three ``dh`` splits. Rows 1-3 of every problem have zero / one-hot / partial
-teacher weights (kl_problems.make_problem).
+``block_d=16`` and V to a multiple of 3·128 for its three ``dh`` splits.
+Rows 1-3 of every problem have zero / one-hot / partial teacher weights
+(kl_problems.make_problem).
 """
 import jax
 import jax.extend
@@ -205,6 +206,29 @@ def test_sharded_equals_single_device(single_device, mesh_shape):
   assert kp.rel_err(dh, dh_u) < 2 * grad_rtol and kp.rel_err(dw, dw_u) < 2 * grad_rtol
   assert dw.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "tensor")), 2)
   _check_oracle(p, coef, out, TAU, jnp.float32)
+
+
+@pytest.mark.parametrize("platform,layout,count", [
+    ("tpu", "tiled", ("tpu_custom_call", 2)), ("cuda", "looped", ("xla.gpu.triton", 3))])
+def test_sharded_train_lowers(platform, layout, count):
+  """Off CPU the sharded path runs shard_map with its vma check on (every
+  pallas_call output typed as varying over the mesh axes): lowering checks it."""
+  sizes = {"tiled": TrainBlockSizes(block_c=128, block_t=64, block_v=128),
+           "looped": TrainBlockSizes(block_c=64, block_t=32, block_v=64, layout="looped",
+                                     block_d=16, v_splits=2)}[layout]
+  mesh = _mesh((2, 4), ("data", "tensor"))
+  p = kp.make_problem(256, 2048, 2, dtype=jnp.bfloat16, with_mask=False)
+
+  def value_and_grads(h_s, w_s, h_k, w_k, weights, coef):
+    return jax.value_and_grad(lambda h, w: fused_reverse_kl_train_sharded(
+        h, w, h_k, w_k, weights, coef, 0.7, mesh=mesh, token_axes="data", block_sizes=sizes,
+        interpret=False), argnums=(0, 1))(h_s, w_s)
+
+  disabled = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  exported = export.export(jax.jit(value_and_grads), platforms=[platform],
+                           disabled_checks=disabled)(
+      p.h_s, p.w_s, tuple(p.h_k), tuple(p.w_k), p.weights, jnp.ones(256))
+  assert exported.mlir_module().count(count[0]) == count[1]
 
 
 # --- Validation -----------------------------------------------------------------
