@@ -62,7 +62,10 @@ def test_ties_at_the_top_are_dropped_and_split_leaks_raise():
 
 
 def test_rating_from_reward():
-  assert [rating_from_reward(r) for r in (0.0, 0.5, 1.0)] == [1, 1 + int(np.rint(4.5)), 10]
+  rewards = (0.0, 0.05, 0.5, 0.95, 1.0)
+  # Reference: Python's round (nearest, ties to even), e.g. 9 * 0.95 = 8.55 -> 9.
+  assert [rating_from_reward(r) for r in rewards] == [1 + round(9 * r) for r in rewards]
+  assert rating_from_reward(0.95) == 10
   with pytest.raises(ValueError, match="reward=1.5"):
     rating_from_reward(1.5)
 
