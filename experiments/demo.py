@@ -2,10 +2,12 @@
 
   python -m experiments.demo --workdir=workdirs/demo [--config=FILE.py[:ARG]]
 
-Runs the specialists pipeline (``experiments/configs/specialists.py``):
-pre-trains the tiny base, trains five domain specialists (SFT then GRPO),
-evaluates the base and every specialist on all five test sets, prints the
-results table and writes a heatmap. Re-running continues where it stopped.
+Runs the V4 post-training pipeline (``experiments/configs/v4.py``, job
+``experiments.v4``): pre-trains the tiny base, trains five domain
+specialists (SFT then GRPO), distils them into one student (cold start, OPD
+with routing, annealing to uniform weights), trains the baselines, evaluates
+every model on all five test sets, prints the tables and writes a heatmap.
+Re-running continues where it stopped.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import sys
 from absl import app, flags
 
 flags.DEFINE_string("workdir", "workdirs/demo", "where every stage writes its run directory")
-flags.DEFINE_string("config", "experiments/configs/specialists.py",
+flags.DEFINE_string("config", "experiments/configs/v4.py",
                     "config file (and optional :ARG) to run")
 FLAGS = flags.FLAGS
 

@@ -26,6 +26,13 @@ _JOBS: dict[str, Target] = {
     "specialists": "experiments.specialists:run",
     "cold_start": "experiments.distill:run_cold_start",
     "opd": "experiments.distill:run_opd",
+    "v4": "experiments.v4:run",
+    "baselines": "experiments.baselines:run_baselines",
+    "merge": "experiments.baselines:run_merge",
+    "task_arithmetic": "experiments.baselines:run_task_arithmetic",
+    "offpolicy_kd": "experiments.baselines:run_offpolicy_kd",
+    "mixed_rl": "experiments.baselines:run_mixed_rl",
+    "sequential_rl": "experiments.baselines:run_sequential_rl",
 }
 
 

@@ -35,6 +35,9 @@ from opd.distill.diagnostics import (logit_diagnostics, sample_response_position
 from opd.distill.faults import (REASONS, FaultTolerantTeachers, SkipCounter, TeacherAnswers,
                                 call_with_deadline)
 from opd.distill.loss import ESTIMATORS, OPDLossConfig, make_opd_loss
+from opd.distill import merging, offpolicy
+from opd.distill.merging import average_params, task_arithmetic, task_vectors
+from opd.distill.offpolicy import OffPolicyConfig, train_offpolicy_kd
 from opd.distill.schedule import (anneal, apply_availability, confidence_scores,
                                   confidence_weights, normalize, routing_weights, uniform_weights,
                                   weight_metrics)
@@ -46,7 +49,8 @@ from opd.distill.trainer import OPDRun, make_heldout_eval, train_opd
 __all__ = [
     "CachedBatch", "ColdStartData", "ESTIMATORS", "FaultTolerantTeachers", "HiddenStateCache", "OPDConfig",
     "OPDLossConfig", "OPDRun", "OPDSource", "make_heldout_eval", "source", "train_opd", "trainer",
-    "cold_start", "teacher_sft_pairs",
+    "cold_start", "teacher_sft_pairs", "merging", "offpolicy", "average_params",
+    "task_arithmetic", "task_vectors", "OffPolicyConfig", "train_offpolicy_kd",
     "PLACEMENTS", "REASONS", "RemoteTeacher", "SkipCounter", "Teacher", "TeacherAnswers",
     "TeacherPool", "anneal", "apply_availability", "cache", "call_with_deadline",
     "check_teachers", "confidence_scores", "confidence_weights", "diagnostics", "faults",

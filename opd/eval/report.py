@@ -91,23 +91,30 @@ def load_results(path: str) -> list[EvalResult]:
 def heatmap_figure(results: Sequence[EvalResult], metric: str = "pass@1"):
   """A matplotlib Figure: models × domains, colour = score (0-100), cells
   annotated ``value\\n±se``; missing cells are blank and marked ``–``."""
+  domains, grid = _grid(results, metric)
+  return grid_heatmap_figure([r.name for r in results], domains, grid, f"{metric} (%)")
+
+
+def grid_heatmap_figure(rows: Sequence[str], columns: Sequence[str],
+                        grid: Sequence[Sequence[Estimate | None]], title: str):
+  """``heatmap_figure`` for any grid of ``Estimate``s (rows × columns, 0-100)."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
-  domains, grid = _grid(results, metric)
+  columns, rows = list(columns), list(rows)
   values = np.array([[s.value if s is not None else np.nan for s in row] for row in grid])
-  fig = Figure(figsize=(1.3 * len(domains) + 2.5, 0.55 * len(results) + 1.6))
+  fig = Figure(figsize=(1.3 * len(columns) + 2.5, 0.55 * len(rows) + 1.6))
   FigureCanvasAgg(fig)  # no pyplot: nothing global changes, no display needed
   ax = fig.add_subplot()
   im = ax.imshow(values, vmin=0, vmax=100, cmap="viridis", aspect="auto")
-  ax.set_xticks(range(len(domains)), domains)
-  ax.set_yticks(range(len(results)), [r.name for r in results])
+  ax.set_xticks(range(len(columns)), columns)
+  ax.set_yticks(range(len(rows)), rows)
   for i, row in enumerate(grid):
     for j, s in enumerate(row):
       text = "–" if s is None else f"{s.value:.1f}\n±{s.se:.1f}"
       dark = s is not None and s.value < 60
       ax.text(j, i, text, ha="center", va="center", fontsize=8,
               color="white" if dark else "black")
-  ax.set_title(f"{metric} (%)")
+  ax.set_title(title)
   fig.colorbar(im, ax=ax)
   fig.tight_layout()
   return fig

@@ -3,9 +3,10 @@
 ``config`` (GRPOConfig), ``advantages`` (group-normalised, host numpy),
 ``scoring`` (episodes -> rewards and their metrics, host), ``loss`` (the
 jitted clipped objective), ``rollout_source`` (prompts -> training batches)
-and ``grpo`` (``train_grpo``, their composition into ``opd.training.loop``).
+``grpo`` (``train_grpo``, their composition into ``opd.training.loop``) and
+``sequential`` (GRPO on one domain after another, a baseline).
 """
-from opd.rl import advantages, config, grpo, loss, rollout_source, scoring
+from opd.rl import advantages, config, grpo, loss, rollout_source, scoring, sequential
 from opd.rl.advantages import group_advantages
 from opd.rl.config import LOSS_AGGREGATIONS, LOSS_FIELDS, GRPOConfig
 from opd.rl.grpo import GRPORun, train_grpo
@@ -13,3 +14,4 @@ from opd.rl.loss import check_batch, make_grpo_loss, policy_loss, token_entropy
 from opd.rl.rollout_source import (GRPOSource, PromptStream, make_reference_fn,
                                    reference_logprobs, training_length)
 from opd.rl.scoring import RewardFn, Score, count_reason, reward_metrics, score_episodes
+from opd.rl.sequential import SequentialRun, train_sequential_grpo

@@ -1,0 +1,106 @@
+"""The V4 post-training pipeline at toy size: what ``make demo`` runs (docs/DESIGN.md §3, §11).
+
+  make demo                                    # = the command below
+  python -m experiments.demo --workdir=workdirs/demo
+  python -m experiments.launch --config=experiments/configs/v4.py --workdir=workdirs/demo
+  # three student seeds (cold start, OPD, annealing each), mean ± std across seeds:
+  python -m experiments.launch --config=experiments/configs/v4.py:seeds=3 --workdir=workdirs/demo
+  # every baseline (adds off-policy KD and sequential RL to the default's three):
+  python -m experiments.launch --config=experiments/configs/v4.py:all_baselines \
+      --workdir=workdirs/demo
+  # CI smoke test: every stage at a few steps
+  python -m experiments.launch --config=experiments/configs/v4.py:tiny --workdir=workdirs/v4_tiny
+
+The variant argument: ``tiny``, ``seeds=N`` (student seeds 0..N-1),
+``all_baselines``. Stages are shared with the separate jobs (``specialists``,
+``cold_start``/``opd`` in experiments/configs/distill.py, the baselines in
+experiments/configs/baselines.py), so the same workdir extends step by step:
+``seeds=3`` after a default run trains only seeds 1 and 2 and the
+evaluation (whose stage config then differs: use its own workdir, or delete
+``WORKDIR/v4``).
+
+Budget (the same for OPD and the RL baselines): OPD 80 steps + annealing 20
+steps of 8 prompts × 4 samples × ≤ 80 new tokens (100 updates, ≤ 256,000
+sampled tokens); mixed RL 100 GRPO steps of the same shape; merging trains
+nothing. Reference machine (2 CPU cores): see the README for the measured
+wall time of ``make demo`` (the specialists ≈ 10–20 min, the rest below).
+Expected result: see docs/RESULTS.md ("V4 pipeline"), read honestly.
+"""
+import ml_collections
+
+from experiments.configs import baselines as baselines_config
+from experiments.configs import distill as distill_config
+from experiments.configs import specialists as specialists_config
+from opd.config import overrides as config_utils
+from opd.config.fields import to_group
+from opd.eval.evaluation import EvalConfig
+from opd.training.optim import OptimConfig
+
+DEFAULT_BASELINES = ("merge", "task_arithmetic", "mixed_rl")
+ALL_BASELINES = ("merge", "task_arithmetic", "mixed_rl", "sequential_rl", "offpolicy_kd")
+
+
+def get_config(arg=None):
+  arg = config_utils.parse_arg(arg, tiny=False, seeds=1, all_baselines=False)
+  if arg["seeds"] < 1:
+    raise ValueError(f"config arg seeds={arg['seeds']}: expected >= 1")
+  variant = "tiny" if arg["tiny"] else None
+  spec = specialists_config.get_config(variant)
+  if arg["tiny"]:
+    spec.domains = ("math", "instruct")  # two domains keep the CI smoke test short
+  dist = distill_config.get_config(variant)
+  bl = baselines_config.get_config(variant)
+  c = ml_collections.ConfigDict()
+  c.job = "v4"
+  c.seed = 0
+  c.specialists = spec
+  c.student_seeds = tuple(range(arg["seeds"]))
+  c.report_metric = "reward@1"
+  # Held-out test sets: every row scored the same way, greedy and mean@4.
+  c.eval = to_group(EvalConfig, omit=("domains",), n_per_domain=60, max_new_tokens=80,
+                    num_samples=4)
+  # Student prompts: per domain, from the train split (the eval uses test).
+  c.data = dist.data
+  c.data.update(num_prompts=256, num_heldout=8)
+  c.cold_start = dist.cold_start
+  c.cold_start.update(num_prompts=64, samples_per_prompt=2, max_new_tokens=80, steps=150,
+                      batch_size=16, seq_len=256, sample_batch_size=64)
+  c.cold_start_optim = to_group(OptimConfig, lr=1e-3, warmup_steps=10, decay_steps=140,
+                                schedule="cosine")
+  c.opd = dist.opd
+  c.opd.update(schedule="routing", prompts_per_step=8, group_size=4, max_new_tokens=80,
+               seq_len=256, diag_every=10, anneal_steps=0)
+  c.opd_optim = to_group(OptimConfig, lr=3e-4, warmup_steps=5, decay_steps=75, end_lr_ratio=0.3,
+                         schedule="cosine")
+  c.opd_train = ml_collections.ConfigDict(dict(steps=80, save_every=40, keep_checkpoints=2,
+                                               eval_every=20))
+  # Annealing: teacher weights from routing to uniform over these steps,
+  # the learning rate from OPD's last value to 0.
+  c.anneal = ml_collections.ConfigDict(dict(steps=20))
+  c.anneal_optim = to_group(OptimConfig, lr=9e-5, warmup_steps=0, decay_steps=20,
+                            schedule="cosine")
+  c.baselines = bl
+  c.baselines.baselines = ALL_BASELINES if arg["all_baselines"] else DEFAULT_BASELINES
+  c.baselines.domains = spec.domains
+  c.baselines.teachers = ml_collections.ConfigDict({
+      d: ml_collections.ConfigDict(dict(init="", domain=d, model=ml_collections.ConfigDict(
+          spec.model.to_dict()))) for d in spec.domains})  # inits: the specialists, at run time
+  c.baselines.sequential.order = spec.domains
+  c.baselines.grpo.update(max_new_tokens=80, seq_len=256)
+  c.baselines.rl_train.update(steps=100)
+  if arg["tiny"]:
+    c.eval.update(n_per_domain=4, num_samples=2, max_new_tokens=16, batch_size=8,
+                  bootstrap_samples=50)
+    c.data.update(num_prompts=8, num_heldout=2)
+    c.cold_start.update(num_prompts=4, max_new_tokens=12, steps=2, batch_size=4, seq_len=160,
+                        sample_batch_size=16)
+    c.cold_start_optim.update(warmup_steps=1, decay_steps=1)
+    c.opd.update(prompts_per_step=5, group_size=2, max_new_tokens=12, seq_len=160, diag_every=2,
+                 length_bucket=0)
+    c.opd_train.update(steps=2, save_every=2, eval_every=2)
+    c.anneal.steps = 2
+    c.anneal_optim.update(decay_steps=2)
+    c.baselines.grpo.update(prompts_per_step=5, group_size=2, max_new_tokens=8, seq_len=128)
+    c.baselines.rl_train.update(steps=2, save_every=2)
+    c.baselines.kd.update(steps=2, save_every=2, eval_every=2)
+  return c
