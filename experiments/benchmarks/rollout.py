@@ -67,7 +67,7 @@ from experiments.benchmarks import common
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # The commit before the sandbox's batched runs (the optimisation this
 # benchmark measures); --baseline overrides it.
-BASELINE_COMMIT = "d7d69f7"
+BASELINE_COMMIT = "9c171e7"
 GRPO_STAGES = ("sample", "verify", "reference", "assembly")
 OPD_STAGES = ("sample", "verify", "teacher", "assembly")
 
@@ -389,7 +389,7 @@ def run_baseline(rev: str, args) -> dict[str, Any]:
                             text=True, check=True).stdout.strip()
     policies = _policies_dir(args.policies)
     argv = ["--baseline", "none", "--iters", str(args.iters), "--out", tmp, "--name", "child",
-            "--policies", str(policies) if policies else "random"]
+            "--policies", str(policies.resolve()) if policies else "random"]
     if args.domains:
       argv += ["--domains", *args.domains]
     if args.quick:

@@ -8,9 +8,10 @@ milliseconds runs; the code verifier's batches were mostly set-up.
 supervisor, pid 1 of the run's pid namespace, runs the programs one after
 another, each as a single run would (``launcher._supervise_batch``): a fresh
 worker forked from the supervisor, under its own uid, on a fresh, empty work
-tmpfs, with its own wall-time deadline and output cap; then it kills every
-process left in the namespace before the next program starts. Nothing of one
-program (files, processes, uid budget) reaches the next.
+tmpfs and in fresh IPC, network and UTS namespaces, with its own wall-time
+deadline and output cap; then it kills every process left in the pid
+namespace before the next program starts. Nothing of one program (files,
+processes, IPC objects, sockets, uid budget) reaches the next.
 
 Results are those of single runs, by construction: a program's batched result
 is kept only when it ended by itself, within ``KEEP_FRACTION`` of its CPU and

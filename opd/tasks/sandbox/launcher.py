@@ -362,17 +362,13 @@ def _collect_worker(pid: int, fds: list, deadline: float, cap: int, time, select
 
 
 def _supervise_batch(cfg: dict, install_guard) -> int:
-  """Runs the programs ``cfg["program"]["batch"]`` one after another, each in a
-  fresh worker (forked as in a single run, under its own uid from
-  ``cfg["program"]["uids"]``) on a fresh work tmpfs, with a ``wall_s`` deadline
-  and the output cap of its own; nothing of program i survives into program
-  i + 1. Writes one record per program on stdout (which no program holds):
-  ``"STATUS_LEN STDOUT_LEN STDERR_LEN KILLED WALL_S\\n"`` then the three
-  byte strings; STATUS is what the status pipe of a single run would say.
-  """
-  import resource  # noqa: F401 - imported once here, not in every worker
-  import select
-  import time
+  """Runs ``cfg["program"]["batch"]`` one after another (``opd.tasks.sandbox.batch``),
+  each in a worker forked as in a single run, with its own uid, work tmpfs,
+  IPC, network and UTS namespaces, deadline and output cap. One record per
+  program on stdout, which no program holds: ``"STATUS_LEN STDOUT_LEN
+  STDERR_LEN KILLED WALL_S\\n"``, then those byte strings (STATUS: what a
+  single run's status pipe would say)."""
+  import resource, select, time  # noqa: E401,F401 - resource: once here, not per worker
   if os.getpid() != 1:
     raise OSError("batch runs need the run's own pid namespace")
   _, libc = _libc()
@@ -393,6 +389,11 @@ def _supervise_batch(cfg: dict, install_guard) -> int:
       os.dup2(err_w, 2)
       for fd in (records, cfg["status_fd"], status_r, out_r, err_r, out_w, err_w):
         os.close(fd)  # the run's status pipe and the records stay out of reach
+      try:  # IPC objects, sockets and the hostname of one program never reach the next
+        _check(libc.unshare(_CLONE_NEWIPC | _CLONE_NEWNET | _CLONE_NEWUTS), "unshare")
+      except OSError as e:
+        _report(prog, f"setup_error {e!r}")
+        os._exit(_SETUP_EXIT)
       _worker(prog, install_guard)
     for fd in (prog["status_fd"], out_w, err_w):
       os.close(fd)
