@@ -82,8 +82,10 @@ def test_three_steps_compute_the_same_loss(record):
   * δx: the same for the teachers (the recompute row reruns them).
   * δ_sum: vocabulary sums in another order (online tiles vs log_softmax):
     lse and E_p[z − y] over V terms bounded by M, 4·sqrt(V)·eps·(M + 2).
-  A real bug moves the loss by O(loss): an unnormalised teacher weight (3×),
-  a padded token counted (the last row has 1/8 padding), a wrong temperature.
+  A real bug moves the loss by O(loss): teachers are the student plus noise
+  (``opd_step.TEACHER_NOISE``), so teacher logits paired with the wrong rows
+  or positions about triple the KL; prompt tokens counted, or a wrong
+  temperature, move it by tens of percent.
   """
   s = record["sizes"]
   mat = record["rows"][1]
