@@ -57,8 +57,9 @@ def test_binary_cross_entropy_matches_torch():
   assert abs(float(loss) - t.mean()) <= _float32_bound(t, np.abs(logits) + t)
 
 
-def _rows(rng, n, lo, hi):
-  return [rng.integers(0, CFG.vocab_size, size=rng.integers(lo, hi + 1)) for _ in range(n)]
+def _rows(rng, n, lengths):
+  # Few distinct lengths: each one compiles its own unpadded reference forward.
+  return [rng.integers(0, CFG.vocab_size, size=rng.choice(lengths)) for _ in range(n)]
 
 
 def test_losses_read_each_row_at_its_last_real_token():
@@ -66,16 +67,18 @@ def test_losses_read_each_row_at_its_last_real_token():
   unpadded forwards (the reward at the last position)."""
   params = init_params(CFG, jax.random.key(0))
   rng = np.random.default_rng(2)
-  chosen, rejected = _rows(rng, 6, 3, 12), _rows(rng, 6, 3, 12)
+  chosen, rejected = _rows(rng, 6, (3, 12)), _rows(rng, 6, (3, 12))
+
+  fwd = jax.jit(lambda p, t: forward(CFG, p, t, mask=jnp.ones(t.shape, bool)))
 
   def single(row):
-    out = forward(CFG, params, jnp.asarray(row)[None], mask=jnp.ones((1, len(row)), bool))
+    out = fwd(params, jnp.asarray(row)[None])
     return float(out.values[0, -1])
 
   rc = np.array([single(r) for r in chosen])
   rr = np.array([single(r) for r in rejected])
   batch = pair_batch(chosen, rejected, seq_len=16, pad_id=0)
-  loss, metrics = bt_loss_fn(CFG)(params, batch, None)
+  loss, metrics = jax.jit(bt_loss_fn(CFG))(params, batch, None)
   ref = torch.nn.functional.softplus(torch.tensor(rr - rc, dtype=torch.float64)).numpy()
   # Padded vs unpadded forwards reorder float32 sums over <= 16 keys and D = 32
   # widths through 2 layers: a relative 1e-5 of the value scale bounds it with
@@ -89,7 +92,7 @@ def test_losses_read_each_row_at_its_last_real_token():
 
   labels = np.array([1, 0, 1, 1, 0, 0], np.float32)
   meta = {"tokens": batch["chosen_tokens"], "mask": batch["chosen_mask"], "labels": labels}
-  mloss, _ = meta_loss_fn(CFG)(params, meta, None)
+  mloss, _ = jax.jit(meta_loss_fn(CFG))(params, meta, None)
   mref = torch.nn.functional.binary_cross_entropy_with_logits(
       torch.tensor(rc), torch.tensor(labels, dtype=torch.float64))
   assert abs(float(mloss) - mref.item()) <= 1e-5 * scale
