@@ -60,7 +60,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import pallas_train_looped as looped, tile_math
-from pallas_kernels.pallas_kl import LAYOUTS, _pow2, _round_up
+from pallas_kernels.pallas_kl import BlockSizes, _round_up
 from pallas_kernels.tile_math import Stats
 from pallas_kernels.train_loss import TrainOut, weighted_loss
 
@@ -70,63 +70,33 @@ _TN = (((0,), (0,)), ((), ()))
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainBlockSizes:
-  """Block sizes of the gradient-in-forward kernels.
+class TrainBlockSizes(BlockSizes):
+  """Block sizes of the gradient-in-forward kernels: :class:`pallas_kl.BlockSizes`
+  (same tile rules and validation per layout) plus the token chunk.
 
   Attributes:
-    block_c: tokens per scan step (the ``[C, V]`` buffer); a multiple of
+    block_c: tokens per scan step (the ``[C, V]`` buffers); a multiple of
       ``block_t``.
-    block_t: tokens per tile.
-    block_v: vocabulary columns per tile.
-    layout: ``"tiled"`` (TPU grid pipeline) or ``"looped"`` (GPU in-kernel loops).
-    block_d: looped only: hidden-width chunk per ``dot``.
     v_splits: looped only: vocabulary splits of the ``dh`` kernel, run as
       parallel programs (``C/bt`` alone would leave most SMs idle) whose
       partial sums ``[S, C, Ds]`` XLA adds.
-    num_warps, num_stages: looped only: Triton compiler parameters.
-    vmem_limit_bytes: tiled only: scoped VMEM limit requested from Mosaic.
+    (other fields: see :class:`pallas_kl.BlockSizes`.)
   """
-  block_c: int
-  block_t: int
-  block_v: int
-  layout: str = "tiled"
-  block_d: int = 64
-  v_splits: int = 1
-  num_warps: int = 4
-  num_stages: int = 2
-  vmem_limit_bytes: int = 96 * 2**20
+  block_c: int = 256
 
   def __post_init__(self):
-    if self.layout not in LAYOUTS:
-      raise ValueError(f"TrainBlockSizes.layout={self.layout!r}: expected one of {LAYOUTS}")
-    for name in ("block_c", "block_t", "block_v", "block_d", "v_splits", "num_warps",
-                 "num_stages", "vmem_limit_bytes"):
-      val = getattr(self, name)
-      if not (isinstance(val, int) and val > 0):
-        raise ValueError(f"TrainBlockSizes.{name}={val!r} must be a positive int")
-    if self.block_c % self.block_t:
-      raise ValueError(f"TrainBlockSizes.block_c={self.block_c} must be a multiple of "
-                       f"block_t={self.block_t}")
-    if self.layout == "tiled" and (self.block_t % 8 or self.block_v % 128):
-      raise ValueError(f"TrainBlockSizes(block_t={self.block_t}, block_v={self.block_v}): the "
-                       "tiled (TPU) layout needs block_t % 8 == 0 and block_v % 128 == 0")
-    if self.layout == "looped":
-      for name in ("block_t", "block_v", "block_d"):
-        if not (_pow2(getattr(self, name)) and getattr(self, name) >= 16):
-          raise ValueError(f"TrainBlockSizes.{name}={getattr(self, name)}: the looped (Triton) "
-                           "layout needs a power of two >= 16")
+    super().__post_init__()
+    if not (isinstance(self.block_c, int) and self.block_c > 0
+            and self.block_c % self.block_t == 0):
+      raise ValueError(f"TrainBlockSizes.block_c={self.block_c!r} must be a positive multiple "
+                       f"of block_t={self.block_t}")
 
   @classmethod
   def get_default(cls, backend: str | None = None) -> "TrainBlockSizes":
-    """Defaults per backend (``jax.default_backend()`` if None); untuned: no
-    TPU or GPU was available when they were chosen."""
-    backend = backend or jax.default_backend()
-    if backend == "tpu":
-      return cls(block_c=256, block_t=256, block_v=512)
-    if backend in ("gpu", "cuda", "rocm"):
-      return cls(block_c=256, block_t=64, block_v=128, layout="looped", v_splits=32,
-                 num_stages=3)
-    return cls(block_c=256, block_t=64, block_v=256)
+    """:meth:`pallas_kl.BlockSizes.get_default` tiles, ``block_c=256`` and, on
+    GPU, 32 ``dh`` splits (untuned: no TPU or GPU was available)."""
+    bs = super().get_default(backend)
+    return dataclasses.replace(bs, v_splits=32) if bs.layout == "looped" else bs
 
 
 def _fit(bs: TrainBlockSizes, t: int, v: int, dtype) -> TrainBlockSizes:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from pallas_kernels import inputs as inputs_lib, pallas_train, tile_math
-from pallas_kernels.train_loss import check_coef, weighted_loss
+from pallas_kernels.train_loss import check_coef, saved_gradient_vjp, weighted_loss
 
 
 def _axes(token_axes) -> tuple:
@@ -37,8 +37,8 @@ def _axes(token_axes) -> tuple:
 @functools.lru_cache(maxsize=None)
 def _sharded_fn(mesh: Mesh, axis: str, token_axes: tuple, k: int, inv_tau: float,
                 bs: pallas_train.TrainBlockSizes, interpret: bool, shared_head: bool):
-  """``f(h_s, w_s, h_k, w_k, w_hat, coef) -> (loss, kl, ent)`` whose VJP
-  w.r.t. ``(h_s, w_s)`` is the saved gradient times the loss cotangent."""
+  """Jitted ``f(h_s, w_s, (h_k, w_k, w_hat, coef)) -> (loss, kl, ent)`` whose
+  VJP w.r.t. ``(h_s, w_s)`` is the saved gradient times the loss cotangent."""
   tok = token_axes or None
   h_spec, w_spec = P(tok, None), P(None, axis)
 
@@ -60,21 +60,11 @@ def _sharded_fn(mesh: Mesh, axis: str, token_axes: tuple, k: int, inv_tau: float
                       out_specs=(P(), P(tok, None), P(tok), h_spec, w_spec),
                       check_vma=not interpret)
 
-  @jax.custom_vjp
-  def train(h_s, w_s, h_k, w_k, w_hat, coef):
-    return run(h_s, w_s, h_k, w_k, w_hat, coef)[:3]
-
-  def train_fwd(h_s, w_s, h_k, w_k, w_hat, coef):
-    loss, kl, ent, dh, dw = run(h_s, w_s, h_k, w_k, w_hat, coef)
+  def with_grads(h_s, w_s, rest):
+    loss, kl, ent, dh, dw = run(h_s, w_s, *rest)
     return (loss, kl, ent), (dh.astype(h_s.dtype), dw.astype(w_s.dtype))
 
-  def train_bwd(saved, cot):
-    # kl / ent leave through stop_gradient in the entry: only the loss has a cotangent.
-    dh, dw = (jax.tree.map(lambda d: (d.astype(jnp.float32) * cot[0]).astype(d.dtype), saved))
-    return dh, dw, None, None, None, None
-
-  train.defvjp(train_fwd, train_bwd)
-  return jax.jit(train)
+  return jax.jit(saved_gradient_vjp(with_grads))
 
 
 def fused_reverse_kl_train_sharded(student_hidden, student_head, teacher_hidden, teacher_heads,
@@ -131,8 +121,8 @@ def fused_reverse_kl_train_sharded(student_hidden, student_head, teacher_hidden,
   fn = _sharded_fn(mesh, axis, t_axes, k, 1.0 / inp.temperature, bs, bool(interpret),
                    bool(shared_head))
   stop = lambda xs: tuple(jax.lax.stop_gradient(x) for x in xs)
-  loss, kl, ent = fn(inp.h_s, inp.w_s, stop(inp.h_k), stop(inp.w_k[:1] if shared_head else inp.w_k),
-                     w_hat, c_eff)
+  loss, kl, ent = fn(inp.h_s, inp.w_s, (stop(inp.h_k), stop(inp.w_k[:1] if shared_head else inp.w_k),
+                                         w_hat, c_eff))
   if not return_aux:
     return loss
   return loss, {"kl": jnp.where(keep[:, None], kl, 0.0), "entropy": jnp.where(keep, ent, 0.0)}

@@ -235,6 +235,7 @@ def test_sharded_train_lowers(platform, layout, count):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(block_c=48, block_t=32, block_v=128), "block_c=48"),
+    (dict(block_c=None, block_t=32, block_v=128), "block_c=None"),
     (dict(block_c=64, block_t=12, block_v=128), "block_t"),
     (dict(block_c=64, block_t=32, block_v=100), "block_v"),
     (dict(block_c=64, block_t=32, block_v=128, layout="mosaic"), "layout"),
