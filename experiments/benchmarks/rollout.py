@@ -28,6 +28,11 @@ the models are randomly initialised (``policies: "random"`` in the JSON); a
 random policy rarely writes a program that parses, so the sandbox then never
 runs and ``verify`` is tiny. ``--quick`` uses the ``:tiny`` config variants.
 
+The ``sampler`` rows break one ``generate`` call of each GRPO batch down
+(``_sampler_breakdown``): prefill, decode steps, and the decoder's forward
+alone over the same shapes, with the bounds these put on any sampler-side
+speedup.
+
 Each batch runs with the step seeds 0 .. iters-1 twice: once to compile every
 shape they need (``first_call_s`` is step 0's), then timed; the stage times
 are medians over the timed iterations.
@@ -60,6 +65,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from experiments.benchmarks import common
@@ -83,6 +89,8 @@ def _parse(argv):
                  help=f"git revision to compare with (default {BASELINE_COMMIT}; 'none' skips)")
   p.add_argument("--quick", action="store_true",
                  help="tiny configs, GRPO on math only, one iteration, no baseline")
+  p.add_argument("--no_breakdown", action="store_true",
+                 help="skip the sampler breakdown (always skipped with --quick)")
   p.add_argument("--out", default="benchmark_results")
   p.add_argument("--name", default="rollout", help="JSON file name (without .json)")
   args = p.parse_args(argv)
@@ -337,6 +345,70 @@ def _measure(name: str, fn, setup: dict, stage_names, iters: int) -> dict[str, A
           "digests": [r[1]["digest"] for r in runs]}
 
 
+def _sampler_breakdown(name: str, setup: dict, reps: int) -> dict[str, Any]:
+  """Where one GRPO batch's sampler time goes (minimum over ``reps`` runs).
+
+  ``generate_s``: one ``generate`` call on the batch's prompts (as
+  ``rollout`` makes it) taking ``steps`` decode steps; ``prefill_s``: the
+  same call with ``max_new_tokens=1``; ``forward_only_s``: the decoder alone
+  over the same shapes (prefill, then ``steps - 1`` one-token forwards against
+  the cache; no head, no sampling, no bookkeeping). ``sampler_own_share`` =
+  1 - forward_only / generate is what the sampler's own per-step work
+  (head, sampling, end-of-row tests, output buffers) costs.
+  """
+  from opd.models import forward, init_cache
+  from opd.rollout import prompt_ids
+  from opd.rollout.sampler import generate
+  cfg, tok, sampling = setup["model_cfg"], setup["tok"], setup["sampling"]
+  prompts = [prompt_ids(tok, ex) for ex in setup["examples"] for _ in range(setup["cfg"].group_size)]
+  P = 32 * -(-max(len(p) for p in prompts) // 32)  # episodes.sample's default bucket
+  tokens = np.full((len(prompts), P), tok.pad_id, np.int32)
+  mask = np.zeros((len(prompts), P), bool)
+  for i, p in enumerate(prompts):
+    tokens[i, P - len(p):], mask[i, P - len(p):] = p, True
+  B, N = tokens.shape[0], sampling.max_new_tokens
+
+  @jax.jit
+  def decoder_only(params, tokens, mask, new_tokens, steps):
+    positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
+    out = forward(cfg, params, tokens, positions, mask, init_cache(cfg, B, P + N),
+                  return_logits=False, return_hidden=True)
+
+    def step(t, carry):
+      cache, acc = carry
+      o = forward(cfg, params, new_tokens[:, t][:, None], (positions[:, -1] + 1 + t)[:, None],
+                  jnp.ones((B, 1), bool), cache, return_logits=False, return_hidden=True)
+      return o.cache, acc + o.hidden[:, 0]
+
+    return jax.lax.fori_loop(0, steps - 1, step, (out.cache, out.hidden[:, -1]))[1]
+
+  def timed(fn):
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn())
+      times.append(time.perf_counter() - t0)
+    return min(times)
+
+  params = setup["params"]
+  out = generate(cfg, params, tokens, mask, 0, sampling)
+  steps = int(out.steps)
+  full = timed(lambda: generate(cfg, params, tokens, mask, 0, sampling).tokens)
+  prefill = timed(lambda: generate(cfg, params, tokens, mask, 0,
+                                   sampling.replace(max_new_tokens=1)).tokens)
+  alone = timed(lambda: decoder_only(params, tokens, mask, out.tokens, steps))
+  G = setup["cfg"].group_size
+  return {"batch": name, "rows": B, "prompt_len": P, "steps": steps, "generate_s": full,
+          "prefill_s": prefill, "prefill_share": prefill / full,
+          "decode_ms_per_step": 1e3 * (full - prefill) / max(steps - 1, 1),
+          "forward_only_s": alone, "sampler_own_share": 1 - alone / full,
+          # Upper bounds on a sampler-side speedup: its own per-step work free,
+          # or each prompt's prefill run once for its G samples.
+          "bound_free_sampler": full / alone,
+          "bound_prefill_once": 1 / (1 - prefill / full * (1 - 1 / G))}
+
+
 def _aggregate(rows, stage_names) -> dict[str, Any]:
   seconds = {s: sum(r["stages"].get(s, 0.0) for r in rows) for s in stage_names}
   total = sum(r["total_s"] for r in rows)
@@ -345,8 +417,8 @@ def _aggregate(rows, stage_names) -> dict[str, Any]:
           "largest_stage": max(seconds, key=seconds.get)}
 
 
-def measure(args) -> dict[str, Any]:
-  """This checkout's figures (no baseline)."""
+def measure(args, breakdown: bool = True) -> dict[str, Any]:
+  """This checkout's figures (no baseline); ``breakdown``: add ``sampler``."""
   from opd.tasks import ALL_DOMAINS
   from opd.parallel import sharding
   spec, dist = _configs(args.quick)
@@ -359,8 +431,10 @@ def measure(args) -> dict[str, Any]:
   n = math.gcd(jax.device_count(), *batches)
   mesh = sharding.make_mesh((n, 1, 1), jax.devices()[:n])
   domains = args.domains or list(ALL_DOMAINS)
-  grpo = [_measure(name, _grpo_batch, setup, GRPO_STAGES, args.iters)
-          for name, setup in _grpo_setups(spec, policies, domains, mesh, rules)]
+  setups = _grpo_setups(spec, policies, domains, mesh, rules)
+  grpo = [_measure(name, _grpo_batch, setup, GRPO_STAGES, args.iters) for name, setup in setups]
+  sampler = ([_sampler_breakdown(name, setup, max(3, args.iters)) for name, setup in setups]
+             if breakdown else [])
   opd_setup = _opd_setup(dist, policies, mesh, rules)
   opd = _measure("opd", _opd_batch, opd_setup, OPD_STAGES, args.iters)
   g, o = spec.grpo, opd_setup["cfg"]
@@ -376,6 +450,7 @@ def measure(args) -> dict[str, Any]:
                 "model": spec.model.to_dict()},
       "rows": grpo + [opd],
       "grpo_total": _aggregate(grpo, GRPO_STAGES),
+      "sampler": sampler,
   }
 
 
@@ -447,12 +522,12 @@ def _table(rows) -> str:
 def child_main(argv) -> None:
   """Entry point of the baseline child: measure and write JSON only."""
   args = _parse(argv)
-  common.write_result(args.name, measure(args), args.out)
+  common.write_result(args.name, measure(args, breakdown=False), args.out)
 
 
 def main(argv=None) -> dict:
   args = _parse(argv)
-  payload = measure(args)
+  payload = measure(args, breakdown=not (args.quick or args.no_breakdown))
   rev = BASELINE_COMMIT if args.baseline is None else args.baseline
   if rev != "none":
     payload.update(merge(payload, run_baseline(rev, args)))
@@ -460,6 +535,9 @@ def main(argv=None) -> dict:
         f"{' + uncommitted changes' if payload['dirty'] else ''}), "
         f"{jax.devices()[0].device_kind}; stage medians over {args.iters} batches")
   print(_table(payload["rows"]))
+  if payload["sampler"]:
+    print("\nsampler breakdown (min over runs; forward_only: the decoder alone, same shapes):")
+    print(common.format_table(payload["sampler"]))
   agg = payload["grpo_total"]
   print(f"GRPO, all domains: {agg['total_s']:.3g} s; largest stage {agg['largest_stage']} "
         f"({100 * agg['share'][agg['largest_stage']]:.0f}%)")

@@ -8,6 +8,8 @@ speedups are known exactly.
 import copy
 import json
 
+import jax
+
 from experiments.benchmarks import rollout
 
 
@@ -48,3 +50,21 @@ def test_quick_record_and_merge(tmp_path):
   # Different episodes in the baseline: the comparison is flagged as unequal work.
   base["rows"][0]["digests"] = ["different"]
   assert not rollout.merge(payload, base)["outputs_match"]
+
+
+def test_sampler_breakdown_tiny():
+  from experiments.benchmarks.rollout import _configs, _grpo_setups, _sampler_breakdown
+  from opd.parallel import sharding
+  spec, _ = _configs(quick=True)
+  rules = sharding.validate_rules(tuple(spec.sharding_rules))
+  mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
+  name, setup = _grpo_setups(spec, None, ["math"], mesh, rules)[0]
+  row = _sampler_breakdown(name, setup, reps=1)
+  g, n = spec.grpo.group_size, spec.grpo.max_new_tokens
+  assert row["rows"] == spec.grpo.prompts_per_step * g and 1 <= row["steps"] <= n
+  assert row["prompt_len"] % 32 == 0
+  assert row["prefill_share"] == row["prefill_s"] / row["generate_s"]
+  assert row["bound_free_sampler"] == row["generate_s"] / row["forward_only_s"]
+  # Running each prompt's prefill once saves at most (1 - 1/G) of the prefill.
+  assert row["bound_prefill_once"] == 1 / (1 - row["prefill_share"] * (1 - 1 / g))
+  assert row["generate_s"] > 0 and row["forward_only_s"] > 0 and row["decode_ms_per_step"] > 0
