@@ -16,14 +16,15 @@ calls, timing each stage apart:
 * ``assembly``: host-side scoring, advantages, padding (``batch_episodes``),
   OPD weights and ``loss_batch``, and the transfer to the mesh.
 
-Sizes are those of the demo (``make demo`` runs
-``experiments/configs/specialists.py``: GRPO with P=8 prompts x G=8 samples,
-N=80 new tokens, one batch per domain) and of
-``experiments/configs/distill.py`` (OPD: P=8 x G=4, N=48, teachers
-``math`` and ``instruct``). The policies come from a specialists workdir
-(``--policies``, default ``workdirs/demo`` when ``make demo`` has made it):
-GRPO samples with each domain's SFT checkpoint (where the demo's GRPO starts),
-OPD's student is the base and its teachers the GRPO specialists. Without one
+Sizes are those of ``make demo`` (``experiments/configs/v4.py``): its
+specialists stage runs GRPO with P=8 prompts x G=8 samples, N=80 new tokens,
+one run per domain; its OPD stage P=8 x G=4, N=80, one teacher per domain
+(prompt routing; the prompts here cycle through the domains). The policies
+come from a specialists workdir (``--policies``, default ``workdirs/demo``
+when ``make demo`` has made it): GRPO samples with each domain's SFT
+checkpoint (where the demo's GRPO starts); OPD's teachers are the GRPO
+specialists and its student the base (the demo's starts from a cold start of
+it, which a specialists workdir does not have). Without one
 the models are randomly initialised (``policies: "random"`` in the JSON); a
 random policy rarely writes a program that parses, so the sandbox then never
 runs and ``verify`` is tiny. ``--quick`` uses the ``:tiny`` config variants.
@@ -253,10 +254,10 @@ def _opd_batch(setup: dict, step: int) -> tuple[dict[str, float], dict[str, Any]
 
 
 def _configs(quick: bool):
-  from experiments.configs import distill as distill_config
-  from experiments.configs import specialists as specialists_config
-  variant = "tiny" if quick else None
-  return specialists_config.get_config(variant), distill_config.get_config(variant)
+  """``(specialists config, v4 config)`` of ``make demo`` (``:tiny`` with ``quick``)."""
+  from experiments.configs import v4 as v4_config
+  c = v4_config.get_config("tiny" if quick else None)
+  return c.specialists, c
 
 
 def _grpo_setups(spec, policies, domains, mesh, rules) -> list[tuple[str, dict]]:
@@ -290,7 +291,7 @@ def _grpo_setups(spec, policies, domains, mesh, rules) -> list[tuple[str, dict]]
   return out
 
 
-def _opd_setup(dist, policies, mesh, rules) -> dict:
+def _opd_setup(v4, policies, mesh, rules) -> dict:
   from experiments import common as job_common
   from experiments.sft import domain_examples
   from opd import rollout as rollout_lib
@@ -300,24 +301,23 @@ def _opd_setup(dist, policies, mesh, rules) -> dict:
   from opd.config.fields import from_group
   from opd.models import to_model_config
   from opd.parallel import sharding
-  model_cfg = to_model_config(dist.student.model)
+  model_cfg = to_model_config(v4.specialists.model)
   tok = job_common.tokenizer_for(model_cfg)
-  cfg = from_group(OPDConfig, dist.opd, "config.opd")
-  teachers = []
-  for i, (name, group) in enumerate(dist.teachers.items()):
-    t_cfg = to_model_config(group.model)
-    ckpt = None if policies is None else policies / group.domain / "grpo" / "checkpoints"
-    teachers.append(Teacher(name, t_cfg, _params(t_cfg, ckpt, 100 + i, mesh, rules),
-                            group.domain))
+  cfg = from_group(OPDConfig, v4.opd, "config.opd")
+  domains = list(v4.specialists.domains)  # one teacher per specialist, as the v4 job
+  teachers = [Teacher(d, model_cfg, _params(
+      model_cfg, None if policies is None else policies / d / "grpo" / "checkpoints", 100 + i,
+      mesh, rules), d) for i, d in enumerate(domains)]
   pool = TeacherPool(teachers, model_cfg.vocab_size, mesh, rules=rules)
   asked = FaultTolerantTeachers.from_pool(pool, deadline_s=cfg.deadline_s)
-  domains = [t.domain for t in teachers]
   per = -(-cfg.prompts_per_step // len(domains))
-  examples = domain_examples(tuple(domains), "train", per, dist.seed,
-                             tuple(dist.data.difficulties))[:cfg.prompts_per_step]
+  by_domain = [domain_examples((d,), "train", per, v4.seed, tuple(v4.data.difficulties))
+               for d in domains]
+  examples = [ex for group in zip(*by_domain) for ex in group][:cfg.prompts_per_step]
+  # The v4 student starts from its cold start; a specialists workdir has the base.
   ckpt = None if policies is None else policies / "base" / "checkpoints"
   return dict(cfg=cfg, model_cfg=model_cfg, tok=tok, examples=examples, mesh=mesh, rules=rules,
-              params=_params(model_cfg, ckpt, dist.seed, mesh, rules), teacher_domains=domains,
+              params=_params(model_cfg, ckpt, v4.seed, mesh, rules), teacher_domains=domains,
               sampling=rollout_lib.sampling_for_chat(tok, max_new_tokens=cfg.max_new_tokens,
                                                      temperature=cfg.temperature),
               cache=HiddenStateCache(asked, dtype=cfg.cache_dtype,
@@ -421,13 +421,13 @@ def measure(args, breakdown: bool = True) -> dict[str, Any]:
   """This checkout's figures (no baseline); ``breakdown``: add ``sampler``."""
   from opd.tasks import ALL_DOMAINS
   from opd.parallel import sharding
-  spec, dist = _configs(args.quick)
+  spec, v4 = _configs(args.quick)
   policies = _policies_dir(args.policies)
   rules = sharding.validate_rules(tuple(spec.sharding_rules))
   # Data parallel over as many devices as divide both batches (all of them
   # at the default sizes; the tiny OPD batch has 4 rows).
   batches = (spec.grpo.prompts_per_step * spec.grpo.group_size,
-             dist.opd.prompts_per_step * dist.opd.group_size)
+             v4.opd.prompts_per_step * v4.opd.group_size)
   n = math.gcd(jax.device_count(), *batches)
   mesh = sharding.make_mesh((n, 1, 1), jax.devices()[:n])
   domains = args.domains or list(ALL_DOMAINS)
@@ -435,7 +435,7 @@ def measure(args, breakdown: bool = True) -> dict[str, Any]:
   grpo = [_measure(name, _grpo_batch, setup, GRPO_STAGES, args.iters) for name, setup in setups]
   sampler = ([_sampler_breakdown(name, setup, max(3, args.iters)) for name, setup in setups]
              if breakdown else [])
-  opd_setup = _opd_setup(dist, policies, mesh, rules)
+  opd_setup = _opd_setup(v4, policies, mesh, rules)
   opd = _measure("opd", _opd_batch, opd_setup, OPD_STAGES, args.iters)
   g, o = spec.grpo, opd_setup["cfg"]
   return {
