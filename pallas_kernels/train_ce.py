@@ -84,7 +84,9 @@ def ce_grads_chunked(h_s, w_s, labels, coef, *, temperature: float,
     return run(rows(h_s), y_c=rows(labels), c_c=rows(coef), dw=dw)
 
   dw0 = tile_math.match_vma(jnp.zeros(w_s.shape, jnp.float32), h_s, w_s)
-  dw, (dh, nll) = train_loss.fold_chunks(body, dw0, h_s.shape[0], sizes.block_t)
+  # One [C, V] buffer (z) instead of two: twice the rows of the K = 0 budget.
+  block_t = sizes.block_t or train_loss.default_block_t(0, w_s.shape[1], buffers=1)
+  dw, (dh, nll) = train_loss.fold_chunks(body, dw0, h_s.shape[0], block_t)
   return (jnp.sum(coef * nll), nll), (dh.astype(h_s.dtype), dw.astype(w_s.dtype))
 
 

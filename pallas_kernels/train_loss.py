@@ -102,25 +102,41 @@ def train_grads_reference(h_s, w_s, h_k, w_k, w_hat, coef, *, temperature: float
   return TrainOut(loss, kl, ent, dh, dw)
 
 
+# Default memory budget of the chunk buffers: (2 + K)·32 MiB, i.e. the
+# per-token chunked path's (4 + 2K)·T·block_v·4 bytes of tiles at T = 2048,
+# block_v = 2048 (96 MiB at K = 1, 160 MiB at K = 3).
+BUFFER_BUDGET_PER_TEACHER = 2 ** 25
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainChunkSizes:
   """Block sizes of the chunked training path.
 
   Attributes:
-    block_t: tokens per chunk ``C``. The chunk's ``z`` and ``b`` buffers take
-      ``2·C·V·4`` bytes, independent of K: 64 MiB at C = 64, V = 131072,
-      below the per-token chunked path's ``(4 + 2K)·T·block_v·4`` bytes (96
-      MiB at K = 1, T = 2048, block_v = 2048).
+    block_t: tokens per chunk ``C``, or None: the largest multiple of 8 with
+      the chunk's ``[C, V]`` float32 ``z`` / ``b`` buffers (``2·C·V·4``
+      bytes, :func:`default_block_t`) within ``(2 + K)·32 MiB`` — no more
+      than the per-token chunked path's ``(4 + 2K)·T·block_v·4`` bytes of
+      tiles at T = 2048 (C = 96 at K = 1 and 160 at K = 3 for V = 131072).
+      Larger C means fewer read-modify-writes of ``dW_s`` (one per chunk).
     block_v: vocabulary columns per tile of both passes.
   """
-  block_t: int = 64
+  block_t: int | None = None
   block_v: int = 2048
 
   def __post_init__(self):
     for name in ("block_t", "block_v"):
       val = getattr(self, name)
+      if name == "block_t" and val is None:
+        continue
       if not (isinstance(val, int) and val > 0):
         raise ValueError(f"TrainChunkSizes.{name}={val!r} must be a positive int")
+
+
+def default_block_t(num_teachers: int, vocab: int, buffers: int = 2) -> int:
+  """C with ``buffers·C·V·4`` bytes within ``(2 + K)·32 MiB`` (multiple of 8, >= 8)."""
+  c = (2 + num_teachers) * BUFFER_BUDGET_PER_TEACHER // (4 * buffers * vocab)
+  return max(8, c // 8 * 8)
 
 
 def fold_chunks(body, carry, t: int, block_t: int):
@@ -218,7 +234,8 @@ def train_grads_chunked(h_s, w_s, h_k, w_k, w_hat, coef, *, temperature: float,
     return run(rows(h_s), hk_c=[rows(h) for h in h_k], wh_c=rows(w_hat), c_c=rows(coef), dw=dw)
 
   dw0 = tile_math.match_vma(jnp.zeros(w_s.shape, jnp.float32), h_s, w_s)
-  dw, (dh, lse, ent, e_k, lse_k) = fold_chunks(body, dw0, t, sizes.block_t)
+  block_t = sizes.block_t or default_block_t(len(h_k), w_s.shape[1])
+  dw, (dh, lse, ent, e_k, lse_k) = fold_chunks(body, dw0, t, block_t)
   kl = tile_math.kl_from_stats(tile_math.Stats(lse, ent, e_k, lse_k))
   return TrainOut(weighted_loss(coef, w_hat, kl), kl, ent, dh.astype(h_s.dtype),
                   dw.astype(w_s.dtype))

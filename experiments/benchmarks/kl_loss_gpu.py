@@ -32,6 +32,16 @@ in the CPU benchmark. Targets (issue #3): >= 640 effective TFLOP/s (about
 55 ms at K=1) and < 2 GB transient. Liger-Kernel's
 ``LigerFusedLinearJSD(jsd_beta=1)`` (reverse KL, one teacher) is measured on
 the same sizes when ``torch`` with CUDA and ``liger_kernel`` import.
+
+Part 3, the gradient-in-forward training entry
+(``pallas_kernels.fused_reverse_kl_train``, docs/DESIGN.md §4): correctness of
+chunked and Pallas against its reference, and the same timing as part 2
+(rows with ``entry = "train"``; the loss is ``Σ_t L_t``, c = 1, the same
+sum as the per-token rows) for reference / chunked / Pallas at K ∈ {1, 3} and Pallas at
+K = 3 with one shared teacher head. Its effective TFLOP/s count the same
+``(1 + K) + 2`` head matmuls (4 at K = 1, 6 at K = 3), which is all it
+performs; ``train_vs_per_token`` gives its time over the per-token entry's
+for the same (impl, K).
 """
 from __future__ import annotations
 
@@ -162,28 +172,39 @@ def _memory(dev) -> tuple[int, int] | None:
   return stats["bytes_in_use"], stats.get("peak_bytes_in_use", stats["bytes_in_use"])
 
 
-def perf_worker(impl: str, k: int, t: int, d: int, v: int, iters: int = 10) -> dict:
-  """Times one implementation on the default device (its own process on a GPU)."""
+def perf_worker(impl: str, k: int, t: int, d: int, v: int, iters: int = 10,
+                entry: str = "per_token") -> dict:
+  """Times one implementation on the default device (its own process on a GPU).
+
+  ``entry``: ``"per_token"`` (``fused_reverse_kl(...).sum()``), ``"train"``
+  (``fused_reverse_kl_train`` with c = 1) or ``"train_shared"`` (the same
+  with K references to one teacher head, ``shared_head=True``).
+  """
   import jax
   import jax.numpy as jnp
-  from pallas_kernels import fused_reverse_kl
+  from pallas_kernels import fused_reverse_kl, fused_reverse_kl_train
 
   dev = jax.devices()[0]
   # Ds = Dt = d for the FLOP count; drawn at that width (no slice copies).
+  shared = entry == "train_shared"
   p = _problem(t, d, v, k, jnp.bfloat16, teacher_widths=[d] * k)
-  args = (p["h_s"], p["w_s"], p["h_k"], p["w_k"], p["weights"])
+  args = (p["h_s"], p["w_s"], p["h_k"], p["w_k"][:1] if shared else p["w_k"], p["weights"])
   del p
   jax.block_until_ready(args)
 
   def loss(h_s, w_s, h_k, w_k, weights):
-    return fused_reverse_kl(h_s, w_s, h_k, w_k, weights, impl=impl).sum()
+    if entry == "per_token":
+      return fused_reverse_kl(h_s, w_s, h_k, w_k, weights, impl=impl).sum()
+    heads = [w_k[0]] * k if shared else w_k
+    return fused_reverse_kl_train(h_s, w_s, h_k, heads, weights, jnp.ones((t,), jnp.float32),
+                                  impl=impl, shared_head=shared)
   compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
   xla = compiled.memory_analysis()
   placed = _memory(dev)  # inputs placed, program compiled
   timing = common.time_fn(lambda: jax.block_until_ready(compiled(*args)), warmup=2, iters=iters)
   after = _memory(dev)
   flops = 2.0 * t * d * v * (1 + k + 2)
-  row = {"impl": impl, "K": k, "ms": timing["median_s"] * 1e3,
+  row = {"impl": impl, "entry": entry, "K": k, "ms": timing["median_s"] * 1e3,
          "eff_tflops": flops / timing["median_s"] / 1e12,
          "xla_temp_gib": xla.temp_size_in_bytes / 2**30 if xla is not None else None,
          "peak_gib": None, "transient_gib": None, "transient_exact": None}
@@ -226,36 +247,94 @@ def liger_worker(t: int, d: int, v: int) -> dict:
     times.append(time.perf_counter() - t0)
   med = sorted(times)[len(times) // 2]
   peak = torch.cuda.max_memory_allocated()
-  return {"impl": "liger_fused_linear_jsd", "K": 1, "ms": med * 1e3,
+  return {"impl": "liger_fused_linear_jsd", "entry": "per_token", "K": 1, "ms": med * 1e3,
           "eff_tflops": 2.0 * t * d * v * 4 / med / 1e12, "peak_gib": peak / 2**30,
           "transient_gib": (peak - held) / 2**30, "transient_exact": True, "xla_temp_gib": None}
 
 
+def _ratio_row(r: dict, base: dict | None) -> dict | None:
+  if base is None or "error" in r:
+    return None
+  ratio = lambda key: (r[key] / base[key]) if r.get(key) and base.get(key) else None
+  return {"impl": r["impl"], "K": r["K"], "time_ratio": ratio("ms"),
+          "transient_mem_ratio": ratio("transient_gib"), "xla_temp_ratio": ratio("xla_temp_gib")}
+
+
 def ratios_vs_reference(perf: list[dict]) -> list[dict]:
-  """Per (impl, K): time and transient memory over the materialised reference's."""
+  """Per (impl, K) of the per-token entry: time and transient memory over the
+  materialised reference's."""
   out = []
   for r in perf:
-    ref = next((x for x in perf if x["impl"] == "reference" and x["K"] == r["K"]
-                and "error" not in x), None)
-    if r["impl"] == "reference" or ref is None or "error" in r:
+    if r.get("entry", "per_token") != "per_token" or r["impl"] == "reference":
       continue
-    ratio = lambda key: (r[key] / ref[key]) if r.get(key) and ref.get(key) else None
-    out.append({"impl": r["impl"], "K": r["K"], "time_ratio": ratio("ms"),
-                "transient_mem_ratio": ratio("transient_gib"),
-                "xla_temp_ratio": ratio("xla_temp_gib")})
+    ref = next((x for x in perf if x["impl"] == "reference" and x["K"] == r["K"]
+                and x.get("entry", "per_token") == "per_token" and "error" not in x), None)
+    row = _ratio_row(r, ref)
+    if row:
+      out.append(row)
   return out
+
+
+def train_vs_per_token(perf: list[dict]) -> list[dict]:
+  """Per training row: its time / memory over the per-token entry's (same impl, K)."""
+  out = []
+  for r in perf:
+    if not r.get("entry", "").startswith("train"):
+      continue
+    base = next((x for x in perf if x["impl"] == r["impl"] and x["K"] == r["K"]
+                 and x.get("entry") == "per_token" and "error" not in x), None)
+    row = _ratio_row(r, base)
+    if row:
+      out.append({**row, "entry": r["entry"]})
+  return out
+
+
+def train_correctness(sizes, dtype_name: str) -> list[dict]:
+  """``fused_reverse_kl_train`` (chunked, Pallas at default blocks) against its
+  materialised reference: loss and the gradients w.r.t. (h_s, W_s)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from pallas_kernels import fused_reverse_kl_train
+
+  p = _problem(sizes["t"], sizes["d"], sizes["v"], sizes["k"], jnp.dtype(dtype_name))
+  coef = p["mask"] / jnp.sum(p["mask"])
+
+  def run(impl):
+    fn = jax.jit(jax.value_and_grad(lambda h, w: fused_reverse_kl_train(
+        h, w, p["h_k"], p["w_k"], p["weights"], coef, 0.8, impl=impl), argnums=(0, 1)))
+    return fn(p["h_s"], p["w_s"])
+  f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+  loss_r, grads_r = run("reference")
+  rows = []
+  for impl in ("chunked", "pallas"):
+    loss, grads = run(impl)
+    rel = [float(np.abs(f64(g) - f64(r)).max() / np.abs(f64(r)).max())
+           for g, r in zip(grads, grads_r)]
+    row = {"impl": impl, "entry": "train", "dtype": dtype_name,
+           "loss_abs_diff": abs(float(loss) - float(loss_r)), "dh_rel_err": rel[0],
+           "dw_rel_err": rel[1]}
+    row["ok"] = bool(row["loss_abs_diff"] < 1e-3 and max(rel) < GRAD_RTOL[dtype_name])
+    rows.append(row)
+  return rows
+
+
+TRAIN_JOBS = [("train", impl, k) for k in (1, 3) for impl in IMPLS] + [
+    ("train_shared", "pallas", 3)]
 
 
 def _perf_device() -> list[dict]:
   perf = []
-  jobs = [(impl, k) for k in (1, 3) for impl in IMPLS] + [("liger", 1)]
-  for impl, k in jobs:
+  jobs = ([("per_token", impl, k) for k in (1, 3) for impl in IMPLS]
+          + [("per_token", "liger", 1)] + TRAIN_JOBS)
+  for entry, impl, k in jobs:
     try:
       perf.append(common.run_isolated("experiments.benchmarks.kl_loss_gpu", [
-          "--worker", impl, str(k), *(str(PERF[n]) for n in ("t", "d", "v"))], timeout=240))
+          "--worker", impl, str(k), *(str(PERF[n]) for n in ("t", "d", "v")),
+          "--entry", entry], timeout=240))
     except (RuntimeError, subprocess.TimeoutExpired) as e:  # e.g. OOM: record, keep going
       name = "liger_fused_linear_jsd" if impl == "liger" else impl
-      perf.append({"impl": name, "K": k, "error": str(e)[-300:]})
+      perf.append({"impl": name, "entry": entry, "K": k, "error": str(e)[-300:]})
   for r in perf:
     r.pop("max_rss_mib", None)
   return perf
@@ -269,11 +348,13 @@ def main(argv=None) -> dict:
   parser.add_argument("--out", default="benchmark_results")
   parser.add_argument("--worker", nargs=5, metavar=("IMPL", "K", "T", "D", "V"),
                       help=argparse.SUPPRESS)
+  parser.add_argument("--entry", default="per_token", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.worker:
     impl, *nums = args.worker
     nums = list(map(int, nums))
-    row = liger_worker(*nums[1:]) if impl == "liger" else perf_worker(impl, *nums)
+    row = (liger_worker(*nums[1:]) if impl == "liger"
+           else perf_worker(impl, *nums, entry=args.entry))
     print(json.dumps(row))
     return {}
 
@@ -285,6 +366,9 @@ def main(argv=None) -> dict:
   checks = correctness(SMOKE if cpu else MID, "bfloat16", cpu)
   print(f"# correctness vs materialised reference ({'CPU smoke' if cpu else 'device'})")
   print(common.format_table(checks))
+  train_checks = train_correctness(SMOKE if cpu else MID, "bfloat16")
+  print("\n# training entry (fused_reverse_kl_train) vs its materialised reference")
+  print(common.format_table(train_checks))
   lowering = None
   if cpu:
     gpu_default = BlockSizes.get_default("gpu")
@@ -297,18 +381,24 @@ def main(argv=None) -> dict:
   if cpu:  # the device code path at tiny sizes, in-process (no device memory stats on CPU)
     sizes = SMOKE_PERF
     perf = [perf_worker(impl, 1, sizes["t"], sizes["d"], sizes["v"], iters=2) for impl in IMPLS]
+    perf += [perf_worker(impl, 1, sizes["t"], sizes["d"], sizes["v"], iters=2, entry="train")
+             for impl in IMPLS]
   else:
     sizes = PERF
     perf = _perf_device()
   ratios = ratios_vs_reference(perf)
+  train_ratios = train_vs_per_token(perf)
   print(f"\n# fwd+bwd, T={sizes['t']} Ds=Dt={sizes['d']} V={sizes['v']} bf16"
         f"{' (CPU smoke: tiny sizes, timings meaningless)' if cpu else ''}")
-  print(common.format_table(perf, ["impl", "K", "ms", "eff_tflops", "peak_gib", "transient_gib",
-                                   "transient_exact", "xla_temp_gib", "error"]))
+  print(common.format_table(perf, ["impl", "entry", "K", "ms", "eff_tflops", "peak_gib",
+                                   "transient_gib", "transient_exact", "xla_temp_gib", "error"]))
   print("\n# ratios vs the materialised reference (same K)")
   print(common.format_table(ratios))
-  payload = {"correctness": checks, "cuda_lowering": lowering, "perf": perf, "ratios": ratios,
-             "cpu_smoke": cpu,
+  print("\n# training entry / per-token entry (same impl, K)")
+  print(common.format_table(train_ratios))
+  payload = {"correctness": checks, "train_correctness": train_checks,
+             "cuda_lowering": lowering, "perf": perf, "ratios": ratios,
+             "train_vs_per_token": train_ratios, "cpu_smoke": cpu,
              "sizes": {"correctness": SMOKE if cpu else MID, "perf": sizes},
              "targets": {"eff_tflops_min": 640, "transient_gib_max": 2.0},
              "flops_formula": "2*T*D*V*(1+K+2): (1+K) forward logit matmuls + dh_s + dW_s",
@@ -316,7 +406,7 @@ def main(argv=None) -> dict:
                        "placed and the program compiled (device memory_stats; None on CPU)"}
   path = common.write_result("kl_loss_gpu_smoke" if cpu else "kl_loss_gpu", payload, args.out)
   print(f"wrote {path}")
-  if not all(c["ok"] for c in checks):
+  if not all(c["ok"] for c in checks + train_checks):
     raise SystemExit("correctness check failed")
   return payload
 

@@ -17,8 +17,8 @@ import sys
 import time
 from typing import Any, Callable
 
-from experiments.benchmarks import (common, kl_loss, kl_loss_gpu, opd_step, rollout, sampler,
-                                    train_step)
+from experiments.benchmarks import (common, kl_loss, kl_loss_gpu, kl_train, opd_step, rollout,
+                                    sampler, train_step)
 
 
 def _sampler_headline(p: dict) -> str:
@@ -35,6 +35,11 @@ def _train_step_headline(p: dict) -> str:
 def _kl_headline(p: dict) -> str:
   return "; ".join(f"K={r['K']}: chunked/reference time {r['time_ratio']:.2f}, transient "
                    f"{r['transient_mem_ratio']:.3f}" for r in p["ratios"])
+
+
+def _kl_train_headline(p: dict) -> str:
+  return "; ".join(f"{r['case']}: train/per-token time {r['time_ratio']:.2f}, peak memory "
+                   f"{r['peak_mem_ratio']:.2f}" for r in p["ratios"])
 
 
 def _kl_gpu_headline(p: dict) -> str:
@@ -73,6 +78,7 @@ BENCHMARKS: dict[str, tuple[Callable[..., dict], list[str], list[str],
     "sampler": (sampler.main, [], ["--quick"], _sampler_headline),
     "train_step": (train_step.main, [], ["--quick"], _train_step_headline),
     "kl_loss": (kl_loss.main, [], ["--quick"], _kl_headline),
+    "kl_train": (kl_train.main, [], ["--quick"], _kl_train_headline),
     "kl_loss_gpu": (kl_loss_gpu.main, ["--cpu-smoke"], [], _kl_gpu_headline),
     "opd_step": (opd_step.main, [], ["--quick"], _opd_step_headline),
     "rollout": (rollout.main, [], ["--quick"], _rollout_headline),

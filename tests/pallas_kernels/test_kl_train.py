@@ -215,3 +215,16 @@ def test_bad_input_raises(kwargs, match):
 def test_train_chunk_sizes_validate(field):
   with pytest.raises(ValueError, match=f"TrainChunkSizes.{field}=0"):
     TrainChunkSizes(**{field: 0})
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_default_chunk_buffers_fit_the_per_token_paths_tiles(k):
+  """At the benchmark sizes (T = 2048, V = 131072, block_v = 2048) the default
+  chunk's two [C, V] float32 buffers are no larger than the per-token chunked
+  path's (4 + 2K)·T·block_v·4 bytes of tiles (docs/DESIGN.md §4), and C is as
+  large as that allows (a multiple of 8): fewer read-modify-writes of dW_s."""
+  t, v, block_v = 2048, 131072, 2048
+  c = train_loss.default_block_t(k, v)
+  budget = (4 + 2 * k) * t * block_v * 4
+  assert c % 8 == 0 and 2 * c * v * 4 <= budget < 2 * (c + 8) * v * 4
+  assert TrainChunkSizes().block_t is None  # the default resolves per K and V
