@@ -382,22 +382,20 @@ def _sampler_breakdown(name: str, setup: dict, reps: int) -> dict[str, Any]:
 
     return jax.lax.fori_loop(0, steps - 1, step, (out.cache, out.hidden[:, -1]))[1]
 
-  def timed(fn):
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn())
-      times.append(time.perf_counter() - t0)
-    return min(times)
-
   params = setup["params"]
   out = generate(cfg, params, tokens, mask, 0, sampling)
   steps = int(out.steps)
-  full = timed(lambda: generate(cfg, params, tokens, mask, 0, sampling).tokens)
-  prefill = timed(lambda: generate(cfg, params, tokens, mask, 0,
-                                   sampling.replace(max_new_tokens=1)).tokens)
-  alone = timed(lambda: decoder_only(params, tokens, mask, out.tokens, steps))
+  fns = (lambda: generate(cfg, params, tokens, mask, 0, sampling).tokens,
+         lambda: generate(cfg, params, tokens, mask, 0, sampling.replace(max_new_tokens=1)).tokens,
+         lambda: decoder_only(params, tokens, mask, out.tokens, steps))
+  times = [[] for _ in fns]
+  for rep in range(reps + 1):  # interleaved, so that load on a shared machine hits all three
+    for fn, got in zip(fns, times):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn())
+      if rep:  # the first round compiles
+        got.append(time.perf_counter() - t0)
+  full, prefill, alone = (min(t) for t in times)
   G = setup["cfg"].group_size
   return {"batch": name, "rows": B, "prompt_len": P, "steps": steps, "generate_s": full,
           "prefill_s": prefill, "prefill_share": prefill / full,
@@ -433,7 +431,7 @@ def measure(args, breakdown: bool = True) -> dict[str, Any]:
   domains = args.domains or list(ALL_DOMAINS)
   setups = _grpo_setups(spec, policies, domains, mesh, rules)
   grpo = [_measure(name, _grpo_batch, setup, GRPO_STAGES, args.iters) for name, setup in setups]
-  sampler = ([_sampler_breakdown(name, setup, max(3, args.iters)) for name, setup in setups]
+  sampler = ([_sampler_breakdown(name, setup, max(7, args.iters)) for name, setup in setups]
              if breakdown else [])
   opd_setup = _opd_setup(v4, policies, mesh, rules)
   opd = _measure("opd", _opd_batch, opd_setup, OPD_STAGES, args.iters)
