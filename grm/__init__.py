@@ -20,7 +20,8 @@ from grm.data import (PRINCIPLES, Candidate, PreferenceGroup, build_groups, rati
                       rule_judgement, sample_candidates, split_groups)
 from grm.format import (GRMPrompt, Principle, build_prompt, format_judgement, format_scores,
                         permutation, plain, prompt_ids, shuffle, unshuffle)
-from grm.judge import SampledJudgement, build_prompts, sample_judgements, score_arrays
+from grm.judge import (SampledJudgement, build_prompts, invalid_sample_counts, judge_completion,
+                       sample_judgements, score_arrays)
 from grm.meta_rm import (add_scalar_head, binary_cross_entropy, meta_batch, meta_input_ids,
                          meta_loss_fn, meta_scores)
 from grm.pairwise import (PairwiseJudgement, PairwisePrompt, build_pairwise_prompt,

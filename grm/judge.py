@@ -6,6 +6,12 @@ j)``), go through ``opd.rollout.episodes.sample`` together, then each output
 is parsed (``grm.parse``) and its scores mapped back to the original order.
 ``score_arrays`` turns one example's samples into the ``[k, n]`` / ``[k]``
 arrays the pure voting functions (``grm.voting``) take.
+
+A sample the sampler cut at its token budget (``finished`` False) is invalid
+with reason ``truncated`` even when its text ends on a well-formed scores
+line: the model never chose to stop there (``judge_completion``).
+``REASONS`` is ``grm.parse.REASONS`` plus ``truncated``; ``invalid_sample_counts``
+counts sampled judgements over it.
 """
 from __future__ import annotations
 
@@ -15,10 +21,14 @@ from typing import Sequence
 import numpy as np
 
 from grm.format import GRMPrompt, build_prompt, prompt_ids, unshuffle
+from grm.parse import REASONS as PARSE_REASONS
 from grm.parse import Judgement, parse_judgement
 from opd.models import ModelConfig
 from opd.rollout.episodes import sample
 from opd.rollout.sampler import SamplingConfig
+
+TRUNCATED = "truncated"
+REASONS = PARSE_REASONS + (TRUNCATED,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +111,27 @@ def sample_judgements(model_cfg: ModelConfig, params, tokenizer, groups, *, k: i
   ids = [prompt_ids(tokenizer, p) for p in flat]
   completions = sample(model_cfg, params, tokenizer, ids, int(seed), sampling,
                        prompt_bucket=prompt_bucket, mesh=mesh, rules=rules)
-  out = [SampledJudgement(prompt=p, text=c.text, judgement=parse_judgement(c.text, p.n),
-                          finished=c.finished) for p, c in zip(flat, completions)]
+  out = [judge_completion(p, c.text, c.finished) for p, c in zip(flat, completions)]
   return [out[e * k:(e + 1) * k] for e in range(len(prompts))]
+
+
+def judge_completion(prompt: GRMPrompt, text: str, finished: bool) -> SampledJudgement:
+  """One sampler output as a ``SampledJudgement``; an unfinished one is
+  invalid with reason ``truncated`` (module docstring), else it is parsed."""
+  if finished:
+    judgement = parse_judgement(text, prompt.n)
+  else:
+    judgement = Judgement(scores=None, reason=TRUNCATED)
+  return SampledJudgement(prompt=prompt, text=text, judgement=judgement, finished=bool(finished))
+
+
+def invalid_sample_counts(samples: Sequence[SampledJudgement]) -> dict[str, int]:
+  """``{reason: count}`` over the invalid samples, every reason of ``REASONS`` present."""
+  out = {r: 0 for r in REASONS}
+  for s in samples:
+    if s.judgement.reason is not None:
+      out[s.judgement.reason] += 1
+  return out
 
 
 def score_arrays(samples: Sequence[SampledJudgement]) -> tuple[np.ndarray, np.ndarray]:

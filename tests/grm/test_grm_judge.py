@@ -9,7 +9,6 @@ import grm.judge as judge_lib
 import grm.pairwise as pairwise_lib
 from grm.format import format_judgement
 from grm.meta_rm import meta_batch, meta_input_ids
-from grm.parse import invalid_counts
 from grm.voting import vote
 from opd.models import ModelConfig, init_params
 from opd.rollout.episodes import Completion, sampling_for_chat
@@ -68,7 +67,7 @@ def test_tiny_random_grm_samples_end_to_end_and_invalid_outputs_are_counted():
                                         sampling=sampling_for_chat(TOK, max_new_tokens=6))
   flat = [s for row in samples for s in row]
   assert [len(row) for row in samples] == [2, 2]
-  counts = invalid_counts(s.judgement for s in flat)
+  counts = judge_lib.invalid_sample_counts(flat)
   n_valid = sum(s.judgement.valid for s in flat)
   assert sum(counts.values()) + n_valid == len(flat)
   for row in samples:
@@ -127,3 +126,23 @@ def test_pairwise_round_trip_reasons_and_swap_mapping(monkeypatch):
   assert all(j.valid for j in judgements)
   np.testing.assert_array_equal(preferred, [0 if e % 3 else 1 for e in range(30)])
   assert pairwise_lib.preferred_index(pairwise_lib.parse_pairwise("x"), False) == -1
+
+
+def test_a_truncated_sample_is_invalid_even_when_it_ends_on_a_valid_scores_line(monkeypatch):
+  text = format_judgement(["Correctness."], "Fine.", [7, 2])
+
+  def sample(model_cfg, params, tokenizer, prompts, rng, sampling, **kwargs):
+    return [Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), finished, text)
+            for finished, _ in zip((True, False, True), prompts)]
+
+  monkeypatch.setattr(judge_lib, "sample", sample)
+  samples = judge_lib.sample_judgements(None, None, TOK, [("q", ["a", "b"])], k=3, seed=0,
+                                        sampling=sampling_for_chat(TOK, max_new_tokens=8))[0]
+  assert [s.judgement.valid for s in samples] == [True, False, True]
+  assert samples[1].judgement.reason == "truncated" and samples[1].scores is None
+  assert samples[0].judgement.scores == (7, 2)  # the same text, finished, parses
+  _, valid = judge_lib.score_arrays(samples)
+  assert valid.tolist() == [True, False, True]
+  counts = judge_lib.invalid_sample_counts(samples)
+  assert counts["truncated"] == 1 and sum(counts.values()) == 1
+  assert set(counts) == set(judge_lib.REASONS) and "truncated" in judge_lib.REASONS
