@@ -31,7 +31,6 @@ IMPLS = ("auto", "chunked", "reference")
 def _chunk_pass(h_c, w_s, y_c, c_c, dw, *, inv_tau, block_v):
   """Both vocabulary passes of one token chunk: ``(dw, (dh_c, nll_c))``."""
   rows, vocab = h_c.shape[0], w_s.shape[1]
-  mm_dtype = jnp.promote_types(h_c.dtype, w_s.dtype)
   y = y_c[:, None]
 
   def onehot(start, size):
@@ -51,20 +50,12 @@ def _chunk_pass(h_c, w_s, y_c, c_c, dw, *, inv_tau, block_v):
   lse = tile_math.acc_finalize(acc)[0]
   g_scale = (c_c * inv_tau)[:, None]  # chain rule through z = h W / τ
 
-  # Pass 2: ∂L/∂z = c (p − onehot); dh_c += g W_tileᵀ, dW_tile += h_cᵀ g.
-  def pass2(carry, start, size):
-    dh, dw = carry
+  # Pass 2: ∂L/∂z = c (p − onehot) per tile.
+  def g_tile(start, size):
     z = lax.dynamic_slice_in_dim(zbuf, start, size, axis=1)
-    g = g_scale * (jnp.exp(z - lse) - onehot(start, size).astype(jnp.float32))
-    g = g.astype(mm_dtype)
-    w_t = lax.dynamic_slice_in_dim(w_s, start, size, axis=1)
-    dh = dh + jnp.einsum("TV,DV->TD", g, w_t, preferred_element_type=jnp.float32)
-    dw_t = lax.dynamic_slice_in_dim(dw, start, size, axis=1) + jnp.einsum(
-        "TD,TV->DV", h_c, g, preferred_element_type=jnp.float32)
-    return dh, lax.dynamic_update_slice_in_dim(dw, dw_t, start, axis=1)
+    return g_scale * (jnp.exp(z - lse) - onehot(start, size).astype(jnp.float32))
 
-  dh0 = tile_math.match_vma(jnp.zeros(h_c.shape, jnp.float32), h_c, w_s)
-  dh, dw = chunked.fold_tiles(pass2, (dh0, dw), vocab, block_v)
+  dh, dw = train_loss.gradient_pass(g_tile, h_c, w_s, dw, block_v)
   return dw, (dh, (lse - z_y)[:, 0])
 
 

@@ -152,6 +152,32 @@ def fold_chunks(body, carry, t: int, block_t: int):
   return carry, ys
 
 
+def gradient_pass(g_tile, h_c, w_s, dw, block_v: int):
+  """Pass 2 of a chunk: ``dh_c = Σ_tiles g W_tileᵀ`` and ``dW_tile += h_cᵀ g``.
+
+  Args:
+    g_tile: ``g_tile(start, size) -> [C, size]`` f32 gradient w.r.t. the
+      tile's logits ``h W``, chain-rule factor 1/τ and ``c`` included.
+    h_c: [C, Ds]; w_s: [Ds, V]; dw: [Ds, V] f32, updated in place per tile.
+
+  Returns:
+    ``(dh_c [C, Ds] f32, dw)``.
+  """
+  mm_dtype = jnp.promote_types(h_c.dtype, w_s.dtype)
+
+  def step(carry, start, size):
+    dh, dw = carry
+    g = g_tile(start, size).astype(mm_dtype)
+    w_t = lax.dynamic_slice_in_dim(w_s, start, size, axis=1)
+    dh = dh + jnp.einsum("TV,DV->TD", g, w_t, preferred_element_type=jnp.float32)
+    dw_t = lax.dynamic_slice_in_dim(dw, start, size, axis=1) + jnp.einsum(
+        "TD,TV->DV", h_c, g, preferred_element_type=jnp.float32)
+    return dh, lax.dynamic_update_slice_in_dim(dw, dw_t, start, axis=1)
+
+  dh0 = tile_math.match_vma(jnp.zeros(h_c.shape, jnp.float32), h_c, w_s)
+  return chunked.fold_tiles(step, (dh0, dw), w_s.shape[1], block_v)
+
+
 def _chunk_pass(h_c, w_s, hk_c, w_k, wh_c, c_c, dw, *, inv_tau, block_v, shared_head):
   """Both vocabulary passes of one token chunk.
 
@@ -163,7 +189,6 @@ def _chunk_pass(h_c, w_s, hk_c, w_k, wh_c, c_c, dw, *, inv_tau, block_v, shared_
     ``(dw, (dh_c [C, Ds] f32, lse [C], ent [C], e_k [C, K], lse_k [C, K]))``.
   """
   rows, k, vocab = h_c.shape[0], len(hk_c), w_s.shape[1]
-  mm_dtype = jnp.promote_types(h_c.dtype, w_s.dtype)
   hk_stack = jnp.concatenate(hk_c, axis=0) if shared_head and k > 1 else None  # [K·C, Dt]
 
   def teacher_logits(start, size):
@@ -193,20 +218,13 @@ def _chunk_pass(h_c, w_s, hk_c, w_k, wh_c, c_c, dw, *, inv_tau, block_v, shared_
   e_b = sum((wh_c[:, i:i + 1] * e for i, e in enumerate(e_k)), jnp.zeros_like(lse))
   g_scale = (c_c * inv_tau)[:, None]  # chain rule through z = h W / τ
 
-  # Pass 2: ∂L/∂z = c p (b − E_p[b]) per tile; dh_c += g W_tileᵀ, dW_tile += h_cᵀ g.
-  def pass2(carry, start, size):
-    dh, dw = carry
+  # Pass 2: ∂L/∂z = c p (b − E_p[b]) per tile.
+  def g_tile(start, size):
     z = lax.dynamic_slice_in_dim(zbuf, start, size, axis=1)
     b = lax.dynamic_slice_in_dim(bbuf, start, size, axis=1)
-    g = (g_scale * jnp.exp(z - lse) * (b - e_b)).astype(mm_dtype)
-    w_t = lax.dynamic_slice_in_dim(w_s, start, size, axis=1)
-    dh = dh + jnp.einsum("TV,DV->TD", g, w_t, preferred_element_type=jnp.float32)
-    dw_t = lax.dynamic_slice_in_dim(dw, start, size, axis=1) + jnp.einsum(
-        "TD,TV->DV", h_c, g, preferred_element_type=jnp.float32)
-    return dh, lax.dynamic_update_slice_in_dim(dw, dw_t, start, axis=1)
+    return g_scale * jnp.exp(z - lse) * (b - e_b)
 
-  dh0 = tile_math.match_vma(jnp.zeros(h_c.shape, jnp.float32), h_c, w_s)
-  dh, dw = chunked.fold_tiles(pass2, (dh0, dw), vocab, block_v)
+  dh, dw = gradient_pass(g_tile, h_c, w_s, dw, block_v)
   st = tile_math.stats_from_columns(lse, ent, e_k, lse_k, k)
   return dw, (dh, st.lse, st.ent, st.e_k, st.lse_k)
 
