@@ -11,7 +11,9 @@
   python -m experiments.launch --config=experiments/configs/distill.py:tiny,steps=100 \
       --workdir=workdirs/distill_tiny100
 
-The variant argument: ``job=opd|cold_start``, ``tiny``, ``steps=N`` (OPD steps).
+The variant argument: ``job=opd|cold_start``, ``tiny``, ``steps=N`` (OPD steps),
+``ablation=estimator|cold_start|weighting`` (below), ``demo=DIR``,
+``teachers_dir=DIR``.
 Teachers are ``config.teachers.<name>`` (``init``, ``domain``, ``model``); the
 student is ``config.student`` (``init``, ``model``); only the student is
 trained and checkpointed.
@@ -27,6 +29,32 @@ instruct 0.47 → 0.79, math 0.17 → 0.51 (noisy, 64 sampled tokens); 0 skips;
 96 bytes per token (D=48, bf16) against 1080 for V=270 float32 logits.
 Curves: ``rkl.png``, ``overlap.png``, ``skips.png`` in the workdir. The
 default needs the specialists pipeline's checkpoints (not measured here).
+
+Ablations (docs/DESIGN.md §3, "Baselines and curve metrics"), each a sweep
+whose first arm is the reference, three seeds per arm, the same steps,
+``opd.verify`` on (``reward/mean`` per step), no annealing:
+
+  # estimator: full / top-k (k=10, 32) / token-level, 12 runs
+  python -m experiments.sweep --config=experiments/configs/distill.py:ablation=estimator \
+      --workdir=workdirs/ablation/estimator
+  python -m experiments.ablation_report --sweep_dir=workdirs/ablation/estimator
+  # cold start on vs off (student init: the cold-start checkpoint vs the base)
+  python -m experiments.sweep --config=experiments/configs/distill.py:ablation=cold_start \
+      --workdir=workdirs/ablation/cold_start
+  # teacher weighting: routing / confidence / uniform
+  python -m experiments.sweep --config=experiments/configs/distill.py:ablation=weighting \
+      --workdir=workdirs/ablation/weighting
+  # CI / notebook form: tiny teachers, 16 steps (teachers_dir=DIR reuses
+  # teachers built once, DIR/<name>/checkpoints; without it each run builds its own)
+  python -m experiments.sweep \
+      --config=experiments/configs/distill.py:tiny,ablation=estimator --workdir=/tmp/abl
+
+The full-size ablations use a finished ``make demo`` workdir (``demo=DIR``,
+default workdirs/demo): teachers ``DIR/<domain>/grpo/checkpoints``, student
+``DIR/student/seed0/cold_start/checkpoints`` (the base ``DIR/base/checkpoints``
+for "cold start off"), and the demo's OPD stage settings (experiments/configs/v4.py:
+80 steps of 8 prompts × 4 samples × ≤ 80 tokens; ``steps=N`` shortens).
+``config.run_label`` names a run's arm for the report and changes nothing else.
 """
 import ml_collections
 
@@ -38,16 +66,84 @@ from opd.models.config import ModelConfig
 from opd.training.optim import OptimConfig
 
 DOMAINS = ("math", "instruct")
+ABLATIONS = ("estimator", "cold_start", "weighting")
+# (label, estimator, top_k); the first is the reference arm of the report.
+ESTIMATOR_ARMS = (("full", "full", None), ("top-10", "top_k", 10), ("top-32", "top_k", 32),
+                  ("token", "token", None))
+WEIGHTING_ARMS = ("routing", "confidence", "uniform")
+SEEDS = (0, 1, 2)
+TINY_ABLATION_STEPS = 16  # the smallest that leaves loss_fluctuation a few steps to measure
 
 
 def _teacher(model, init, domain):
   return ml_collections.ConfigDict(dict(init=init, domain=domain, model=model))
 
 
-def get_config(arg=None):
-  arg = config_utils.parse_arg(arg, tiny=False, job="opd", steps=0)
+def _parse(arg):
+  arg = config_utils.parse_arg(arg, tiny=False, job="opd", steps=0, ablation="",
+                               demo="workdirs/demo", teachers_dir="")
   if arg["job"] not in ("opd", "cold_start"):
     raise ValueError(f"config arg job={arg['job']!r}: expected 'opd' or 'cold_start'")
+  if arg["ablation"] and arg["ablation"] not in ABLATIONS:
+    raise ValueError(f"config arg ablation={arg['ablation']!r}: expected one of {ABLATIONS}")
+  if arg["ablation"] and arg["job"] != "opd":
+    raise ValueError(f"config arg ablation={arg['ablation']!r} needs job=opd, got "
+                     f"job={arg['job']!r}")
+  if arg["ablation"] == "cold_start" and arg["tiny"]:
+    raise ValueError("config arg ablation='cold_start' has no tiny form: it needs the demo's "
+                     "cold-start checkpoint (demo=DIR)")
+  return arg
+
+
+def _ablation(c, arg):
+  """The OPD run every arm of ``arg["ablation"]`` starts from (reference arm's settings)."""
+  c.run_label = ""
+  if arg["tiny"]:
+    # One padded length and no diagnostics: one compile of each program per run.
+    c.opd.update(length_bucket=0, diag_every=0)
+    steps = TINY_ABLATION_STEPS
+    c.train.update(steps=steps, save_every=steps)
+    c.optim.update(decay_steps=steps - c.optim.warmup_steps)
+    if arg["teachers_dir"]:
+      for name, group in c.teachers.items():
+        group.init = f"{arg['teachers_dir']}/{name}/checkpoints"
+  else:
+    # The demo's OPD stage, imported here because configs/v4.py imports this file.
+    from experiments.configs import v4 as v4_config
+    v4, demo = v4_config.get_config(), arg["demo"]
+    model = v4.specialists.model
+    c.mesh, c.sharding_rules = v4.specialists.mesh, v4.specialists.sharding_rules
+    c.student = ml_collections.ConfigDict(dict(
+        init=f"{demo}/student/seed0/cold_start/checkpoints",
+        model=ml_collections.ConfigDict(model.to_dict())))
+    c.teachers = ml_collections.ConfigDict(
+        {d: _teacher(ml_collections.ConfigDict(model.to_dict()), f"{demo}/{d}/grpo/checkpoints", d)
+         for d in v4.specialists.domains})
+    c.data, c.opd, c.optim, c.train = v4.data, v4.opd, v4.opd_optim, v4.opd_train
+  c.opd.update(verify=True, anneal_steps=0)
+
+
+def get_sweep(arg=None):
+  """The runs of ``ablation=...``: every arm × ``SEEDS``, the reference arm first."""
+  arg = _parse(arg)
+  if not arg["ablation"]:
+    raise ValueError("get_sweep needs config arg ablation=estimator|cold_start|weighting")
+  if arg["ablation"] == "estimator":
+    arms = [dict(run_label=label, **{"opd.estimator": est},
+                 **({"opd.top_k": k} if k is not None else {}))
+            for label, est, k in ESTIMATOR_ARMS]
+  elif arg["ablation"] == "weighting":
+    arms = [{"run_label": s, "opd.schedule": s} for s in WEIGHTING_ARMS]
+  else:
+    demo = arg["demo"]
+    arms = [{"run_label": "cold start",
+             "student.init": f"{demo}/student/seed0/cold_start/checkpoints"},
+            {"run_label": "no cold start", "student.init": f"{demo}/base/checkpoints"}]
+  return [{**arm, "seed": seed} for arm in arms for seed in SEEDS]
+
+
+def get_config(arg=None):
+  arg = _parse(arg)
   base = pretrain_config.get_config("tiny" if arg["tiny"] else None)
   c = ml_collections.ConfigDict()
   c.job = arg["job"]
@@ -86,9 +182,13 @@ def get_config(arg=None):
     # Tiny teachers are rarely right: keep every verified answer to exercise the path.
     c.cold_start.update(num_prompts=16, samples_per_prompt=1, max_new_tokens=12, min_reward=0.0,
                         sample_batch_size=16, steps=3, batch_size=4, seq_len=160)
+  if arg["ablation"]:
+    _ablation(c, arg)
   if arg["steps"]:
     c.train.update(steps=arg["steps"], save_every=arg["steps"],
                    eval_every=max(1, arg["steps"] // 10))
     c.optim.update(decay_steps=max(1, arg["steps"] - c.optim.warmup_steps))
     c.opd.anneal_steps = min(c.opd.anneal_steps, arg["steps"])
+  if arg["ablation"]:
+    c.train.eval_every = c.train.steps  # held-out reverse KL before and after, not between
   return c
