@@ -51,4 +51,18 @@ def _check_quickstart(summary, stdout):
   assert "| reward@1 | math | avg |" in stdout and "| base |" in stdout and "| sft |" in stdout
 
 
-CHECKS = {"quickstart": _check_quickstart}
+def _check_estimator_ablation(summary, stdout):
+  # The tiny sweep: four estimators, three seeds each, none failed, the
+  # reference (full vocabulary) first.
+  assert summary["arms"] == ["full", "top-10", "top-32", "token"], summary
+  assert summary["seeds"] == {a: 3 for a in summary["arms"]} and summary["failed"] == []
+  for arm in summary["arms"]:
+    # Losses and gradient norms move from step to step on sampled rollouts.
+    assert summary["loss_fluctuation_pct"][arm] > 0 and summary["grad_norm_cv"][arm] > 0, arm
+    assert set(summary["rkl_final"][arm]) == {"math", "instruct"}
+    assert all(math.isfinite(v) and v >= 0 for v in summary["rkl_final"][arm].values()), arm
+  assert summary["plot_bytes"] > 0
+  assert "Beside the seed's figures" in stdout and "| token |" in stdout and "±15" in stdout
+
+
+CHECKS = {"quickstart": _check_quickstart, "estimator_ablation": _check_estimator_ablation}
