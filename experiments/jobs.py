@@ -33,6 +33,7 @@ _JOBS: dict[str, Target] = {
     "offpolicy_kd": "experiments.baselines:run_offpolicy_kd",
     "mixed_rl": "experiments.baselines:run_mixed_rl",
     "sequential_rl": "experiments.baselines:run_sequential_rl",
+    "grm": "experiments.grm:run",
 }
 
 

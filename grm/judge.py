@@ -89,8 +89,8 @@ def build_prompts(groups, k: int, seed: int, *, hints: Sequence[int | None] | No
 
 def sample_judgements(model_cfg: ModelConfig, params, tokenizer, groups, *, k: int, seed: int,
                       sampling: SamplingConfig, hints: Sequence[int | None] | None = None,
-                      prompt_bucket: int = 32, mesh=None, rules=None
-                      ) -> list[list[SampledJudgement]]:
+                      prompt_bucket: int = 32, batch_size: int | None = None, mesh=None,
+                      rules=None) -> list[list[SampledJudgement]]:
   """k judgements per example, all E·k prompts in one batched sampler call.
 
   Args:
@@ -101,7 +101,9 @@ def sample_judgements(model_cfg: ModelConfig, params, tokenizer, groups, *, k: i
     seed: seeds both the shuffles (``build_prompts``) and the sampler.
     sampling: e.g. ``opd.rollout.episodes.sampling_for_chat(tok, ...)``.
     hints: optional per-example best index for hinted sampling.
-    prompt_bucket, mesh, rules: passed to ``opd.rollout.episodes.sample``.
+    prompt_bucket, batch_size, mesh, rules: passed to
+      ``opd.rollout.episodes.sample`` (``batch_size`` bounds the rows sampled
+      at once; None: all).
 
   Returns:
     ``[E][k]`` ``SampledJudgement``s.
@@ -110,7 +112,8 @@ def sample_judgements(model_cfg: ModelConfig, params, tokenizer, groups, *, k: i
   flat = [p for row in prompts for p in row]
   ids = [prompt_ids(tokenizer, p) for p in flat]
   completions = sample(model_cfg, params, tokenizer, ids, int(seed), sampling,
-                       prompt_bucket=prompt_bucket, mesh=mesh, rules=rules)
+                       batch_size=batch_size, prompt_bucket=prompt_bucket, mesh=mesh,
+                       rules=rules)
   out = [judge_completion(p, c.text, c.finished) for p, c in zip(flat, completions)]
   return [out[e * k:(e + 1) * k] for e in range(len(prompts))]
 

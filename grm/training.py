@@ -64,14 +64,20 @@ SampleFn = Callable[[Sequence[tuple[str, tuple[str, ...]]], int, int, Sequence[i
                     list[list[judge_lib.SampledJudgement]]]
 
 
-def judgement_pair(tokenizer, prompt: GRMPrompt, text: str) -> tuple[np.ndarray, np.ndarray]:
+def judgement_pair(tokenizer, prompt: GRMPrompt | str, text: str
+                   ) -> tuple[np.ndarray, np.ndarray]:
   """``(ids [T] int32, loss_mask [T] bool)`` of one SFT conversation.
 
-  The ids start with exactly ``grm.format.prompt_ids(tokenizer, prompt)``
+  ``prompt`` is a ``GRMPrompt`` or a user message (e.g. a pairwise judge's
+  prompt). The ids start with exactly ``grm.format.user_prompt_ids`` of it
   (what the sampler is prompted with) and the mask is True only on the
   judgement's tokens and the closing ``<|end|>``.
   """
-  messages = [{"role": "user", "content": prompt.text}, {"role": "assistant", "content": text}]
+  user = prompt.text if isinstance(prompt, GRMPrompt) else prompt
+  if not isinstance(user, str) or not isinstance(text, str):
+    raise ValueError(f"prompt and text must be str (or a GRMPrompt), got "
+                     f"{type(prompt).__name__}, {type(text).__name__}")
+  messages = [{"role": "user", "content": user}, {"role": "assistant", "content": text}]
   return chat.render_for_training(chat.from_raw(messages), tokenizer)
 
 
@@ -83,10 +89,11 @@ def cold_start_pairs(groups: Sequence[PreferenceGroup], *, seed: int, noise: flo
           for i, g in enumerate(groups)]
 
 
-def sft_batches(tokenizer, model_cfg: ModelConfig, pairs: Sequence[tuple[GRMPrompt, str]], *,
+def sft_batches(tokenizer, model_cfg: ModelConfig, pairs: Sequence[tuple[GRMPrompt | str, str]], *,
                 seq_len: int, batch_size: int, seed: int, num_epochs: int | None = None,
                 drop_remainder: bool = True):
-  """Packed SFT batches (``opd.training.data.sft_dataset``) of judgement pairs."""
+  """Packed SFT batches (``opd.training.data.sft_dataset``) of ``(prompt, target)``
+  pairs (``judgement_pair``)."""
   if not pairs:
     raise ValueError("pairs is empty: nothing to fine-tune on")
   examples = [judgement_pair(tokenizer, p, t) for p, t in pairs]
