@@ -11,10 +11,13 @@ a scalar-head meta-RM (``grm.meta_rm``). Baselines: a Bradley–Terry scalar
 RM (``grm.scalar_rm``), a pairwise "A or B" judge (``grm.pairwise``) and a
 random pick (``grm.voting.random_winners``). ``grm.data`` builds preference
 groups from the task suite and writes rule-based judgements for cold-start
-SFT. The package sits above ``opd``
+SFT; ``grm.training`` runs cold-start SFT, rejective fine-tuning and
+rule-based RL; ``grm.benchmark_set`` is the RewardBench-style test set and
+its accuracy. The package sits above ``opd``
 and below ``experiments`` (docs/DESIGN.md §1).
 """
-from grm import correctness, data, format, judge, meta_rm, pairwise, parse, scalar_rm, voting
+from grm import (benchmark_set, correctness, data, format, judge, meta_rm, pairwise, parse,
+                 scalar_rm, training, voting)
 from grm.correctness import best_index, check_ratings, is_correct, rule_reward
 from grm.data import (PRINCIPLES, Candidate, PreferenceGroup, build_groups, rating_from_reward,
                       rule_judgement, sample_candidates, split_groups)
