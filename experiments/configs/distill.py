@@ -124,7 +124,8 @@ def _ablation(c, arg):
 
 
 def get_sweep(arg=None):
-  """The runs of ``ablation=...``: every arm × ``SEEDS``, the reference arm first."""
+  """The runs of ``ablation=...``: every arm × ``SEEDS``, seed by seed (a sweep
+  stopped early still has every arm), the reference arm first."""
   arg = _parse(arg)
   if not arg["ablation"]:
     raise ValueError("get_sweep needs config arg ablation=estimator|cold_start|weighting")
@@ -139,7 +140,7 @@ def get_sweep(arg=None):
     arms = [{"run_label": "cold start",
              "student.init": f"{demo}/student/seed0/cold_start/checkpoints"},
             {"run_label": "no cold start", "student.init": f"{demo}/base/checkpoints"}]
-  return [{**arm, "seed": seed} for arm in arms for seed in SEEDS]
+  return [{**arm, "seed": seed} for seed in SEEDS for arm in arms]
 
 
 def get_config(arg=None):

@@ -29,7 +29,8 @@ def _curves(arm: int, seed: int) -> dict[str, np.ndarray]:
   wiggle = (-1.0) ** t
   return {"train/loss": 3.0 - 0.02 * t + (0.05 + 0.1 * arm + 0.01 * seed) * wiggle,
           "train/grad_norm": 1.0 + 0.1 * (arm + 1) * wiggle + 0.003 * seed * t,
-          "reward/mean": np.minimum(0.8 - 0.05 * arm, (0.05 + 0.01 * seed) * (1 - 0.4 * arm) * t),
+          "reward/mean": np.minimum(0.8 - 0.05 * arm - 0.03 * seed,
+                                    (0.05 + 0.01 * seed) * (1 - 0.4 * arm) * t),
           "perf/step_time_s": np.where(t == 1, 40.0, 0.5 + 0.25 * arm + 0.01 * seed * t)}
 
 
@@ -172,7 +173,7 @@ def test_tiny_estimator_sweep_lists_twelve_distinct_runs():
 def test_other_ablations_and_their_arguments():
   weighting = config_utils.load_sweep(f"{CONFIG}:tiny,ablation=weighting")
   assert [(o["opd.schedule"], o["seed"]) for o in weighting] == [
-      (s, seed) for s in ("routing", "confidence", "uniform") for seed in (0, 1, 2)]
+      (s, seed) for seed in (0, 1, 2) for s in ("routing", "confidence", "uniform")]
   cold = config_utils.load_sweep(f"{CONFIG}:ablation=cold_start,demo=/d")
   assert {o["student.init"] for o in cold} == {"/d/student/seed0/cold_start/checkpoints",
                                                "/d/base/checkpoints"}
