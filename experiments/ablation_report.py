@@ -13,10 +13,11 @@ metrics", ``opd.eval.curves.ablation_metrics``): loss fluctuation (%),
 gradient-norm CV, final reward, that reward as % of the reference arm's run
 with the same seed, the first step reaching 90% of that run's final reward,
 the mean wall time per step after the first (which compiles); and the final
-held-out reverse KL per teacher. Per arm: mean ± std (ddof 1) over seeds. The estimator sweep's table also
-stands beside the seed's figures (``SEED_FIGURES``). Writes
-``ablation_report.{md,json}`` and ``ablation_curves.png`` (loss and reward
-curves, mean ± std over seeds per step) to ``--out_dir`` (default DIR).
+held-out reverse KL per teacher. Per arm: mean ± std (ddof 1) over seeds.
+The estimator sweep's table also stands beside the seed's figures
+(``SEED_FIGURES``). Writes ``ablation_report.{md,json}`` and
+``ablation_curves.png`` (loss and reward curves, mean ± std over seeds per
+step) to ``--out_dir`` (default DIR).
 
 ``run_tiny_ablation`` runs the ``tiny`` form of a sweep in this process (the
 teachers built once, one compile cache): what the notebook and CI use.
