@@ -200,7 +200,6 @@ def _train_scalar(ctx, cfg, params, loss_fn, batches, workdir) -> dict:
                                 steps=c.rm.steps, mesh=ctx.mesh, rules=ctx.rules, seed=c.seed,
                                 params=params, checkpoint_manager=manager,
                                 on_metrics=lambda s, m: history.append(m))
-  manager.wait() if hasattr(manager, "wait") else None
   losses = [float(m["loss"]) for m in history if "loss" in m]
   return {"loss_first": losses[0], "loss_final": float(np.mean(losses[-5:]))}
 
@@ -468,6 +467,9 @@ STAGES = (("data", _stage_data, ("data", "models", "tiny_models")),
 
 def run(config, workdir: str) -> dict:
   timer = common.Timer()
+  if not config.tiny_models and "base" not in config.models:
+    raise ValueError(f"config.models={dict(config.models)} needs a 'base' entry (the GRM, "
+                     "BT RM and pairwise judge start from it), or set config.tiny_models > 0")
   root = pathlib.Path(workdir)
   model_cfg = to_model_config(config.model)
   mesh, rules = common.mesh_and_rules(config)

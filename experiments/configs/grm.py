@@ -31,7 +31,7 @@ DEMO = "workdirs/demo_check2"
 DEMO_MODELS = {"base": f"{DEMO}/base/checkpoints",
                **{f"sft_{d}": f"{DEMO}/{d}/sft/checkpoints" for d in ("math", "instruct")},
                **{f"rl_{d}": f"{DEMO}/{d}/grpo/checkpoints"
-                  for d in ("math", "code", "instruct", "agent")}}
+                  for d in ("math", "code", "instruct", "writing", "agent")}}
 
 
 def get_config(arg=None):

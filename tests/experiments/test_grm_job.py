@@ -1,0 +1,101 @@
+"""experiments/configs/grm.py: the ``tiny`` GRM job through the real CLI.
+
+One launch builds two random tiny models, their preference groups, the three
+GRM stages, the BT RM, the pairwise judge, the meta-RM and the benchmark; a
+second launch reuses every finished stage.
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from experiments import grm as grm_job
+from grm import pairwise as pairwise_lib
+from grm.benchmark_set import OVERALL, SUBSETS
+from grm.correctness import best_index
+from grm.data import PreferenceGroup
+from grm.training import RFT_COUNTS
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "experiments" / "configs" / "grm.py"
+
+
+def _launch(workdir):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+  cmd = [sys.executable, "-m", "experiments.launch", f"--config={CONFIG}:tiny",
+         f"--workdir={workdir}"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+  if proc.returncode:
+    raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+  return proc
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("grm_tiny")
+  _launch(workdir)
+  return workdir, json.loads((workdir / "final_metrics.json").read_text())
+
+
+def test_every_stage_finishes_and_rft_counts_add_up(run):
+  workdir, metrics = run
+  for name, _, _ in grm_job.STAGES:
+    assert (workdir / name / "final_metrics.json").is_file(), name
+  rft = json.loads((workdir / "rft" / "final_metrics.json").read_text())
+  assert set(RFT_COUNTS) <= set(rft)
+  assert rft["samples"] == rft["groups"] * 2  # tiny: n_rft = 2
+  assert rft["rejected_incorrect"] + rft["kept_sampled"] + rft["too_easy_samples"] == rft["samples"]
+  assert rft["hinted_kept"] + rft["hinted_rejected"] == rft["hinted_groups"]
+  assert rft["kept"] == rft["kept_sampled"] + rft["hinted_kept"]
+  assert metrics["data/train_groups"] + metrics["data/test_groups"] == metrics["data/kept"]
+
+
+def test_benchmark_is_on_test_groups_only_and_consistent_with_invalid_rates(run):
+  workdir, _ = run
+  groups = json.loads((workdir / "data" / "groups.json").read_text())
+  subsets = json.loads((workdir / "data" / "subsets.json").read_text())
+  assert set(subsets) == set(SUBSETS)
+  test_ids = {g["example_id"] for g in groups["test"]}
+  train_queries = {g["query"] for g in groups["train"]}
+  ids = [i for v in subsets.values() for i in v]
+  assert sorted(ids) == sorted(test_ids)
+  assert not {g["query"] for g in groups["test"]} & train_queries
+  bench = json.loads((workdir / "benchmark" / "benchmark.json").read_text())
+  assert bench["sizes"][OVERALL]["groups"] == len(test_ids)
+  for stage in grm_job.GRM_STAGES:
+    for k in (1, 2):
+      for kind in ("vote", "meta"):
+        row = bench["accuracy"][f"{stage}/{kind}@{k}"]
+        assert 0.0 <= row[OVERALL]["value"] <= 100.0
+        # Without one valid sample no vote can pick the truth.
+        if bench["invalid"][f"{stage}/sampled"]["invalid_rate"] == 1.0:
+          assert row[OVERALL]["value"] == 0.0
+  assert "random" in bench["accuracy"] and bench["paper"] == {"1": 85.6, "32": 89.6}
+  report = (workdir / "benchmark" / "report.md").read_text()
+  assert all(f"| {name} |" in report for name in bench["accuracy"])
+  assert (workdir / "benchmark" / "k_curve.png").stat().st_size > 0
+
+
+def test_a_second_launch_reuses_every_stage(run):
+  workdir, _ = run
+  out = _launch(workdir).stdout
+  assert out.count("done earlier") == len(grm_job.STAGES)
+
+
+def test_pairwise_sft_targets_name_the_best_response():
+  g = PreferenceGroup("math", "e", "train", "q", ("a", "b", "c"), (0.2, 1.0, 0.5),
+                      ("wrong", "ok", "wrong"))
+  pairs = grm_job._pairwise_pairs([g] * 4, seed=0)
+  assert len(pairs) == 4 * 2
+  swaps = set()
+  for e, (text, target) in enumerate(pairs):
+    i = (0, 2)[e % 2]
+    p = pairwise_lib.build_pairwise_prompt(g.query, g.responses[best_index(g.ratings)],
+                                           g.responses[i], seed=(0, e // 2, i))
+    assert p.text == text
+    swaps.add(p.swapped)
+    assert pairwise_lib.preferred_index(pairwise_lib.parse_pairwise(target), p.swapped) == 0
+  assert swaps == {True, False}  # both orders occur, so the letter is not constant
