@@ -61,7 +61,7 @@ class DecoderOutput(NamedTuple):
 def init_cache(cfg: ModelConfig, batch: int, max_length: int, dtype=None) -> KVCache:
   """An empty cache of ``max_length`` slots for ``batch`` sequences."""
   dtype = dtype or cfg.compute_dtype
-  shape = (batch, max_length, cfg.n_kv_heads, cfg.resolved_head_dim)
+  shape = (batch, cfg.n_kv_heads, max_length, cfg.resolved_head_dim)  # [B, K, S, Dh]
   zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
   return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)),
                  mask=jnp.zeros((batch, max_length), bool),
@@ -132,8 +132,8 @@ class Attention(nn.Module):
   def __call__(self, x, positions, key_mask, layer_cache):
     """x: [B, T, D]; positions: [B, T]; key_mask: [B, T, S] bool.
 
-    layer_cache: None, or (k [B, S, K, Dh], v [B, S, K, Dh], index) where the
-    new keys are written at slots [index, index + T).
+    layer_cache: None, or (k [B, K, S, Dh], v [B, K, S, Dh], index) where
+    the new keys are written at slots [index, index + T).
     """
     cfg = self.cfg
     dt, pdt = cfg.compute_dtype, cfg.storage_dtype
@@ -158,23 +158,26 @@ class Attention(nn.Module):
     q = nn.with_logical_constraint(q, ("batch", "length", "q_heads", "head_dim"))
     k = nn.with_logical_constraint(k, ("batch", "length", "kv_heads", "head_dim"))
 
+    B, T = x.shape[:2]
+    G = H // K
+    # Heads before slots ([B, K, T, Dh]): only the T new rows move here, and
+    # both attention einsums below batch over (B, K) with the cache as stored.
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     new_cache = None
     if layer_cache is not None:
       ck, cv, index = layer_cache
-      ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), index, axis=1)
-      cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), index, axis=1)
+      ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), index, axis=2)
+      cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), index, axis=2)
       new_cache = (ck, cv)
       k, v = ck.astype(dt), cv.astype(dt)
 
-    B, T = x.shape[:2]
-    G = H // K
-    qg = q.reshape(B, T, K, G, Dh)
-    scores = jnp.einsum("BTKGE,BSKE->BKGTS", qg, k,
+    qg = q.reshape(B, T, K, G, Dh).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, Dh]
+    scores = jnp.einsum("BKGTE,BKSE->BKGTS", qg, k,
                         preferred_element_type=jnp.float32) * (Dh ** -0.5)
     big_neg = jnp.finfo(jnp.float32).min
     scores = jnp.where(key_mask[:, None, None, :, :], scores, big_neg)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("BKGTS,BSKE->BTKGE", probs, v).reshape(B, T, H, Dh)
+    out = jnp.einsum("BKGTS,BKSE->BTKGE", probs, v).reshape(B, T, H, Dh)
     out = jnp.einsum("BTHE,HED->BTD", out, wo.astype(dt))
     if cfg.o_bias:
       out = out + _param(self, "o_bias", (D,), ("embed",), pdt).astype(dt)

@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 
 from opd.config.fields import check_bool, check_float, check_int, set_field
 from opd.parallel import sharding as shd
-from opd.models import ModelConfig, forward, head_matrix, init_cache
+from opd.models import KVCache, ModelConfig, forward, head_matrix, init_cache
 
 Array = jax.Array
 
@@ -237,6 +237,16 @@ def _head_logits(cfg: ModelConfig, params, hidden: Array) -> Array:
   return nn.with_logical_constraint(logits, ("batch", "vocab"))
 
 
+def _append_slots(cache: KVCache, n: int) -> KVCache:
+  """``n`` empty (zero, masked-out) slots after the last. [B, K, S, Dh] -> [B, K, S + n, Dh]."""
+  pad = lambda x, axes: nn.with_logical_constraint(
+      jnp.pad(x, [(0, n if a == "cache_length" else 0) for a in axes]), axes)
+  axes = ("batch", "kv_heads", "cache_length", "head_dim")
+  return cache._replace(k=tuple(pad(x, axes) for x in cache.k),
+                        v=tuple(pad(x, axes) for x in cache.v),
+                        mask=pad(cache.mask, ("batch", "cache_length")))
+
+
 def _generate(params, prompt_tokens, prompt_mask, rng, knobs: _Knobs, *, model_cfg: ModelConfig,
               sampling: SamplingConfig, rules, mesh):
   del mesh  # static only so that each mesh gets its own compiled program
@@ -254,23 +264,20 @@ def _generate_body(params, prompt_tokens, prompt_mask, rng, knobs: _Knobs, cfg: 
   positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
   prompt_len = mask.sum(axis=1).astype(jnp.int32)  # [B]
 
-  cache = init_cache(cfg, B, P + N)
-  cache_axes = ("batch", "cache_length", "kv_heads", "head_dim")
-  cache = cache._replace(k=tuple(constrain(x, cache_axes) for x in cache.k),
-                         v=tuple(constrain(x, cache_axes) for x in cache.v),
-                         mask=constrain(cache.mask, ("batch", "cache_length")))
-
   # Prefill: hidden states only, the head is applied at the last column (every
   # row's last real token after left alignment) instead of over [B, P, V].
-  out = forward(cfg, params, tokens, positions, mask, cache, return_logits=False,
-                return_hidden=True)
+  # Its cache holds the P prompt slots only, so the prompt's attention spans P
+  # keys rather than P + N; the N decode slots are appended empty afterwards.
+  out = forward(cfg, params, tokens, positions, mask, init_cache(cfg, B, P),
+                return_logits=False, return_hidden=True)
+  cache = _append_slots(out.cache, N)
   hidden = out.hidden[:, -1]  # [B, D]
   logits = _head_logits(cfg, params, hidden)
 
   end_ids = jnp.asarray(sampling.end_ids or (-1,), jnp.int32)
   state = dict(
       step=jnp.zeros((), jnp.int32),
-      cache=out.cache,
+      cache=cache,
       logits=logits,
       hidden=hidden,
       done=jnp.zeros((B,), bool),
