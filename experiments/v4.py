@@ -35,10 +35,11 @@ from experiments import common
 from experiments import distill as distill_job
 from experiments import specialists as specialists_job
 from experiments import v4_report
-from opd.config.fields import from_group
+from opd.config.fields import from_group, to_group
 from opd.eval import evaluation as ev
 from opd.models import to_model_config
 from opd.training.checkpoints import load_params
+from opd.training.optim import OptimConfig
 
 STUDENT_STAGES = ("cold_start", "opd", "anneal")
 
@@ -70,8 +71,10 @@ def student_stage_config(config, stage: str, root: pathlib.Path, student_init: s
   c.teachers = _teachers(config, root)
   c.data = _copy(config.data)
   c.cold_start = _copy(config.cold_start)
+  # The teachers are the specialists: nothing is built (a fixed group, so no
+  # stage depends on another stage's optimizer settings).
   c.build_teachers = ml_collections.ConfigDict(dict(sft_steps=0, num_train=0, batch_size=1,
-                                                    optim=_copy(config.opd_optim)))
+                                                    optim=to_group(OptimConfig)))
   c.opd = _copy(config.opd)
   c.optim = _copy(config.cold_start_optim if stage == "cold_start" else
                   config.opd_optim if stage == "opd" else config.anneal_optim)
