@@ -11,9 +11,13 @@ See docs/DESIGN.md §6 and ``experiments/grm.py``.
 with ``--config.models.base=...``. The tiny variant ignores them and builds
 two random tiny models itself (``tiny_models``), and adds each single-turn
 example's reference answer as a candidate so groups with a unique best
-exist. Reference machine (2 CPU cores): tiny ≈ 2 min (compiles);
-default not yet measured (the sampler runs ``benchmark.k_max`` judgements
-of ~1k-token prompts per test group and GRM stage).
+exist. Reference machine (2 CPU cores, shared with other jobs): tiny
+4 min 10 s (mostly compiles; too slow for ``make bench``, so it has no
+entry there). Default: not measured; its data stage alone took 8 min at
+12 train / 10 test examples per domain (the sampler then runs max(ks)
+judgements of ~1k-token prompts per test group and GRM stage). At that
+size 49 of 110 examples kept a group (61 had no unique best: the demo's
+models often fail alike), 22 in the test split.
 Expected result: see docs/RESULTS.md (GRM section) once the default run is
 recorded there; the paper's RewardBench figures (85.6 at k=1, 89.6 with
 meta-RM voting at k=32) are plotted beside ours.
