@@ -65,4 +65,17 @@ def _check_estimator_ablation(summary, stdout):
   assert "Beside the seed's figures" in stdout and "| token |" in stdout and "±15" in stdout
 
 
-CHECKS = {"quickstart": _check_quickstart, "estimator_ablation": _check_estimator_ablation}
+def _check_grm_voting(summary, stdout):
+  # Every one of the k samples per group is either valid or counted under one reason.
+  assert summary["samples"] == summary["groups"] * summary["k"] > 0, summary
+  assert summary["valid"] + sum(summary["invalid"].values()) == summary["samples"], summary
+  assert set(summary["accuracy"]) == {"vote", "meta_vote"}
+  for name, acc in summary["accuracy"].items():
+    assert len(acc) == len(summary["ks"]) and all(0.0 <= a <= 1.0 for a in acc), name
+    if summary["valid"] == 0:  # nothing voted: no winner, never right
+      assert acc == [0.0] * len(acc), name
+  assert summary["plot_bytes"] > 0 and "invalid samples by reason" in stdout
+
+
+CHECKS = {"quickstart": _check_quickstart, "estimator_ablation": _check_estimator_ablation,
+          "grm_voting": _check_grm_voting}
