@@ -34,6 +34,7 @@ _JOBS: dict[str, Target] = {
     "mixed_rl": "experiments.baselines:run_mixed_rl",
     "sequential_rl": "experiments.baselines:run_sequential_rl",
     "grm": "experiments.grm:run",
+    "grm_reward": "experiments.grm_reward:run",
 }
 
 

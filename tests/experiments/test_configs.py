@@ -19,7 +19,8 @@ from opd.config import overrides as config_utils
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "configs"
 # distill: tests/experiments/test_distill_job.py runs its tiny variant through the CLI.
-SMOKE_TESTED = {"pretrain", "sft", "grpo", "specialists", "distill", "baselines", "v4", "grm"}
+SMOKE_TESTED = {"pretrain", "sft", "grpo", "specialists", "distill", "baselines", "v4", "grm",
+                "grm_reward"}
 
 
 def _load(name, arg="tiny"):

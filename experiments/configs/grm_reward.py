@@ -1,0 +1,61 @@
+"""Job ``grm_reward``: a writing specialist's GRPO under three rewards (docs/DESIGN.md §6).
+
+The same policy is trained three times on writing prompts, rewarded by the
+GRM (``grm.reward.GRMReward``: k pointwise judgements voted, 1..10 -> [0, 1]),
+by the Bradley–Terry RM (``grm.reward.BTReward``) and by the hidden rubric
+itself (the writing verifier). Each trained policy is then scored on the
+test split with the hidden rubric: a learned reward that the policy games
+shows as a rise in its own reward without a rise in the rubric score.
+
+  python -m experiments.launch --config=experiments/configs/grm_reward.py \
+      --workdir=workdirs/grm_reward --config.init=workdirs/demo_check2/writing/sft/checkpoints \
+      --config.grm_init=workdirs/grm/<GRM stage>/checkpoints \
+      --config.bt_init=workdirs/grm/<BT stage>/checkpoints
+  python -m experiments.launch --config=experiments/configs/grm_reward.py:tiny \
+      --workdir=workdirs/grm_reward_tiny      # CI smoke test: tiny random models
+
+``grm_init`` / ``bt_init`` are checkpoints of the ``grm`` job (same
+architecture as ``model``; the BT RM with its scalar head). The tiny variant
+ignores ``init``/``grm_init``/``bt_init`` and builds random tiny models.
+Reference machine (2 CPU cores): tiny about 2-3 min (compiles). Default: not
+measured. Expected result: ``rubric/<reward>`` per reward in final metrics;
+the rubric-trained policy is the reference for the two learned rewards.
+"""
+import ml_collections
+
+from experiments.configs import pretrain
+from opd.config import overrides as config_utils
+from opd.config.fields import to_group
+from opd.rl.config import GRPOConfig
+from opd.training.optim import OptimConfig
+
+
+def get_config(arg=None):
+  arg = config_utils.parse_arg(arg, tiny=False)
+  base = pretrain.get_config("tiny" if arg["tiny"] else None)
+  c = ml_collections.ConfigDict()
+  c.job = "grm_reward"
+  c.seed = 0
+  c.tiny_models = False  # True: random policy, GRM and BT RM (smoke test)
+  c.init = ml_collections.config_dict.placeholder(str)
+  c.grm_init = ml_collections.config_dict.placeholder(str)
+  c.bt_init = ml_collections.config_dict.placeholder(str)
+  c.model = base.model
+  c.mesh = base.mesh
+  c.sharding_rules = base.sharding_rules
+  c.rewards = ("grm", "bt", "rubric")
+  c.grm = ml_collections.ConfigDict(dict(k=4, max_new_tokens=320, temperature=1.0,
+                                         fallback=0.0, batch_size=64))
+  c.bt = ml_collections.ConfigDict(dict(seq_len=1536, batch_size=32))
+  c.grpo = to_group(GRPOConfig, clip_eps_high=0.28, kl_coef=0.1, max_new_tokens=120)
+  c.optim = to_group(OptimConfig, lr=2e-4, warmup_steps=2, end_lr_ratio=1.0, b2=0.99)
+  c.train = ml_collections.ConfigDict(dict(steps=40))
+  c.data = ml_collections.ConfigDict(dict(num_prompts=256, num_test=32, difficulties=(1, 2)))
+  if arg["tiny"]:
+    c.tiny_models = True
+    c.grm.update(k=2, max_new_tokens=8, batch_size=8)
+    c.bt.update(seq_len=512, batch_size=8)
+    c.grpo.update(group_size=2, prompts_per_step=2, max_new_tokens=8, seq_len=512)
+    c.train.update(steps=1)
+    c.data.update(num_prompts=4, num_test=2, difficulties=(1,))
+  return c

@@ -1,0 +1,89 @@
+"""Job ``grm_reward``: writing GRPO under the GRM, the BT RM and the hidden rubric (docs/DESIGN.md §6).
+
+For each reward in ``config.rewards`` the policy starts from the same params
+and trains with ``opd.rl.train_grpo`` (``grm``: ``grm.reward.GRMReward``;
+``bt``: ``grm.reward.BTReward``; ``rubric``: the writing verifier, i.e. no
+``reward_fn``). Each trained policy is scored on ``config.data.num_test``
+test prompts with the hidden rubric (greedy). Final metrics:
+``rubric/<reward>`` (test rubric score), ``train_reward/<reward>`` (the last
+step's mean training reward) and, for the GRM, its invalid-sample counts.
+"""
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import numpy as np
+
+from experiments import common
+from experiments.grpo import grpo_config
+from experiments.sft import domain_examples
+from grm.reward import BTReward, GRMReward
+from opd import rollout as rollout_lib
+from opd.models import init_params, to_model_config
+from opd.rl import grpo as grpo_lib
+from opd.rollout.episodes import sampling_for_chat
+from opd.training.checkpoints import load_params
+
+REWARDS = ("grm", "bt", "rubric")
+
+
+def _models(config, model_cfg, mesh, rules):
+  """``(policy, grm, (bt_cfg, bt))`` params: random tiny ones or the checkpoints."""
+  bt_cfg = model_cfg.replace(scalar_head=True)
+  if config.tiny_models:
+    keys = jax.random.split(jax.random.key(config.seed), 3)
+    return (init_params(model_cfg, keys[0]), init_params(model_cfg, keys[1]),
+            (bt_cfg, init_params(bt_cfg, keys[2])))
+  for name in ("init", "grm_init", "bt_init"):
+    if not config.get(name):
+      raise ValueError(f"config.{name} must name a checkpoint directory (or set "
+                       "config.tiny_models=True)")
+  return (load_params(config.init, model_cfg, mesh=mesh, rules=rules),
+          load_params(config.grm_init, model_cfg, mesh=mesh, rules=rules),
+          (bt_cfg, load_params(config.bt_init, bt_cfg, mesh=mesh, rules=rules)))
+
+
+def run(config, workdir: str) -> dict:
+  timer = common.Timer()
+  bad = [r for r in config.rewards if r not in REWARDS]
+  if bad or not config.rewards:
+    raise ValueError(f"config.rewards={tuple(config.rewards)} must be a non-empty subset of "
+                     f"{REWARDS}")
+  model_cfg = to_model_config(config.model)
+  tok = common.tokenizer_for(model_cfg)
+  mesh, rules = common.mesh_and_rules(config)
+  policy, grm_params, (bt_cfg, bt_params) = _models(config, model_cfg, mesh, rules)
+  cfg = grpo_config(config.grpo)
+  diffs = tuple(config.data.difficulties)
+  prompts = domain_examples(("writing",), "train", config.data.num_prompts, config.seed, diffs)
+  test = domain_examples(("writing",), "test", config.data.num_test, config.seed + 1, diffs)
+  g = config.grm
+  reward_fns = {
+      "grm": lambda: GRMReward(model_cfg, grm_params, tok, k=g.k, fallback=g.fallback,
+                               seed=config.seed, batch_size=g.batch_size, mesh=mesh,
+                               rules=rules, sampling=sampling_for_chat(
+                                   tok, max_new_tokens=g.max_new_tokens,
+                                   temperature=g.temperature)),
+      "bt": lambda: BTReward(bt_cfg, bt_params, tok, seq_len=config.bt.seq_len,
+                             batch_size=config.bt.batch_size),
+      "rubric": lambda: None}
+  greedy = sampling_for_chat(tok, max_new_tokens=cfg.max_new_tokens, temperature=0.0)
+  out = {"steps": config.train.steps}
+  for name in config.rewards:
+    reward_fn = reward_fns[name]()
+    run_ = grpo_lib.train_grpo(
+        model_cfg, policy, policy if cfg.kl_coef > 0 else None, prompts, cfg,
+        common.optim_config(config.optim), tokenizer=tok, steps=config.train.steps, mesh=mesh,
+        rules=rules, seed=config.seed, reward_fn=reward_fn,
+        workdir=pathlib.Path(workdir) / name, progress=False)
+    episodes = rollout_lib.rollout(model_cfg, run_.state.params, tok, test,
+                                   jax.random.key(config.seed), greedy, mesh=mesh, rules=rules)
+    out[f"rubric/{name}"] = float(np.mean([ep.reward.reward for ep in episodes]))
+    out[f"train_reward/{name}"] = float(run_.history[-1]["reward/mean"])
+    if isinstance(reward_fn, GRMReward):
+      out.update({f"grm/{k}": v for k, v in reward_fn.totals.items()})
+  out["wall_s"] = timer.seconds
+  common.write_json(pathlib.Path(workdir) / "rubric_scores.json",
+                    {k: v for k, v in out.items() if k.startswith("rubric/")})
+  return out
