@@ -13,11 +13,13 @@ random pick (``grm.voting.random_winners``). ``grm.data`` builds preference
 groups from the task suite and writes rule-based judgements for cold-start
 SFT; ``grm.training`` runs cold-start SFT, rejective fine-tuning and
 rule-based RL; ``grm.benchmark_set`` is the RewardBench-style test set and
-its accuracy. The package sits above ``opd``
+its accuracy. ``grm.reward`` makes the GRM and the BT RM GRPO rewards,
+``grm.user_sim`` the agent's GRM and user-simulator reward layers, and
+``grm.shared`` the shared-backbone GRM + meta-RM joint loss. The package sits above ``opd``
 and below ``experiments`` (docs/DESIGN.md §1).
 """
 from grm import (benchmark_set, correctness, data, format, judge, meta_rm, pairwise, parse,
-                 scalar_rm, training, voting)
+                 reward, scalar_rm, shared, training, user_sim, voting)
 from grm.correctness import best_index, check_ratings, is_correct, rule_reward
 from grm.data import (PRINCIPLES, Candidate, PreferenceGroup, build_groups, rating_from_reward,
                       rule_judgement, sample_candidates, split_groups)
@@ -34,3 +36,6 @@ from grm.scalar_rm import (bradley_terry_loss, bt_loss_fn, pair_batch, score_seq
                            sequence_rewards, train_reward_model)
 from grm.voting import (NO_WINNER, Vote, meta_vote, random_winners, select_top, unique_argmax,
                         vote, vote_correct, weighted_vote)
+from grm.reward import BTReward, GRMReward, bt_input_ids, rating_to_reward, response_text
+from grm.shared import meta_labels_from_rewards, shared_loss_fn
+from grm.user_sim import SEED_WEIGHTS, AgentLayeredReward, user_satisfaction
