@@ -55,6 +55,9 @@ default workdirs/demo): teachers ``DIR/<domain>/grpo/checkpoints``, student
 for "cold start off"), and the demo's OPD stage settings (experiments/configs/v4.py:
 80 steps of 8 prompts × 4 samples × ≤ 80 tokens; ``steps=N`` shortens).
 ``config.run_label`` names a run's arm for the report and changes nothing else.
+Measured (2 shared cores, load ~10): tiny estimator sweep in one process
+(``experiments.ablation_report.run_tiny_ablation``, the notebook) ≈ 2.5 min;
+full size, steps=20, 5–8 min per run through experiments.sweep (mostly compiles).
 """
 import ml_collections
 
