@@ -9,14 +9,15 @@ devices each); with 1 it runs alone on 4 devices. The parent sets XLA_FLAGS.
 
     python tests/opd/distill/distill_multihost_worker.py --num-processes 2 --process-id 0 --port 1234 --out a.npz
 """
-import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))))
+_TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.dirname(_TESTS), _TESTS]  # the repo (opd) and tests/ (multihost_util)
 
-from opd.parallel import distributed  # noqa: E402  (must run before jax creates backends)
+import multihost_util  # noqa: E402
+from opd.parallel import distributed  # noqa: E402
+
 
 # Metrics compared between the runs (host metrics exactly, train/eval ones
 # within the parent's tolerances).
@@ -26,13 +27,7 @@ CLOSE = ("train/loss", "train/lr", "diag/ta/overlap@8", "diag/tb/overlap@8", "ev
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--num-processes", type=int, required=True)
-  ap.add_argument("--process-id", type=int, default=0)
-  ap.add_argument("--port", type=int, default=0)
-  ap.add_argument("--out", required=True)
-  args = ap.parse_args()
-  distributed.initialize(f"127.0.0.1:{args.port}", args.num_processes, args.process_id)
+  args = multihost_util.worker_args()
 
   import jax
   import numpy as np

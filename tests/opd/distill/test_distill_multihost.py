@@ -22,68 +22,17 @@ What must match:
 """
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 
-from opd.parallel import distributed
+import multihost_util
 
 WORKER = os.path.join(os.path.dirname(__file__), "distill_multihost_worker.py")
 TIMEOUT_S = 480
 
 
-def _env(devices):
-  env = os.environ.copy()
-  env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices} "
-                      "--xla_backend_optimization_level=0")
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
-
-
-def _launch(args, devices, log_path):
-  log = open(log_path, "w")
-  proc = subprocess.Popen([sys.executable, WORKER, *args], env=_env(devices), stdout=log,
-                          stderr=subprocess.STDOUT)
-  return proc, log
-
-
-def _read(path):
-  with open(path) as f:
-    return f.read()[-3000:]
-
-
-def _adamw_bound(lrs, b1, b2, wd):
-  """Largest gap two AdamW runs from equal params can open (see test_multihost.py)."""
-  bound = 0.0
-  for t, lr in enumerate(lrs, start=1):
-    i = np.arange(1, t + 1)
-    a_t = math.sqrt(np.sum(((1 - b1) * b1 ** (t - i) / (1 - b1 ** t)) ** 2
-                           / ((1 - b2) * b2 ** (t - i) / (1 - b2 ** t))))
-    bound = bound * (1 + lr * wd) + 2 * lr * a_t
-  return bound
-
-
 def test_two_process_opd_run_equals_one_process_run(tmp_path):
-  port = distributed.free_port()
-  logs = [tmp_path / f"p{i}.log" for i in range(2)] + [tmp_path / "ref.log"]
-  procs = [_launch(["--num-processes", "2", "--process-id", str(i), "--port", str(port),
-                    "--out", str(tmp_path / "multi.npz")], 2, logs[i]) for i in range(2)]
-  procs.append(_launch(["--num-processes", "1", "--out", str(tmp_path / "single.npz")], 4,
-                       logs[2]))
-  try:
-    for proc, _ in procs:
-      proc.wait(timeout=TIMEOUT_S)
-  finally:
-    for proc, log in procs:
-      if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-      log.close()
-  for (proc, _), log in zip(procs, logs):
-    assert proc.returncode == 0, f"{log.name} exited {proc.returncode}:\n{_read(log)}"
-
-  multi, single = np.load(tmp_path / "multi.npz"), np.load(tmp_path / "single.npz")
+  multi, single, logs = multihost_util.run_two_vs_one(WORKER, tmp_path, TIMEOUT_S)
   assert int(multi["processes"]) == 2 and int(single["processes"]) == 1
   for key in ("response/tokens", "response/length_mean", "opd/masked_rows", "weight/ta",
               "weight/tb"):
@@ -96,8 +45,8 @@ def test_two_process_opd_run_equals_one_process_run(tmp_path):
     np.testing.assert_allclose(multi[f"m:{key}"][0], single[f"m:{key}"][0], rtol=reorder_rtol,
                                atol=0, err_msg=key)
   lrs = single["m:train/lr"]
-  bound = _adamw_bound(lrs, float(single["b1"]), float(single["b2"]),
-                       float(single["weight_decay"]))
+  bound = multihost_util.adamw_bound(lrs, float(single["b1"]), float(single["b2"]),
+                                     float(single["weight_decay"]))
   names = sorted(k for k in single.files if k.startswith("p:"))
   assert names and names == sorted(k for k in multi.files if k.startswith("p:"))
   for name in names:
@@ -110,5 +59,5 @@ def test_two_process_opd_run_equals_one_process_run(tmp_path):
   for key in ("eval/rkl/ta", "eval/rkl/tb"):
     np.testing.assert_allclose(multi[f"m:{key}"], single[f"m:{key}"], rtol=1e-3, err_msg=key)
   # Each process fed its own half of the batch.
-  assert "process 1: rows slice(4, 8" in _read(logs[1])
-  assert "process 0: rows slice(0, 4" in _read(logs[0])
+  assert "process 1: rows slice(4, 8" in multihost_util.read_log(logs[1])
+  assert "process 0: rows slice(0, 4" in multihost_util.read_log(logs[0])
