@@ -97,8 +97,9 @@ def get_config(arg=None):
     c.eval.update(n_per_domain=4, num_samples=2, max_new_tokens=16, batch_size=8,
                   bootstrap_samples=50)
     c.data.update(num_prompts=8, num_heldout=2)
+    # Tiny specialists are rarely right: keep every finished answer.
     c.cold_start.update(num_prompts=4, max_new_tokens=12, steps=2, batch_size=4, seq_len=160,
-                        sample_batch_size=16)
+                        sample_batch_size=16, min_reward=0.0, temperature=1.0)
     c.cold_start_optim.update(warmup_steps=1, decay_steps=1)
     c.opd.update(prompts_per_step=5, group_size=2, max_new_tokens=12, seq_len=160, diag_every=2,
                  length_bucket=0)
