@@ -23,7 +23,7 @@ and the compute budget). Each job writes the model it produces to
 ``baselines`` runs the ones in ``config.baselines`` as stages of one workdir
 (``WORKDIR/<job>/``), each a run directory reused only under the same config
 (a stage directory written under another config is refused, fields named),
-resumable, skipped once finished (``experiments.specialists._run_stage``).
+resumable, skipped once finished (``experiments.common.run_stage``).
 Where ``config.base.init`` or a teacher's ``init`` is "" (the ``tiny``
 variant) the inputs are built first: a random base saved as a checkpoint in
 ``WORKDIR/base`` and each teacher SFT'd from it on its domain in
@@ -44,7 +44,6 @@ import numpy as np
 from experiments import common, jobs
 from experiments import grpo as grpo_job
 from experiments import sft as sft_job
-from experiments.specialists import _run_stage
 from opd.config.fields import from_group
 from opd.config.overrides import config_to_dict
 from opd.distill import Teacher, TeacherPool
@@ -371,7 +370,7 @@ def run_baselines(config, workdir: str) -> dict:
   paths = resolve_inputs(config, root, mesh, rules, teachers=needs_teachers)
   out = {}
   for job in chosen:
-    metrics = _run_stage(job, RUNS[job], stage_config(config, job, paths), root / job)
+    metrics = common.run_stage(job, RUNS[job], stage_config(config, job, paths), root / job)
     out.update({f"{job}/{k}": v for k, v in metrics.items()})
   out["wall_s"] = timer.seconds
   return out

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from opd.config.fields import from_group
+from opd.config.overrides import config_mismatches, config_to_dict
 from opd.parallel import sharding
 from opd.training.metrics_writer import MetricWriter, read_metrics
 from opd.models import ModelConfig
@@ -136,3 +137,35 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   return choice
+
+
+FINAL = "final_metrics.json"  # a finished stage's metrics (as the launcher writes)
+
+
+def run_stage(name: str, fn, cfg, workdir: pathlib.Path) -> dict:
+  """Runs one stage unless it already finished; returns its final metrics.
+
+  A stage directory left by an earlier run (finished or interrupted) is
+  reused only when its ``config.json`` matches this run's stage config;
+  otherwise a ``ValueError`` names the differing fields and nothing is
+  touched (a changed config must not silently reuse stale results). Every
+  pipeline job (specialists, v4, baselines, grm) builds its stages with it.
+  """
+  saved_path = workdir / "config.json"
+  if saved_path.exists():
+    bad = config_mismatches(json.loads(saved_path.read_text()), config_to_dict(cfg))
+    if bad:
+      detail = "; ".join(f"{k}: was {have!r}, now {want!r}" for k, have, want in bad[:5])
+      more = f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""
+      raise ValueError(f"{workdir} holds the '{name}' stage of a run with another config "
+                       f"({detail}{more}); use a new --workdir or delete that directory")
+  done = workdir / FINAL
+  if done.exists():
+    print(f"[stage] {name}: done earlier ({done})", flush=True)
+    return json.loads(done.read_text())
+  print(f"[stage] {name} → {workdir}", flush=True)
+  workdir.mkdir(parents=True, exist_ok=True)
+  write_json(workdir / "config.json", config_to_dict(cfg))
+  metrics = fn(cfg, str(workdir))
+  write_json(done, metrics)
+  return metrics

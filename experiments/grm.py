@@ -1,6 +1,6 @@
 """Job ``grm``: train a pointwise GRM (SPCT) and benchmark it (docs/DESIGN.md §6).
 
-Stages (each resumable, ``experiments.specialists._run_stage``; a stage
+Stages (each resumable, ``experiments.common.run_stage``; a stage
 directory holds ``config.json`` and ``final_metrics.json``):
 
   data        candidates from the source models (``config.models``; the tiny
@@ -39,7 +39,7 @@ import numpy as np
 from experiments import common
 from experiments.grpo import grpo_config
 from experiments.sft import domain_examples
-from experiments.specialists import _run_stage, _stage_config
+from experiments.specialists import _stage_config
 from grm import benchmark_set as bench_lib
 from grm import judge as judge_lib
 from grm import meta_rm as meta_lib
@@ -477,7 +477,7 @@ def run(config, workdir: str) -> dict:
   out = {}
   for name, fn, groups in STAGES:
     cfg = _stage_config(config, f"grm_{name}", **{g: config[g] for g in groups})
-    metrics = _run_stage(name, lambda _c, w, fn=fn: fn(ctx, pathlib.Path(w)), cfg, root / name)
+    metrics = common.run_stage(name, lambda _c, w, fn=fn: fn(ctx, pathlib.Path(w)), cfg, root / name)
     out.update({f"{name}/{k}": v for k, v in metrics.items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool)})
   out["wall_s"] = timer.seconds

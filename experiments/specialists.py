@@ -14,7 +14,6 @@ re-running the command continues where it stopped.
 """
 from __future__ import annotations
 
-import json
 import logging
 import pathlib
 
@@ -28,14 +27,10 @@ from experiments import sft as sft_job
 from opd.eval import evaluation as ev
 from opd.training.checkpoints import load_params
 from opd.config.fields import from_group
-from opd.config.overrides import config_mismatches, config_to_dict
 from opd.models import to_model_config
 from opd.tasks import ALL_DOMAINS
 
 log = logging.getLogger(__name__)
-
-FINAL = "final_metrics.json"
-
 
 def _stage_config(config, job: str, **groups) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
@@ -67,34 +62,6 @@ def _steps(train, optim, config, domain: str, field: str):
   return train, optim
 
 
-def _run_stage(name: str, fn, cfg, workdir: pathlib.Path) -> dict:
-  """Runs one stage unless it already finished; returns its final metrics.
-
-  A stage directory left by an earlier run (finished or interrupted) is
-  reused only when its ``config.json`` matches this run's stage config;
-  otherwise a ``ValueError`` names the differing fields and nothing is
-  touched (a changed config must not silently reuse stale results).
-  """
-  saved_path = workdir / "config.json"
-  if saved_path.exists():
-    bad = config_mismatches(json.loads(saved_path.read_text()), config_to_dict(cfg))
-    if bad:
-      detail = "; ".join(f"{k}: was {have!r}, now {want!r}" for k, have, want in bad[:5])
-      more = f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""
-      raise ValueError(f"{workdir} holds the '{name}' stage of a run with another config "
-                       f"({detail}{more}); use a new --workdir or delete that directory")
-  done = workdir / FINAL
-  if done.exists():
-    print(f"[specialists] {name}: done earlier ({done})", flush=True)
-    return json.loads(done.read_text())
-  print(f"[specialists] {name} → {workdir}", flush=True)
-  workdir.mkdir(parents=True, exist_ok=True)
-  common.write_json(workdir / "config.json", config_to_dict(cfg))
-  metrics = fn(cfg, str(workdir))
-  common.write_json(done, metrics)
-  return metrics
-
-
 PER_DOMAIN_FIELDS = ("sft_steps", "grpo_steps", "grpo_lr")  # 0 means the shared value
 
 
@@ -121,7 +88,7 @@ def run(config, workdir: str) -> dict:
   stage_metrics: dict[str, dict] = {}
 
   base_dir = root / "base"
-  stage_metrics["base"] = _run_stage(
+  stage_metrics["base"] = common.run_stage(
       "base pre-training", pretrain_job.run,
       _stage_config(config, "pretrain", optim=config.base.optim, train=config.base.train,
                     data=config.base.data), base_dir)
@@ -129,14 +96,14 @@ def run(config, workdir: str) -> dict:
   for d in domains:
     sft_dir, grpo_dir = root / d / "sft", root / d / "grpo"
     sft_train, sft_optim = _steps(config.sft.train, config.sft.optim, config, d, "sft_steps")
-    stage_metrics[f"sft_{d}"] = _run_stage(
+    stage_metrics[f"sft_{d}"] = common.run_stage(
         f"{d}: SFT", sft_job.run,
         _stage_config(config, "sft", init=str(base_dir / "checkpoints"), optim=sft_optim,
                       train=sft_train, data=_copy(config.sft.data, domains=(d,))), sft_dir)
     grpo_train, _ = _steps(config.grpo_train, None, config, d, "grpo_steps")
     grpo_lr = config.get("per_domain", {}).get(d, {}).get("grpo_lr")
     grpo_optim = _copy(config.grpo_optim, lr=grpo_lr) if grpo_lr else config.grpo_optim
-    stage_metrics[f"grpo_{d}"] = _run_stage(
+    stage_metrics[f"grpo_{d}"] = common.run_stage(
         f"{d}: GRPO", grpo_job.run,
         _stage_config(config, "grpo", init=str(sft_dir / "checkpoints"), grpo=config.grpo,
                       optim=grpo_optim, train=grpo_train,

@@ -4,7 +4,7 @@
 
 Stages (docs/DESIGN.md §3, §11), each a run directory under the workdir,
 resumable, skipped once finished and refused when written under another
-config (``experiments.specialists._run_stage``):
+config (``experiments.common.run_stage``):
 
   base → one specialist per domain (SFT, GRPO)        WORKDIR/base, WORKDIR/<domain>/{sft,grpo}
   → for each student seed s:
@@ -100,7 +100,7 @@ def run_students(config, root: pathlib.Path) -> dict[int, dict[str, pathlib.Path
     for stage in STUDENT_STAGES:
       d = root / "student" / f"seed{seed}" / stage
       fn = distill_job.run_cold_start if stage == "cold_start" else distill_job.run_opd
-      specialists_job._run_stage(f"student seed {seed}: {stage}", fn,
+      common.run_stage(f"student seed {seed}: {stage}", fn,
                                  student_stage_config(config, stage, root, init, seed), d)
       dirs[stage], init = d, _ckpt(d)
     out[seed] = dirs
@@ -118,7 +118,7 @@ def run_baselines(config, root: pathlib.Path, cold_start: pathlib.Path) -> dict[
       raise ValueError(f"config.baselines.baselines has {job!r}: expected some of "
                        f"{tuple(baselines_job.RUNS)}")
     d = root / "baselines" / job
-    specialists_job._run_stage(f"baseline {job}", baselines_job.RUNS[job],
+    common.run_stage(f"baseline {job}", baselines_job.RUNS[job],
                                baselines_job.stage_config(bl, job, paths), d)
     out[job] = d
   return out
@@ -167,7 +167,7 @@ def run(config, workdir: str) -> dict:
   eval_stage = ml_collections.ConfigDict(dict(
       job="v4_eval", eval=_copy(config.eval), models=sorted(str(v) for v in models.values())))
   out_dir = root / "v4"
-  specialists_job._run_stage("v4 evaluation", _evaluate_all(config, models), eval_stage, out_dir)
+  common.run_stage("v4 evaluation", _evaluate_all(config, models), eval_stage, out_dir)
   results = ev.load_results(str(out_dir / "results.json"))
   summary = v4_report.summarize(results, tuple(config.specialists.domains),
                                 config.report_metric, f"mean@{config.eval.num_samples}")

@@ -19,34 +19,26 @@ from opd.distill.teachers import Teacher, TeacherPool
 from opd.models import ModelConfig, forward, init_params
 from opd.parallel import sharding
 from opd.rollout.episodes import Episode
-from opd.tasks import Example, get_task
+from opd.tasks import get_task
 from opd.text.tokenizers import END, ByteTokenizer
 from opd.training.train_step import OptimConfig
+from test_distill_trainer import WIDE, favouring_teacher, prompts  # same tiny teachers
 
 EPS32 = float(np.finfo(np.float32).eps)
 TOK = ByteTokenizer()
 V = TOK.vocab_size
 STUDENT = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
-WIDE = ModelConfig(vocab_size=V, d_model=48, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=96)
 LOWER, DIGITS = list(range(ord("a"), ord("z") + 1)), list(range(ord("0"), ord("9") + 1))
 A = {}  # teacher name -> the logits a of its distribution
 
 
 def teacher(name, seed, domain, favoured, bonus=4.0):
-  """A teacher whose distribution is softmax(a) at every position, a = bonus on ``favoured``."""
-  p = init_params(WIDE, jax.random.key(seed))
-  p = {**p, "embedding": jnp.broadcast_to(p["embedding"][:1], p["embedding"].shape)}
-  h0 = forward(WIDE, p, jnp.zeros((1, 1), jnp.int32), None, jnp.ones((1, 1), bool),
-               return_logits=False, return_hidden=True).hidden[0, 0]
+  """``favouring_teacher`` (softmax(a) at every position, a = bonus on
+  ``favoured``), with its logits a recorded in ``A``."""
   a = np.zeros(V, np.float32)
   a[favoured] = bonus
   A[name] = a
-  return Teacher(name, WIDE, {**p, "lm_head": jnp.outer(h0 / jnp.sum(h0 * h0), a)}, domain)
-
-
-def prompts(n, split, domains=("alpha", "beta")):
-  return [Example(d, f"{d}-{split}-{i}", split, 1, f"Say something {d} ({split} {i}).",
-                  (("assistant", "x"),), {}) for i in range(n) for d in domains]
+  return favouring_teacher(name, seed, domain, favoured, bonus)
 
 
 @pytest.fixture(scope="module")
