@@ -83,7 +83,7 @@ def _setup(config, workdir):
   work of OPD runs (docs/DESIGN.md §3, "Several processes").
   """
   mesh, rules = common.mesh_and_rules(config)
-  teachers = load_teachers(config, workdir, _host_mesh(mesh), rules)
+  teachers = load_teachers(config, workdir, distributed.host_work_mesh(mesh), rules)
   cfg = to_model_config(config.student.model)
   if config.student.init:
     params = load_params(config.student.init, cfg, mesh=mesh, rules=rules)
@@ -91,10 +91,6 @@ def _setup(config, workdir):
     log.warning("config.student.init is empty: the student starts from a random init")
     params = init_params(cfg, jax.random.key(config.seed))
   return mesh, rules, teachers, cfg, params, common.tokenizer_for(cfg)
-
-
-def _host_mesh(mesh):
-  return distributed.local_mesh() if jax.process_count() > 1 else mesh
 
 
 def _domains(teachers) -> tuple[str, ...]:
@@ -113,7 +109,7 @@ def run_opd(config, workdir: str) -> dict:
   prompts = sft_job.domain_examples(domains, "train", config.data.num_prompts, config.seed, diffs)
   held = sft_job.domain_examples(domains, "test", config.data.num_heldout, config.seed + 1, diffs,
                                  unique=True)
-  pool = TeacherPool(teachers, student_cfg.vocab_size, _host_mesh(mesh), rules=rules)
+  pool = TeacherPool(teachers, student_cfg.vocab_size, distributed.host_work_mesh(mesh), rules=rules)
   evaluate = make_heldout_eval(student_cfg, pool, held, cfg, tokenizer=tok, mesh=pool.mesh,
                                rules=rules, seed=config.seed + 2)
   root = pathlib.Path(workdir)
@@ -162,7 +158,7 @@ def run_cold_start(config, workdir: str) -> dict:
   data = teacher_sft_pairs(teachers, prompts, tokenizer=tok, max_new_tokens=cs.max_new_tokens,
                            temperature=cs.temperature, samples_per_prompt=cs.samples_per_prompt,
                            min_reward=cs.min_reward, batch_size=cs.sample_batch_size,
-                           seed=config.seed, mesh=_host_mesh(mesh), rules=rules)
+                           seed=config.seed, mesh=distributed.host_work_mesh(mesh), rules=rules)
   print("[cold_start] " + ", ".join(f"{k.split('/', 1)[1]}={v:g}"
                                     for k, v in data.metrics.items()), flush=True)
   if not data.pairs:

@@ -24,7 +24,6 @@ the OPD-minus-baseline comparisons (markdown + JSON + heatmap).
 """
 from __future__ import annotations
 
-import json
 import pathlib
 
 import jax
@@ -183,7 +182,3 @@ def run(config, workdir: str) -> dict:
           **{f"retention/{d}": v for d, v in summary["retention"].items()},
           **{f"opd_minus/{k}": v[0] for k, v in summary["opd_minus"].items()}, **flat}
 
-
-def load_summary(workdir: str) -> dict:
-  """The ``summary.json`` a finished ``v4`` run wrote."""
-  return json.loads((pathlib.Path(workdir) / "v4" / "summary.json").read_text())

@@ -86,7 +86,7 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
       raise ValueError(f"{name} must be a {typ.__name__}, got {type(value).__name__}")
   rules = sharding_lib.validate_rules(rules)
   multi = jax.process_count() > 1
-  host_mesh = distributed.local_mesh() if multi else mesh
+  host_mesh = distributed.host_work_mesh(mesh)
   pool = teachers if isinstance(teachers, TeacherPool) else TeacherPool(
       teachers, student_cfg.vocab_size, host_mesh, rules=rules)
   asked = FaultTolerantTeachers.from_pool(pool, deadline_s=cfg.deadline_s)

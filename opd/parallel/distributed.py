@@ -137,6 +137,12 @@ def local_mesh():
   return sharding_lib.make_mesh((-1, 1, 1), jax.local_devices())
 
 
+def host_work_mesh(mesh):
+  """Where host-driven work runs: ``mesh`` with one process, this process's
+  ``local_mesh()`` with several."""
+  return local_mesh() if jax.process_count() > 1 else mesh
+
+
 def replicate_on(tree, mesh):
   """Every (possibly cross-process sharded) array of ``tree`` as a full copy
   replicated over ``mesh`` (a local mesh): ``gather_to_host`` then

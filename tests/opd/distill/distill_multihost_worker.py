@@ -56,7 +56,7 @@ def main():
                   length_bucket=0, diag_every=1, diag_tokens=64)
   optim = OptimConfig(lr=1e-2, warmup_steps=1, decay_steps=4, schedule="linear", weight_decay=0.1)
   mesh = sharding.make_mesh((1, 2, 2))  # fsdp spans the two processes
-  host_mesh = distributed.local_mesh() if jax.process_count() > 1 else mesh
+  host_mesh = distributed.host_work_mesh(mesh)
   eval_fn = make_heldout_eval(student, TeacherPool(teachers, v, host_mesh), prompts(2, "test"),
                               cfg, tokenizer=tok, mesh=host_mesh)
   run = train_opd(student, None, teachers, prompts(8, "train"), cfg, optim, tokenizer=tok,
