@@ -31,6 +31,7 @@ import ml_collections
 
 from experiments import baselines as baselines_job
 from experiments import common
+from experiments import diagnostics_plot
 from experiments import distill as distill_job
 from experiments import specialists as specialists_job
 from experiments import v4_report
@@ -174,11 +175,17 @@ def run(config, workdir: str) -> dict:
   (out_dir / "report.md").write_text(report)
   common.write_json(out_dir / "summary.json", summary)
   heat = v4_report.heatmap(summary, out_dir / "heatmap.png", config.report_metric)
+  # Per-teacher overlap and reverse KL by position over OPD then annealing (first seed).
+  diag = diagnostics_plot.plot_diagnostics(
+      [first.parent / "opd", first.parent / "anneal"], out_dir / "diagnostics.png",
+      f"OPD then annealing (student seed {config.student_seeds[0]}): diagnostics per teacher")
   print(report, flush=True)
-  print(f"[v4] heatmap: {heat}\n[v4] report: {out_dir / 'report.md'}", flush=True)
+  print(f"[v4] heatmap: {heat}\n[v4] diagnostics: {diag}\n[v4] report: {out_dir / 'report.md'}",
+        flush=True)
   flat = {f"{row}/{d}": v[0] for row, cols in summary["table"][config.report_metric].items()
           for d, v in cols.items()}
   return {"wall_s": timer.seconds, "heatmap": str(heat), "report": str(out_dir / "report.md"),
+          "diagnostics": diag or "",
           **{f"retention/{d}": v for d, v in summary["retention"].items()},
           **{f"opd_minus/{k}": v[0] for k, v in summary["opd_minus"].items()}, **flat}
 

@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from experiments import v4_report
+from experiments import diagnostics_plot, v4_report
 from opd.eval.report import load_results
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -60,3 +60,14 @@ def test_v4_tiny_runs_every_stage_and_reports_every_row(tmp_path):
   report = (workdir / "v4" / "report.md").read_text()
   assert "retention" in report and all(row in report for row in expected_rows)
   assert (workdir / "v4" / "heatmap.png").stat().st_size > 0
+  # Diagnostics plot: OPD then annealing (2 steps each, diag_every=2, so the
+  # first batch of each stage: steps 1 and 2 + 1). Annealing's first batch
+  # already weights every teacher (α = 1/2), so each has its step-3 point.
+  assert final["diagnostics"] == str(workdir / "v4" / "diagnostics.png")
+  assert (workdir / "v4" / "diagnostics.png").stat().st_size > 0
+  series = diagnostics_plot.read_diagnostics(
+      [workdir / "student" / "seed0" / s for s in ("opd", "anneal")])
+  assert set(series) == set(domains)
+  for t in domains:
+    steps = series[t]["overlap@8"][0]
+    assert set(steps) <= {1.0, 3.0} and steps[-1] == 3.0, (t, steps)
