@@ -26,11 +26,14 @@ from opd.tasks.base import (DIFFICULTIES, SPLITS, TEST_FRACTION, Example, Reward
 from opd.tasks.code_task import CodeTask
 from opd.tasks.instruct_task import InstructTask
 from opd.tasks.math_task import MathTask
+from opd.tasks.proof_task import ProofTask
 from opd.tasks.writing_task import WritingTask
 
 ALL_DOMAINS = ("math", "code", "instruct", "agent", "writing")
+# Domains outside the five-domain pipelines (get_task only): the proof domain of §7.
+EXTRA_DOMAINS = ("proof",)
 _TASKS = {"math": MathTask, "code": CodeTask, "instruct": InstructTask, "agent": AgentTask,
-          "writing": WritingTask}
+          "writing": WritingTask, "proof": ProofTask}
 
 
 def render_messages(messages, *, add_generation_prompt: bool = False) -> str:
@@ -44,7 +47,7 @@ def render_messages(messages, *, add_generation_prompt: bool = False) -> str:
 def is_multi_turn(domain: str) -> bool:
   """Whether ``domain``'s episodes run in an environment loop (``Task.multi_turn``)."""
   if domain not in _TASKS:
-    raise ValueError(f"unknown domain {domain!r}; domains: {ALL_DOMAINS}")
+    raise ValueError(f"unknown domain {domain!r}; domains: {ALL_DOMAINS + EXTRA_DOMAINS}")
   return _TASKS[domain].multi_turn
 
 
@@ -52,7 +55,7 @@ def get_task(name: str, **kwargs) -> Task:
   """A fresh task of domain ``name``; ``kwargs`` go to its constructor
   (``CodeTask(sandbox=..., workers=...)``, ``AgentTask(config=...)``)."""
   if name not in _TASKS:
-    raise ValueError(f"unknown domain {name!r}; domains: {ALL_DOMAINS}")
+    raise ValueError(f"unknown domain {name!r}; domains: {ALL_DOMAINS + EXTRA_DOMAINS}")
   return _TASKS[name](**kwargs)
 
 
@@ -99,5 +102,5 @@ __all__ = [
     "AgentTask", "CodeTask", "Example", "InstructTask", "MathTask", "Reward", "RewardStats",
     "Task", "Trajectory", "VerifierFailureError", "WritingTask", "get_task", "mixture_corpus",
     "render_messages", "rollout", "safe_verify", "safe_verify_batch",
-    "split_of",
+    "split_of", "EXTRA_DOMAINS", "ProofTask",
 ]
