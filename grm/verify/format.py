@@ -289,6 +289,17 @@ def parse_generation(text: Any) -> Generation:
   return Generation(proof, analysis, analysis.reason)
 
 
+def split_generation(text: Any) -> tuple[str, str]:
+  """``(proof, self-evaluation text)`` of a generator output, for the next
+  prompt: the parsed proof, else the text before the first ``Self-evaluation:``
+  line (the whole text without one); "" for what is missing. Never raises."""
+  if not isinstance(text, str):
+    return "", ""
+  gen = parse_generation(text)
+  head, sep, tail = text.partition(SELF_EVAL)
+  return (gen.proof if gen.proof is not None else head.strip()), (tail.strip() if sep else "")
+
+
 # ----------------------------------------------------------------------------- rule-written
 def write_analysis(check: ProofCheck, *, n_lines: int | None = None, noise: float = 0.0,
                    rng: random.Random | None = None, messages: bool = False) -> str:
