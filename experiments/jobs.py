@@ -27,6 +27,7 @@ _JOBS: dict[str, Target] = {
     "cold_start": "experiments.distill:run_cold_start",
     "opd": "experiments.distill:run_opd",
     "v4": "experiments.v4:run",
+    "compat": "experiments.compat:run",
     "baselines": "experiments.baselines:run_baselines",
     "merge": "experiments.baselines:run_merge",
     "task_arithmetic": "experiments.baselines:run_task_arithmetic",
