@@ -55,7 +55,9 @@ def train_grpo(model_cfg: ModelConfig, params, ref_params, prompts: Sequence[Exa
                checkpoint_dir: str | pathlib.Path | None = None, save_every: int = 0,
                keep_checkpoints: int = 2, run_config: Mapping[str, Any] | None = None,
                eval_fn: Callable[[Any], Mapping[str, float]] | None = None, eval_every: int = 0,
-               text_every: int = 10, progress: bool = True) -> GRPORun:
+               text_every: int = 10, progress: bool = True,
+               loss_fn: Callable | None = None,
+               batch_extras: Callable | None = None) -> GRPORun:
   """Runs GRPO until ``steps`` rollout batches have been trained on (module docstring).
 
   Args:
@@ -77,6 +79,12 @@ def train_grpo(model_cfg: ModelConfig, params, ref_params, prompts: Sequence[Exa
     eval_fn, eval_every: ``eval_fn(params)`` every ``eval_every`` steps and
       after the last, logged as ``eval/...``. text_every: rollouts as text
       on the first step and every this many. Others: as their names say.
+    loss_fn: ``loss_fn(params, batch, rng) -> (loss, metrics)`` replacing the
+      GRPO loss (``make_grpo_loss(model_cfg, cfg)``), e.g. the shared-backbone
+      GRM's rule-RL + meta BCE (docs/DESIGN.md §6); it receives the GRPO batch
+      plus ``batch_extras``' keys.
+    batch_extras: ``batch_extras(episodes, rewards) -> {key: [B, ...]}``, extra
+      batch keys from each rollout batch (``GRPOSource``).
 
   Raises:
     VerifierFailureError: a step's share of verifier errors and malformed
@@ -92,8 +100,10 @@ def train_grpo(model_cfg: ModelConfig, params, ref_params, prompts: Sequence[Exa
   if ref_params is None and cfg.kl_coef > 0:
     raise ValueError(f"GRPOConfig.kl_coef={cfg.kl_coef} > 0 needs ref_params (e.g. the initial "
                      "policy params)")
-  if reward_fn is not None and not callable(reward_fn):
-    raise ValueError(f"reward_fn must be callable or None, got {type(reward_fn).__name__}")
+  for name, fn in (("reward_fn", reward_fn), ("loss_fn", loss_fn),
+                   ("batch_extras", batch_extras)):
+    if fn is not None and not callable(fn):
+      raise ValueError(f"{name} must be callable or None, got {type(fn).__name__}")
   if jax.process_count() > 1:
     raise ValueError("train_grpo runs in one process (rollouts gather the whole batch on the "
                      f"host); got jax.process_count()={jax.process_count()}")
@@ -105,11 +115,12 @@ def train_grpo(model_cfg: ModelConfig, params, ref_params, prompts: Sequence[Exa
 
   optimizer = make_optimizer(optim)
   state, shardings = init_train_state(model_cfg, optimizer, mesh, rules, rng=seed, params=params)
-  step_fn = make_train_step(make_grpo_loss(model_cfg, cfg), optimizer, mesh, shardings,
-                            rules=rules)
+  step_fn = make_train_step(loss_fn if loss_fn is not None else make_grpo_loss(model_cfg, cfg),
+                            optimizer, mesh, shardings, rules=rules)
   source = GRPOSource(model_cfg, cfg, stream, tokenizer=tokenizer, ref_params=ref_params,
                       param_shardings=shardings.params, mesh=mesh, rules=rules, seed=seed, reward_fn=reward_fn,
-                      agent_config=agent_config, task_kwargs=task_kwargs, text_every=text_every)
+                      agent_config=agent_config, task_kwargs=task_kwargs, text_every=text_every,
+                      batch_extras=batch_extras)
   state, history = train_loop.run_trainer(
       state, step_fn, source, steps, checkpoint_dir=checkpoint_dir,
       keep_checkpoints=keep_checkpoints, workdir=workdir, writer=writer, on_metrics=on_metrics,

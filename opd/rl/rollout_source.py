@@ -203,6 +203,20 @@ def _place(params, shardings):
   return jax.tree.map(jax.device_put, params, shardings)
 
 
+def _checked_extras(extras: Mapping[str, Any], host: Mapping[str, Any], rows: int
+                    ) -> dict[str, np.ndarray]:
+  """``batch_extras``' output as arrays of ``rows`` rows, not shadowing a batch key."""
+  out = {}
+  for key, value in dict(extras).items():
+    if key in host:
+      raise ValueError(f"batch_extras returned {key!r}, which the GRPO batch already has")
+    value = np.asarray(value)
+    if value.ndim == 0 or value.shape[0] != rows:
+      raise ValueError(f"batch_extras[{key!r}] has shape {value.shape}; expected [B={rows}, ...]")
+    out[key] = value
+  return out
+
+
 class GRPOSource:
   """GRPO rollout batches for ``opd.training.loop.run`` (module docstring).
 
@@ -220,13 +234,21 @@ class GRPOSource:
     reward_fn, agent_config, task_kwargs: as ``opd.rl.grpo.train_grpo``.
     text_every: ``texts`` returns rollouts for the first step taken and every
       this many steps (0: the first only).
+    batch_extras: ``batch_extras(episodes, rewards) -> {key: [B, ...] array}``,
+      extra per-row batch keys computed from the rollouts and their ``[B]``
+      rewards (e.g. the shared-backbone GRM's ``meta_labels``, docs/DESIGN.md
+      §6) for a custom ``loss_fn`` of ``train_grpo``.
   """
 
   def __init__(self, model_cfg: ModelConfig, cfg: GRPOConfig, prompts: Iterator, *, tokenizer,
                ref_params, param_shardings, mesh, rules, seed: int = 0, reward_fn: RewardFn | None = None,
                agent_config: AgentRewardConfig | None = None,
                task_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
-               text_every: int = 10):
+               text_every: int = 10,
+               batch_extras: Callable[[Sequence[Any], np.ndarray], Mapping[str, Any]] | None = None):
+    if batch_extras is not None and not callable(batch_extras):
+      raise ValueError(f"batch_extras must be callable or None, got {type(batch_extras).__name__}")
+    self.batch_extras = batch_extras
     self.model_cfg, self.cfg, self.prompts, self.tokenizer = model_cfg, cfg, prompts, tokenizer
     self.mesh, self.rules = mesh, rules
     self.ref_params = _place(ref_params, param_shardings) if ref_params is not None else None
@@ -278,6 +300,9 @@ class GRPOSource:
     host = rollout_lib.batch_episodes(kept, seq_len=training_length(kept, cfg),
                                       pad_id=self.tokenizer.pad_id)
     host["advantages"] = adv.reshape(-1)
+    if self.batch_extras is not None:
+      host.update(_checked_extras(self.batch_extras(episodes, rewards.reshape(-1)), host,
+                                  len(episodes)))
     batch = shard_batch(host, self.mesh, self.rules)
     if self._reference is not None:
       batch["ref_logprobs"] = jax.block_until_ready(self._reference(self.ref_params, batch))

@@ -292,3 +292,47 @@ def test_save_every_means_the_same_in_every_trainer(mesh, params, tmp_path, save
        checkpoint_dir=tmp_path / "grpo", save_every=save_every, keep_checkpoints=5)
   assert CheckpointManager(tmp_path / "lm").all_steps() == saved
   assert CheckpointManager(tmp_path / "grpo").all_steps() == saved
+
+
+def test_batch_extras_and_a_custom_loss_reach_the_train_step(mesh, params, monkeypatch):
+  """``batch_extras`` adds row-aligned keys from the rollouts' rewards and a
+  custom ``loss_fn`` sees them: the extra key holds each row's reward, which
+  the test recomputes from the row's own first sampled byte (read back from
+  the recorded batch), and the loss logs its mean."""
+  seen = []
+  real_make_train_step = grpo_module.make_train_step
+
+  def recording_make_train_step(*args, **kwargs):
+    step = real_make_train_step(*args, **kwargs)
+
+    def recorded(state, batch):
+      seen.append(jax.device_get({k: batch[k] for k in ("targets", "loss_mask", "bit")}))
+      return step(state, batch)
+    return recorded
+
+  monkeypatch.setattr(grpo_module, "make_train_step", recording_make_train_step)
+  grpo_loss = grpo_module.make_grpo_loss(CFG, GRPO)
+
+  def loss_with_bits(p, batch, rng):
+    loss, metrics = grpo_loss(p, {k: v for k, v in batch.items() if k != "bit"}, rng)
+    return loss, {**metrics, "bit_mean": batch["bit"].mean()}
+
+  cfg = GRPO.replace(updates_per_batch=1)
+  run = _run(params, bandit_prompts(cfg.prompts_per_step), 1, mesh, cfg=cfg, seed=3,
+             loss_fn=loss_with_bits,
+             batch_extras=lambda episodes, rewards: {"bit": rewards.astype(np.float32)})
+  (batch,) = seen
+  first = np.argmax(batch["loss_mask"] > 0, axis=1)
+  want = np.asarray([float(int(batch["targets"][r, f]) in LOWER) for r, f in enumerate(first)])
+  np.testing.assert_array_equal(batch["bit"], want)
+  # A mean of B values in {0, 1}: exact up to one float32 rounding.
+  assert run.history[0]["train/bit_mean"] == pytest.approx(want.mean(), abs=1e-6)
+
+  def bad(extras):
+    return lambda episodes, rewards: extras
+  with pytest.raises(ValueError, match="already has"):
+    _run(params, bandit_prompts(4), 1, mesh, batch_extras=bad({"advantages": np.zeros(32)}))
+  with pytest.raises(ValueError, match=r"batch_extras\['x'\] has shape \(3,\)"):
+    _run(params, bandit_prompts(4), 1, mesh, batch_extras=bad({"x": np.zeros(3)}))
+  with pytest.raises(ValueError, match="loss_fn must be callable"):
+    _run(params, bandit_prompts(4), 1, mesh, loss_fn=3)
