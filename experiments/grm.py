@@ -13,13 +13,19 @@ directory holds ``config.json`` and ``final_metrics.json``):
               kept judgements (counts of each rejection in its metrics).
   rule_rl     GRPO from the RFT GRM, reward +1 correct / -1 otherwise, KL
               ``rl.kl_multiplier`` x the GRPO config's.
+  shared      the shared-backbone variant (docs/DESIGN.md §6): the RFT GRM plus
+              a fresh value head on the same trunk, trained by rule RL + ``rl.meta_weight``
+              x meta BCE on its own judgements (``grm.shared``); its value
+              head guides its own voting. Each of its networks is the size
+              of one separate GRM or meta-RM (the separate pair holds twice
+              the parameters).
   bt_rm       Bradley–Terry scalar RM from the base (pairs: best vs each other).
   pairwise    the "A or B" judge, SFT from the base on rule-written
               ``Better: A/B`` texts (not zero-shot from the GRM).
   meta_rm     scalar head on the final GRM's trunk, BCE on its own sampled
               judgements of the train groups (label: correct); one meta-RM
               guides the voting of every GRM stage.
-  benchmark   per GRM stage: greedy, voting@k and meta-RM voting@k
+  benchmark   per GRM stage (and ``shared``): greedy, voting@k and meta-RM voting@k
               (k_meta = ceil(k/2)) on the test set (``grm.benchmark_set``),
               the first k of ``max(ks)`` samples drawn in one sampler call;
               BT RM, pairwise judge (n >= 2 groups only: neither gives an
@@ -45,6 +51,7 @@ from grm import judge as judge_lib
 from grm import meta_rm as meta_lib
 from grm import pairwise as pairwise_lib
 from grm import scalar_rm as scalar_lib
+from grm import shared as shared_lib
 from grm import training as training_lib
 from grm.correctness import best_index, is_correct
 from grm.format import user_prompt_ids
@@ -191,6 +198,33 @@ def _stage_rule_rl(ctx, workdir):
           "reward_final": float(np.mean(rewards[-5:])) if rewards else float("nan")}
 
 
+SHARED = "shared"
+
+
+def _shared_cfg(ctx):
+  return ctx.model_cfg.replace(scalar_head=True)
+
+
+def _stage_shared(ctx, workdir):
+  c = ctx.config
+  cfg, params = meta_lib.add_scalar_head(ctx.model_cfg, _params(ctx, "rft"),
+                                         jax.random.key(c.seed + 17))
+  with MetricWriter(workdir) as writer:
+    run = shared_lib.train_shared_rule_rl(
+        cfg, params, _load_groups(ctx)["train"], grpo_config(c.grpo),
+        common.optim_config(c.grpo_optim, "config.grpo_optim"), meta_weight=c.rl.meta_weight,
+        tokenizer=ctx.tok, steps=c.rl.steps, mesh=ctx.mesh, rules=ctx.rules, seed=c.seed,
+        kl_multiplier=c.rl.kl_multiplier, writer=writer, checkpoint_dir=workdir / "checkpoints",
+        progress=False)
+  hist = [m for m in run.history if "reward/mean" in m]
+  last = hist[-5:]
+  return {"steps": len(run.history),
+          "reward_first": hist[0]["reward/mean"] if hist else float("nan"),
+          "reward_final": float(np.mean([m["reward/mean"] for m in last])) if last else float("nan"),
+          "meta_accuracy_final": float(np.mean([m["train/meta_accuracy"] for m in last]))
+          if last else float("nan")}
+
+
 def _train_scalar(ctx, cfg, params, loss_fn, batches, workdir) -> dict:
   c = ctx.config
   manager = CheckpointManager(workdir / "checkpoints", max_to_keep=1)
@@ -295,16 +329,18 @@ def _rates(samples) -> dict[str, float]:
           **{f"invalid/{k}": v / n for k, v in counts.items() if v}}
 
 
-def _grm_results(ctx, stage: str, subsets, meta) -> dict:
-  """Greedy, voting@k and meta-RM voting@k correctness per subset for one GRM stage."""
+def _grm_results(ctx, stage: str, subsets, meta, cfg=None) -> dict:
+  """Greedy, voting@k and meta-RM voting@k correctness per subset for one GRM stage
+  (``cfg``: its model config when not the plain GRM's, e.g. the shared backbone)."""
   c = ctx.config
-  params = _params(ctx, stage)
+  params = _params(ctx, stage, cfg)
   names = [s for s, gs in subsets.items() for _ in gs]
   groups = [g for gs in subsets.values() for g in gs]
   pairs = [(g.query, g.responses) for g in groups]
-  greedy = _sampler(ctx, params, c.benchmark.max_new_tokens, 0.0)(pairs, 1, c.seed + 11, None)
+  greedy = _sampler(ctx, params, c.benchmark.max_new_tokens, 0.0, cfg)(pairs, 1, c.seed + 11,
+                                                                        None)
   k_max = max(c.benchmark.ks)
-  many = _sampler(ctx, params, c.benchmark.max_new_tokens, c.benchmark.temperature)(
+  many = _sampler(ctx, params, c.benchmark.max_new_tokens, c.benchmark.temperature, cfg)(
       pairs, k_max, c.seed + 13, None)
   meta_cfg, meta_params = meta
   flat = [s for row in many for s in row]
@@ -391,6 +427,11 @@ def _stage_benchmark(ctx, workdir):
     res = _grm_results(ctx, stage, subsets, meta)
     correct.update({f"{stage}/{k}": v for k, v in res["correct"].items()})
     invalid.update({f"{stage}/{k}": v for k, v in res["invalid"].items()})
+  # The shared backbone judges with its own value head as the meta-RM.
+  shared = (_shared_cfg(ctx), _params(ctx, SHARED, _shared_cfg(ctx)))
+  res = _grm_results(ctx, SHARED, subsets, shared, cfg=shared[0])
+  correct.update({f"{SHARED}/{k}": v for k, v in res["correct"].items()})
+  invalid.update({f"{SHARED}/{k}": v for k, v in res["invalid"].items()})
   base = _baseline_results(ctx, subsets)
   correct.update(base["correct"])
   invalid.update(base["invalid"])
@@ -403,7 +444,7 @@ def _stage_benchmark(ctx, workdir):
   (workdir / "report.md").write_text(render_report(table, invalid, sizes, c.benchmark.ks))
   _plot_k_curve(table, c.benchmark.ks, workdir / "k_curve.png")
   out = {}
-  for stage in GRM_STAGES:
+  for stage in GRM_STAGES + (SHARED,):
     for k in (min(c.benchmark.ks), max(c.benchmark.ks)):
       for kind in ("vote", "meta"):
         e = table.get(f"{stage}/{kind}@{k}", {}).get(bench_lib.OVERALL)
@@ -435,7 +476,7 @@ def _plot_k_curve(table, ks, path) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
   fig, ax = plt.subplots(figsize=(6, 4))
-  for stage in GRM_STAGES:
+  for stage in GRM_STAGES + (SHARED,):
     for kind, style in (("vote", "-"), ("meta", "--")):
       rows = [table.get(f"{stage}/{kind}@{k}", {}).get(bench_lib.OVERALL) for k in ks]
       if not all(rows):
@@ -459,10 +500,11 @@ STAGES = (("data", _stage_data, ("data", "models", "tiny_models")),
           ("cold_start", _stage_cold_start, ("sft", "sft_optim")),
           ("rft", _stage_rft, ("rft", "sft", "sft_optim", "benchmark")),
           ("rule_rl", _stage_rule_rl, ("rl", "grpo", "grpo_optim")),
+          (SHARED, _stage_shared, ("rl", "grpo", "grpo_optim")),
           ("bt_rm", _stage_bt_rm, ("rm", "rm_optim")),
           ("pairwise", _stage_pairwise, ("sft", "sft_optim")),
           ("meta_rm", _stage_meta_rm, ("rm", "rm_optim", "benchmark")),
-          ("benchmark", _stage_benchmark, ("benchmark", "rm")))
+          ("benchmark", _stage_benchmark, ("benchmark", "rm", "rl")))
 
 
 def run(config, workdir: str) -> dict:

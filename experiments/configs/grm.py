@@ -60,7 +60,8 @@ def get_config(arg=None):
                          end_lr_ratio=0.1)
   c.rft = ml_collections.ConfigDict(dict(n_rft=4, steps=100, max_new_tokens=320,
                                          temperature=1.0))
-  c.rl = ml_collections.ConfigDict(dict(steps=30, kl_multiplier=2.0))
+  # meta_weight: the shared-backbone stage's meta-BCE weight (grm.shared).
+  c.rl = ml_collections.ConfigDict(dict(steps=30, kl_multiplier=2.0, meta_weight=1.0))
   c.grpo = grpo.grpo
   c.grpo.update(max_new_tokens=320, seq_len=2048)
   c.grpo_optim = to_group(OptimConfig, lr=5e-5, warmup_steps=2, end_lr_ratio=1.0, b2=0.99)

@@ -1,7 +1,7 @@
 """experiments/configs/grm.py: the ``tiny`` GRM job through the real CLI.
 
 One launch builds two random tiny models, their preference groups, the three
-GRM stages, the BT RM, the pairwise judge, the meta-RM and the benchmark; a
+GRM stages, the shared-backbone GRM, the BT RM, the pairwise judge, the meta-RM and the benchmark; a
 second launch reuses every finished stage.
 """
 import json
@@ -51,6 +51,8 @@ def test_every_stage_finishes_and_rft_counts_add_up(run):
   assert rft["hinted_kept"] + rft["hinted_rejected"] == rft["hinted_groups"]
   assert rft["kept"] == rft["kept_sampled"] + rft["hinted_kept"]
   assert metrics["data/train_groups"] + metrics["data/test_groups"] == metrics["data/kept"]
+  shared = json.loads((workdir / grm_job.SHARED / "final_metrics.json").read_text())
+  assert shared["steps"] == 1 and 0.0 <= shared["meta_accuracy_final"] <= 1.0
 
 
 def test_benchmark_is_on_test_groups_only_and_consistent_with_invalid_rates(run):
@@ -65,7 +67,7 @@ def test_benchmark_is_on_test_groups_only_and_consistent_with_invalid_rates(run)
   assert not {g["query"] for g in groups["test"]} & train_queries
   bench = json.loads((workdir / "benchmark" / "benchmark.json").read_text())
   assert bench["sizes"][OVERALL]["groups"] == len(test_ids)
-  for stage in grm_job.GRM_STAGES:
+  for stage in grm_job.GRM_STAGES + (grm_job.SHARED,):
     for k in (1, 2):
       for kind in ("vote", "meta"):
         row = bench["accuracy"][f"{stage}/{kind}@{k}"]

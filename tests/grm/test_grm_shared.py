@@ -89,3 +89,65 @@ def test_bad_inputs():
   with pytest.raises(ValueError, match="rewards"):
     meta_labels_from_rewards([[1.0]])
   np.testing.assert_array_equal(meta_labels_from_rewards([1, -1, 0.5]), [1, 0, 1])
+
+
+def test_shared_trainer_feeds_its_own_judgements_labels_to_the_joint_loss(monkeypatch):
+  """``train_shared_rule_rl``: each rollout batch carries labels = (rule reward
+  > 0) of its own judgements; the logged first-step ``meta_bce`` equals the
+  BCE recomputed here from the initial params on the recorded batch; the
+  value head moves with w > 0 and stays exactly put with w = 0 (no weight
+  decay, zero gradient → zero Adam update)."""
+  import grm.shared as shared
+  from opd.parallel import sharding
+  from opd.rl import grpo as grpo_module
+  from opd.text.tokenizers import ByteTokenizer
+  from opd.training.train_step import OptimConfig
+  from tests.grm.test_grm_training import _groups
+
+  tok = ByteTokenizer()
+  cfg = CFG.replace(vocab_size=tok.vocab_size)
+  grpo = GRPOConfig(group_size=2, prompts_per_step=2, max_new_tokens=8, seq_len=640,
+                    kl_coef=0.01, updates_per_batch=1)
+  optim = OptimConfig(lr=1e-2, weight_decay=0.0)
+  mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
+  params = init_params(cfg, jax.random.key(1))
+  seen, extras_seen = [], []
+  real_step, real_extras = grpo_module.make_train_step, shared._meta_label_extras
+
+  def recording_step(*args, **kwargs):
+    step = real_step(*args, **kwargs)
+
+    def recorded(state, batch):
+      seen.append(jax.device_get({k: batch[k] for k in ("tokens", "mask", "meta_labels")}))
+      return step(state, batch)
+    return recorded
+
+  def recording_extras(episodes, rewards):
+    extras_seen.append(np.asarray(rewards))
+    return real_extras(episodes, rewards)
+
+  monkeypatch.setattr(grpo_module, "make_train_step", recording_step)
+  monkeypatch.setattr(shared, "_meta_label_extras", recording_extras)
+
+  def run(w):
+    return shared.train_shared_rule_rl(cfg, params, _groups()[:4], grpo, optim, meta_weight=w,
+                                       tokenizer=tok, steps=1, mesh=mesh,
+                                       rules=sharding.DEFAULT_RULES, progress=False)
+
+  trained = run(1.0)
+  (batch,), (rewards,) = seen, extras_seen
+  assert set(np.unique(rewards)) <= {-1.0, 1.0}
+  np.testing.assert_array_equal(batch["meta_labels"], (rewards > 0).astype(np.float32))
+  lengths = batch["mask"].sum(1)
+  values = forward(cfg, params, batch["tokens"], mask=batch["mask"], return_logits=False).values
+  m = np.asarray(values, np.float64)[np.arange(len(lengths)), lengths - 1]
+  y = batch["meta_labels"]
+  want = np.mean(np.logaddexp(0, m) - y * m)  # BCE with logits, float64
+  # float32 forward over D = 32 features, one mean of B terms: 1e-5 absolute
+  # at a BCE of order log 2.
+  assert trained.history[0]["train/meta_bce"] == pytest.approx(want, abs=1e-5)
+  moved = np.abs(np.asarray(trained.state.params["value_head"]) - params["value_head"]).max()
+  assert moved > 0
+  still = run(0.0)
+  np.testing.assert_array_equal(np.asarray(still.state.params["value_head"]),
+                                np.asarray(params["value_head"]))
