@@ -123,6 +123,11 @@ def parse_judgement(text, n: int) -> Judgement:
 
 
 def invalid_counts(judgements: Iterable[Judgement]) -> dict[str, int]:
-  """``{reason: count}`` over the invalid judgements (every reason present, 0 if none)."""
+  """``{reason: count}`` over the invalid judgements (every reason present, 0 if none).
+
+  Parse-level reasons only: a text cannot show that the sampler cut it. For
+  sampled judgements, whose counts include ``truncated``, use
+  ``grm.judge.invalid_sample_counts``.
+  """
   counts = collections.Counter(j.reason for j in judgements if j.reason is not None)
   return {r: int(counts.get(r, 0)) for r in REASONS}
