@@ -3,8 +3,8 @@
 Stages (each resumable, ``experiments.common.run_stage``; a stage directory
 holds ``config.json``, ``final_metrics.json`` and its JSON outputs):
 
-  policy     the code policy: the first existing directory of
-             ``policy.checkpoints`` (e.g. the V4 run's code specialist), else
+  policy     the code policy: the first directory of ``policy.checkpoints``
+             whose run finished (e.g. the V4 run's code specialist), else
              SFT on the code domain from ``policy.base`` (pre-training one
              first when that is missing too); ``policy.random_init``: a random
              model (tiny variant). ``policy.json`` names what was used.
@@ -89,12 +89,13 @@ def _stage_policy(ctx: _Ctx, workdir: pathlib.Path) -> dict:
   if c.policy.random_init:
     return {"policy": "random_init", "model_driven": 0}
   for path in c.policy.checkpoints:
-    if path and pathlib.Path(path).is_dir():
+    # Only a finished run's checkpoints (its final_metrics.json written): never one mid-training.
+    if path and (pathlib.Path(path).parent / common.FINAL).is_file():
       load_params(path, ctx.model_cfg)  # fails here, loudly, on a mismatched model
       common.write_json(workdir / "policy.json", {"checkpoint": str(path)})
       return {"policy": str(path), "model_driven": 1}
   base = c.policy.base
-  if not (base and pathlib.Path(base).is_dir()):
+  if not (base and (pathlib.Path(base).parent / common.FINAL).is_file()):
     base_dir = workdir / "base"
     common.run_stage("policy: base pre-training", pretrain_job.run, _stage_config(
         c, "pretrain", **{k: c.policy.pretrain[k] for k in ("optim", "train", "data")}), base_dir)
