@@ -77,5 +77,31 @@ def _check_grm_voting(summary, stdout):
   assert summary["plot_bytes"] > 0 and "invalid samples by reason" in stdout
 
 
+def _check_gencluster(summary, stdout):
+  # Hand-written pool (no checkpoint): fallback generators and rule validators only.
+  assert summary["hand_written"] and summary["problems"] == 2, summary
+  c = summary["counts"]
+  assert c["generators_model"] == 0 and c["generators_fallback"] == 6, c
+  assert c["validators_model"] == 0 and c["validators_fallback"] == 12, c
+  # The hang and the write outside the work directory (first problem, hardest subtask)
+  # each fail alone; no other subtask loses a cluster, and nothing reached the host.
+  dropped = summary["dropped"]
+  hostile = [k for k, v in dropped.items() if v["clusters_dropped"]]
+  assert len(hostile) == 1 and hostile[0].endswith("/2"), dropped
+  assert dropped[hostile[0]]["candidates_failed_run"] == 2, dropped
+  assert not os.path.exists("/tmp/gencluster_pwned")
+  # "abs(x)" agrees with the reference on level 1's non-negative inputs only: one
+  # cluster fewer there than on level 2.
+  for sizes in summary["clusters"].values():
+    assert sizes[0] == sizes[1] - 1, summary["clusters"]
+  for name, curve in summary["curves"].items():
+    assert all(a <= b for a, b in zip(curve, curve[1:])), name
+    assert all(0.0 <= x <= summary["upper_bound"] for x in curve), name
+  # The reference is in the pool, so 12 submissions solve every subtask.
+  assert summary["upper_bound"] == 1.0 and summary["curves"]["gencluster"][-1] == 1.0
+  assert 0 <= summary["valid"] <= summary["judged"] and summary["plot_bytes"] > 0
+  assert "clusters kept per subtask" in stdout and "programs/s" in stdout
+
+
 CHECKS = {"quickstart": _check_quickstart, "estimator_ablation": _check_estimator_ablation,
-          "grm_voting": _check_grm_voting}
+          "grm_voting": _check_grm_voting, "gencluster": _check_gencluster}
