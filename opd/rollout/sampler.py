@@ -3,8 +3,8 @@
 ``generate`` runs one jitted program per (shapes, model config, static sampling
 fields): temperature, top-k, top-p and ``max_new_tokens`` are traced, so sweeps
 over them reuse one program (the decode width is the static
-``max_new_tokens_cap``). The program is a prefill over the whole prompt batch,
-then a ``lax.while_loop`` of one-token decode steps that exits after N steps or
+``max_new_tokens_cap``). The program is a prefill over the prompt batch (once
+per distinct prompt: ``opd.rollout.prefill``), then a ``lax.while_loop`` of one-token decode steps that exits after N steps or
 as soon as every row has ended. Prompts may be left- or right-padded (or have
 holes); rows are first compacted to left padding so that all rows decode in
 lockstep and share the cache write index, and RoPE positions are
@@ -32,7 +32,8 @@ from jax.sharding import Mesh
 
 from opd.config.fields import check_bool, check_float, check_int, set_field
 from opd.parallel import sharding as shd
-from opd.models import KVCache, ModelConfig, forward, head_matrix, init_cache
+from opd.models import ModelConfig, forward, head_matrix
+from opd.rollout.prefill import PrefillRows, distinct_rows, prefill
 
 Array = jax.Array
 
@@ -59,6 +60,10 @@ class SamplingConfig:
     pad_id: written into ``tokens`` after a row has ended.
     return_hidden: also return the last hidden state each token was sampled
       from (``SampleOutput.hidden``).
+    share_prefill: prefill each distinct prompt of a concrete batch once and
+      copy its cache to the rows that repeat it (``opd.rollout.prefill``);
+      the samples are the same either way. False runs the prefill over every
+      row (the baseline of ``experiments/benchmarks/rollout.py``).
   """
   max_new_tokens: int = 64
   max_new_tokens_cap: int | None = None
@@ -69,6 +74,7 @@ class SamplingConfig:
   stop_ids: tuple[int, ...] = ()
   pad_id: int = 0
   return_hidden: bool = False
+  share_prefill: bool = True
 
   def __post_init__(self):
     own = "SamplingConfig"
@@ -86,7 +92,8 @@ class SamplingConfig:
         raise ValueError(f"SamplingConfig.{name} must be a sequence of token ids, got {value!r}")
       set_field(self, name, tuple(check_int(own, f"{name}[{i}]", v, min_value=0)
                                   for i, v in enumerate(value)))
-    set_field(self, "return_hidden", check_bool(own, "return_hidden", self.return_hidden))
+    for name in ("return_hidden", "share_prefill"):
+      set_field(self, name, check_bool(own, name, getattr(self, name)))
     if self.max_new_tokens_cap is not None:
       set_field(self, "max_new_tokens_cap", check_int(own, "max_new_tokens_cap",
                                                       self.max_new_tokens_cap, min_value=1))
@@ -110,8 +117,9 @@ class SamplingConfig:
 
   def static_part(self) -> "SamplingConfig":
     """This config with its traced fields at fixed values: the jit cache key."""
+    # share_prefill acts on the host: the traced ``PrefillRows`` select the program.
     return dataclasses.replace(self, max_new_tokens=self.cap, max_new_tokens_cap=None,
-                               temperature=1.0, top_k=0, top_p=1.0)
+                               temperature=1.0, top_k=0, top_p=1.0, share_prefill=True)
 
   def replace(self, **changes) -> "SamplingConfig":
     return dataclasses.replace(self, **changes)
@@ -237,41 +245,28 @@ def _head_logits(cfg: ModelConfig, params, hidden: Array) -> Array:
   return nn.with_logical_constraint(logits, ("batch", "vocab"))
 
 
-def _append_slots(cache: KVCache, n: int) -> KVCache:
-  """``n`` empty (zero, masked-out) slots after the last. [B, K, S, Dh] -> [B, K, S + n, Dh]."""
-  pad = lambda x, axes: nn.with_logical_constraint(
-      jnp.pad(x, [(0, n if a == "cache_length" else 0) for a in axes]), axes)
-  axes = ("batch", "kv_heads", "cache_length", "head_dim")
-  return cache._replace(k=tuple(pad(x, axes) for x in cache.k),
-                        v=tuple(pad(x, axes) for x in cache.v),
-                        mask=pad(cache.mask, ("batch", "cache_length")))
-
-
-def _generate(params, prompt_tokens, prompt_mask, rng, knobs: _Knobs, *, model_cfg: ModelConfig,
-              sampling: SamplingConfig, rules, mesh):
+def _generate(params, prompt_tokens, prompt_mask, rng, knobs: _Knobs, rows: PrefillRows | None,
+              *, model_cfg: ModelConfig, sampling: SamplingConfig, rules, mesh):
   del mesh  # static only so that each mesh gets its own compiled program
   with nn.logical_axis_rules(rules or ()):
-    return _generate_body(params, prompt_tokens, prompt_mask, rng, knobs, model_cfg, sampling)
+    return _generate_body(params, prompt_tokens, prompt_mask, rng, knobs, rows, model_cfg,
+                          sampling)
 
 
-def _generate_body(params, prompt_tokens, prompt_mask, rng, knobs: _Knobs, cfg: ModelConfig,
+def _generate_body(params, prompt_tokens, prompt_mask, rng, knobs: _Knobs,
+                   rows: PrefillRows | None, cfg: ModelConfig,
                    sampling: SamplingConfig) -> SampleOutput:
-  """``sampling`` is the static part: its ``max_new_tokens`` is the cap N."""
-  B, P = prompt_tokens.shape
-  N, D = sampling.max_new_tokens, cfg.d_model
+  """``sampling`` is the static part: its ``max_new_tokens`` is the cap N;
+  ``rows`` (None: every row) the rows whose prompts are prefilled."""
+  B, N, D = prompt_tokens.shape[0], sampling.max_new_tokens, cfg.d_model
   constrain = nn.with_logical_constraint
   tokens, mask = left_align(prompt_tokens, prompt_mask, sampling.pad_id)
   positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
   prompt_len = mask.sum(axis=1).astype(jnp.int32)  # [B]
 
-  # Prefill: hidden states only, the head is applied at the last column (every
-  # row's last real token after left alignment) instead of over [B, P, V].
-  # Its cache holds the P prompt slots only, so the prompt's attention spans P
-  # keys rather than P + N; the N decode slots are appended empty afterwards.
-  out = forward(cfg, params, tokens, positions, mask, init_cache(cfg, B, P),
-                return_logits=False, return_hidden=True)
-  cache = _append_slots(out.cache, N)
-  hidden = out.hidden[:, -1]  # [B, D]
+  # Hidden states only: the head is applied at the last column (every row's
+  # last real token after left alignment) instead of over [B, P, V].
+  cache, hidden = prefill(cfg, params, tokens, positions, mask, N, rows)  # hidden [B, D]
   logits = _head_logits(cfg, params, hidden)
 
   end_ids = jnp.asarray(sampling.end_ids or (-1,), jnp.int32)
@@ -334,7 +329,8 @@ def compiled_programs() -> int:
 
 
 def _check_inputs(model_cfg: ModelConfig, prompt_tokens, prompt_mask,
-                  sampling: SamplingConfig, mesh: Mesh | None, rules) -> None:
+                  sampling: SamplingConfig, mesh: Mesh | None, rules) -> int:
+  """Raises ValueError on bad inputs; returns the number of devices sharding 'batch'."""
   if not isinstance(model_cfg, ModelConfig):
     raise ValueError(f"model_cfg must be a ModelConfig, got {type(model_cfg).__name__}")
   if not isinstance(sampling, SamplingConfig):
@@ -365,15 +361,17 @@ def _check_inputs(model_cfg: ModelConfig, prompt_tokens, prompt_mask,
     if real.size and (real.min() < 0 or real.max() >= V):
       raise ValueError(f"prompt_tokens ids must lie in [0, vocab_size={V}), got "
                        f"min {real.min()} max {real.max()} at masked-in positions")
-  if mesh is not None:
-    if not isinstance(mesh, Mesh):
-      raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    spec = shd.batch_sharding(mesh, rules, 2).spec
-    axes = () if spec[0] is None else (spec[0],) if isinstance(spec[0], str) else spec[0]
-    n = math.prod(mesh.shape[a] for a in axes)
-    if tok_shape[0] % n:
-      raise ValueError(f"prompt_tokens batch B={tok_shape[0]} is not divisible by the "
-                       f"{n} devices of mesh axes {axes} that shard 'batch'")
+  if mesh is None:
+    return 1
+  if not isinstance(mesh, Mesh):
+    raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  spec = shd.batch_sharding(mesh, rules, 2).spec
+  axes = () if spec[0] is None else (spec[0],) if isinstance(spec[0], str) else spec[0]
+  n = math.prod(mesh.shape[a] for a in axes)
+  if tok_shape[0] % n:
+    raise ValueError(f"prompt_tokens batch B={tok_shape[0]} is not divisible by the "
+                     f"{n} devices of mesh axes {axes} that shard 'batch'")
+  return n
 
 
 def generate(model_cfg: ModelConfig, params, prompt_tokens: Array, prompt_mask: Array,
@@ -382,7 +380,8 @@ def generate(model_cfg: ModelConfig, params, prompt_tokens: Array, prompt_mask: 
   """Samples up to ``sampling.max_new_tokens`` tokens per prompt.
 
   One compiled program per (B, P, model config, static sampling fields,
-  mesh, rules): a prefill over the prompts then a ``lax.while_loop`` of
+  mesh, rules, prefill bucket U): a prefill over the prompts (the U distinct
+  ones when ``sampling.share_prefill``), then a ``lax.while_loop`` of
   one-token decode steps against a cache of P + C slots (C =
   ``sampling.cap``), exiting after N steps or when every row has ended.
   Temperature, top-k, top-p and N <= C are traced, so a sweep over them
@@ -430,18 +429,22 @@ def generate(model_cfg: ModelConfig, params, prompt_tokens: Array, prompt_mask: 
     prompt_tokens = jnp.asarray(np.asarray(prompt_tokens))
   if not isinstance(prompt_mask, jax.Array):
     prompt_mask = jnp.asarray(np.asarray(prompt_mask))
-  _check_inputs(model_cfg, prompt_tokens, prompt_mask, sampling, mesh, rules)
+  shards = _check_inputs(model_cfg, prompt_tokens, prompt_mask, sampling, mesh, rules)
+  rows = None
+  if sampling.share_prefill and not any(isinstance(x, jax.core.Tracer)
+                                        for x in (prompt_tokens, prompt_mask)):
+    rows = distinct_rows(np.asarray(prompt_tokens), np.asarray(prompt_mask), multiple_of=shards)
   knobs = _Knobs.of(sampling)
   static = dict(model_cfg=model_cfg, sampling=sampling.static_part(), rules=rules, mesh=mesh)
   if mesh is None:
-    out = _generate_jit(params, prompt_tokens, prompt_mask, rng, knobs, **static)
+    out = _generate_jit(params, prompt_tokens, prompt_mask, rng, knobs, rows, **static)
   else:
     batch = shd.batch_sharding(mesh, rules, 2)
     prompt_tokens = jax.device_put(prompt_tokens, batch)
     prompt_mask = jax.device_put(prompt_mask, batch)
-    rng, knobs = jax.device_put((rng, knobs), shd.replicated(mesh))
+    rng, knobs, rows = jax.device_put((rng, knobs, rows), shd.replicated(mesh))
     with jax.set_mesh(mesh):
-      out = _generate_jit(params, prompt_tokens, prompt_mask, rng, knobs, **static)
+      out = _generate_jit(params, prompt_tokens, prompt_mask, rng, knobs, rows, **static)
   n = sampling.max_new_tokens
   if n == sampling.cap:
     return out

@@ -1,5 +1,6 @@
 """Tests for opd/sampler.py: cached decoding against recomputation, logprobs,
-seeds, top-k/top-p, EOS/stop handling, hidden states, sharding, validation.
+seeds, top-k/top-p, EOS/stop handling, hidden states, sharding, validation,
+and the prefill shared by repeated prompts.
 
 Every compiled ``generate`` is keyed on (B, P, model config, the sampling
 config's static fields), so all tests share one prompt batch shape [8, 6] and
@@ -12,6 +13,7 @@ import pytest
 
 from opd.parallel import sharding as shd
 from opd.models import ModelConfig, forward, init_params, param_logical_axes
+from opd.rollout.prefill import distinct_rows
 from opd.rollout.sampler import (SamplingConfig, compiled_programs, filter_logits, generate,
                                  left_align)
 
@@ -293,7 +295,7 @@ def test_sharded_generation_matches_single_device(model, prompts):
     ("max_new_tokens", 0), ("max_new_tokens", 2.5), ("temperature", -0.1),
     ("temperature", float("inf")), ("top_k", -1), ("top_p", 0.0), ("top_p", 1.5),
     ("eos_ids", 2), ("eos_ids", (1, -2)), ("stop_ids", ("a",)), ("pad_id", -1),
-    ("return_hidden", 1),
+    ("return_hidden", 1), ("share_prefill", "yes"),
 ])
 def test_invalid_sampling_config(field, value):
   with pytest.raises(ValueError, match=f"SamplingConfig.{field}"):
@@ -384,3 +386,71 @@ def test_filter_logits_traced_matches_numpy_nucleus():
 def test_invalid_max_new_tokens_cap(cap, match):
   with pytest.raises(ValueError, match=match):
     SamplingConfig(max_new_tokens=5, max_new_tokens_cap=cap)
+
+
+# pad_id=3 is a static key only the shared-prefill tests use: both paths
+# compile in the first of them.
+SHARED = SamplingConfig(max_new_tokens=N, pad_id=3, return_hidden=True)
+
+
+@pytest.fixture(scope="module")
+def repeated_prompts():
+  """[8, 6] rows holding 4 prompts: a at rows 0, 2, 5 (left-, right-,
+  hole-padded), b at 1 and 6, c (one token) at 3, d at 4 and 7 (right- and
+  left-padded); junk ids in every pad slot."""
+  rs = np.random.RandomState(3)
+  a, b, c, d = (rs.randint(0, CFG.vocab_size, n) for n in (5, 6, 1, 3))
+  layout = [(a, "0....."), (b, "......"), (a, ".....0"), (c, "00000."),
+            (d, "...000"), (a, ".0...."), (b, "......"), (d, "000...")]
+  tokens = rs.randint(0, CFG.vocab_size, (8, 6)).astype(np.int32)
+  mask = np.array([[ch == "." for ch in m] for _, m in layout])
+  for row, (ids, _) in enumerate(layout):
+    tokens[row, mask[row]] = ids
+  return tokens, mask
+
+
+def test_shared_prefill_equals_prefill_of_every_row(model, repeated_prompts):
+  tokens, mask = repeated_prompts
+  rows = distinct_rows(tokens, mask)
+  assert rows is not None and len(rows.rows) == 4  # the shared path runs (U = 4 of 8)
+  base = SHARED
+  before = compiled_programs()
+  sampled = set()
+  for top_k, top_p in ((0, 1.0), (5, 0.8)):
+    for temperature in (0.0, 0.5, 0.7, 1.0, 1.3):
+      s = base.replace(temperature=temperature, top_k=top_k, top_p=top_p)
+      shared = generate(CFG, model, tokens, mask, jax.random.key(5), s)
+      every = generate(CFG, model, tokens, mask, jax.random.key(5), s.replace(share_prefill=False))
+      # Independent reference for the log-probs and the tolerance: one full
+      # forward over [prompt | response].
+      logits, hidden = _full_forward(model, tokens, mask, every)
+      lp = np.asarray(every.logprobs)
+      t = temperature or 1.0
+      ref = np.take_along_axis(_log_softmax(logits / t), np.asarray(every.tokens)[..., None],
+                               -1)[..., 0]
+      np.testing.assert_allclose(lp, ref, atol=_logprob_atol(logits / t, ref))
+      # The shared prefill changes nothing: same tokens, log-probs, hidden states.
+      np.testing.assert_array_equal(np.asarray(shared.tokens), np.asarray(every.tokens))
+      np.testing.assert_array_equal(np.asarray(shared.mask), np.asarray(every.mask))
+      np.testing.assert_allclose(np.asarray(shared.logprobs), lp, atol=_logprob_atol(logits / t, lp))
+      np.testing.assert_allclose(np.asarray(shared.hidden), np.asarray(every.hidden),
+                                 atol=_f32_atol(hidden))
+      sampled.add(np.asarray(shared.tokens).tobytes())
+  # One program per path for the whole sweep over traced fields (the shared
+  # path is a program of its own: it did run).
+  assert compiled_programs() - before == 2
+  assert len(sampled) > 5  # the sweep is not vacuous
+
+
+def test_shared_prefill_sharded_matches_single_device(model, repeated_prompts):
+  mesh = shd.make_mesh((2, 2, 2))  # 'batch' over data x fsdp: U rounds to 4 devices
+  assert distinct_rows(*repeated_prompts, multiple_of=4) is not None
+  shardings = shd.tree_shardings(param_logical_axes(CFG), model, mesh, shd.DEFAULT_RULES)
+  topk = SHARED.replace(top_k=5)
+  single = generate(CFG, model, *repeated_prompts, jax.random.key(21), topk)
+  sharded = generate(CFG, jax.device_put(model, shardings), *repeated_prompts,
+                     jax.random.key(21), topk, mesh=mesh)
+  np.testing.assert_array_equal(np.asarray(sharded.tokens), np.asarray(single.tokens))
+  lp = np.asarray(single.logprobs)
+  logits, _ = _full_forward(model, *repeated_prompts, single)
+  np.testing.assert_allclose(np.asarray(sharded.logprobs), lp, atol=_logprob_atol(logits, lp))
