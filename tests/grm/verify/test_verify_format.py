@@ -30,7 +30,7 @@ def _reference_analysis(text):
            re.match(r"Line (\d+): (\w+)", l).group(2)) for l in lines[:-1]], score
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(_texts)
 def test_parse_analysis_never_raises(text):
   a = parse_analysis(text)
@@ -42,7 +42,7 @@ def test_parse_analysis_never_raises(text):
     assert a.reason in REASONS and a.issues == ()
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(_texts, st.none() | st.integers(0, 3))
 def test_parse_meta_never_raises(text, n):
   j = parse_meta(text, n)
@@ -56,7 +56,7 @@ def test_parse_meta_never_raises(text, n):
     assert j.reason in REASONS and not j.confirms
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.one_of(_texts, st.none(), st.integers()))
 def test_parse_generation_never_raises(text):
   g = parse_generation(text)

@@ -6,11 +6,12 @@ import pytest
 from grm.verify.search import SearchConfig, search
 
 # Initial proof qualities g per problem; the scripted verifier scores a proof from its g.
-START = {"q0": [0, 2, 1, 0], "q1": [3, 0, 0, 0]}
+START = {"q0": [0, 2, 1, 0], "q1": [3, 0, 0, 0], "q2": [4, 2]}
 ANALYSES = {
     0: ["Line 1: wrong_step\nScore: 0", "garbage"],                          # mean 0
     1: ["Line 1: wrong_step\nScore: 0", "Line 1: missing_step\nScore: 0.5"],  # mean 0.25
     2: ["Line 1: missing_step\nScore: 0.5", "No issues.\nScore: 1"],          # mean 0.75
+    4: ["No issues.\nScore: 1", "garbage"],                                    # mean 0.5
 }
 PERFECT = ["No issues.\nScore: 1"] * 2                                        # g >= 3: mean 1
 
@@ -87,6 +88,14 @@ def test_search_stops_at_the_round_limit():
   assert calls["generate"] == [4, 2, 2] and calls["verify"] == [8, 4, 4]
   assert all(c.parent is None or r0.candidates[c.parent].round < c.round for c in r0.candidates)
   assert r0.best.mean == 0.75
+
+
+def test_an_invalid_analysis_counts_zero_in_the_mean():
+  generate_fn, verify_fn, _ = _scripted(improve=1)
+  (r2,) = search(["q2"], generate_fn, verify_fn,
+                 SearchConfig(n_candidates=2, n_analyses=2, n_keep=1, n_rounds=0))
+  # g=4: (1 + 0) / 2 = 0.5 < g=2: (0.5 + 1) / 2 = 0.75; skipping the invalid one would give 1.
+  assert [c.mean for c in r2.candidates] == [0.5, 0.75] and r2.best.id == 1
 
 
 def test_config_is_validated():
