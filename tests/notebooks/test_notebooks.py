@@ -103,5 +103,22 @@ def _check_gencluster(summary, stdout):
   assert "clusters kept per subtask" in stdout and "programs/s" in stdout
 
 
+def _check_opd_walkthrough(summary, stdout):
+  # distill.py:tiny: two teachers, 8 OPD steps, diagnostics every 4 (logged at steps 1 and 5
+  # for a teacher whose domain was in that step's prompts).
+  assert summary["teachers"] == ["instruct", "math"] and summary["steps"] == 8, summary
+  for t in summary["teachers"]:
+    # OPD minimises the reverse KL to the routed teacher; the held-out sample is drawn with
+    # a fixed key, so only the student's params change between the two measurements.
+    assert 0 <= summary["rkl_final"][t] < summary["rkl_initial"][t], t
+    assert summary["diag_steps"][t] and set(summary["diag_steps"][t]) <= {1.0, 5.0}, t
+  rows = {"math-specialist", "instruct-specialist", "student before OPD", "student after OPD"}
+  assert set(summary["reward@1"]) == rows
+  assert all(0 <= v <= 100 for r in summary["reward@1"].values() for v in r.values())
+  assert summary["plot_bytes"] > 0
+  assert "| reward@1 | math | instruct | avg |" in stdout and "| student after OPD |" in stdout
+
+
 CHECKS = {"quickstart": _check_quickstart, "estimator_ablation": _check_estimator_ablation,
-          "grm_voting": _check_grm_voting, "gencluster": _check_gencluster}
+          "grm_voting": _check_grm_voting,
+          "opd_walkthrough": _check_opd_walkthrough, "gencluster": _check_gencluster}
