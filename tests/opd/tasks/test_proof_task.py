@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from opd.tasks import ALL_DOMAINS, DIFFICULTIES, EXTRA_DOMAINS, Example, get_task, split_of
+from opd.tasks.proof_expr import num, parse_expr, render
 from opd.tasks.proof_task import (CORRUPTIONS, ISSUE_KINDS, check_derivation, check_proof,
-                                  corrupt, num, parse_expr, proof_lines, render)
+                                  corrupt, proof_lines)
 
 TASK = get_task("proof")
 
