@@ -202,7 +202,13 @@ def score_of(issues) -> float:
 
 def check_derivation(kind: str, start: str, answer: str, text: Any) -> ProofCheck:
   """The step checker over a problem given by ``kind``, its start expression
-  or equation text and its true answer (module docstring). Never raises on ``text``."""
+  or equation text and its true answer (module docstring). Never raises on ``text``.
+
+  Raises:
+    ValueError: ``kind`` is not one of ``KINDS`` or ``start`` does not parse.
+  """
+  if kind not in KINDS:
+    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
   true = Fraction(answer)
   state = parse_equation(start) if kind == "equation" else parse_expr(start)
   split = parsers.split_thinking(text)
@@ -256,6 +262,7 @@ _MESSAGES = {"wrong_step": "this step changes the value",
 
 def check_proof(example: Example, text: Any) -> ProofCheck:
   """``check_derivation`` for a proof-domain example."""
+  _check_proof_example(example)
   m = example.meta
   return check_derivation(m["kind"], m["start"], m["answer"], text)
 
@@ -267,6 +274,7 @@ def corrupt(example: Example, corruption: str, rng: random.Random) -> tuple[str,
   and changes the answer). See the module docstring for the three kinds."""
   if corruption not in CORRUPTIONS:
     raise ValueError(f"corruption must be one of {CORRUPTIONS}, got {corruption!r}")
+  _check_proof_example(example)
   m = example.meta
   kind, start = m["kind"], _start_state(m)
   rewrite = parse_expr(m["rewrite"]) if m.get("rewrite") else None
@@ -302,6 +310,12 @@ def corrupt(example: Example, corruption: str, rng: random.Random) -> tuple[str,
     return text, ProofCheck((Issue(k, "wrong_step", ""), Issue(n_body + 1, "wrong_final", "")),
                             0.0)
   return None
+
+
+def _check_proof_example(example: Any):
+  if not isinstance(example, Example) or example.domain != "proof":
+    raise ValueError(f"example must be a proof-domain Example, got "
+                     f"{getattr(example, 'domain', type(example).__name__)!r}")
 
 
 def _start_state(meta) -> State:

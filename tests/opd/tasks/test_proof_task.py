@@ -130,8 +130,15 @@ def test_verify_scores_malformed_responses_zero():
   for response in ("", "no answer here", e.reference_text + "<|end|>", None):
     r = TASK.verify(e, response)
     assert (r.reward, r.format, r.category) == (0.0, 0.0, "malformed")
-  with pytest.raises(ValueError):
-    TASK.verify(get_task("math").examples("train", 1)[0], "Answer: 1")
+  math = get_task("math").examples("train", 1)[0]
+  with pytest.raises(ValueError, match="math"):
+    TASK.verify(math, "Answer: 1")
+  with pytest.raises(ValueError, match="proof-domain Example, got 'math'"):
+    check_proof(math, "Answer: 1")
+  with pytest.raises(ValueError, match="corruption must be one of"):
+    corrupt(e, "typo", random.Random(0))
+  with pytest.raises(ValueError, match="kind must be one of"):
+    check_derivation("algebra", "1+1", "2", "Answer: 2")
 
 
 _trees = st.recursive(
