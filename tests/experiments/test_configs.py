@@ -19,9 +19,9 @@ from opd.config import overrides as config_utils
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "configs"
 # distill: tests/experiments/test_distill_job.py runs its tiny variant through the CLI.
-# compat: tests/experiments/test_compat_job.py does.
+# compat: tests/experiments/test_compat_job.py does; gencluster: test_gencluster_job.py.
 SMOKE_TESTED = {"pretrain", "sft", "grpo", "specialists", "distill", "baselines", "v4", "grm",
-                "grm_reward", "compat"}
+                "grm_reward", "compat", "gencluster"}
 
 
 def _load(name, arg="tiny"):

@@ -55,18 +55,19 @@ def test_build_inputs_model_generator_fallback_and_75_percent_filter(sandbox, pr
   vals = ["def f(x): return 0 <= x <= 9",  # right: usable
           "def f(x): return x >= 0",       # too lax, but boolean and accepts the probe: usable
           "def f(x): return x + 1",        # not boolean: rule-based instead
+          "def f(x): return x > 100",      # boolean, but rejects the probe: rule-based instead
           "no code"]                       # falls back to the rule
   got = inputs.build_inputs(sandbox, problem, sub, gens, vals, per_generator=8, n_probe=6,
                             seed=0, max_inputs=100)
   assert got.generator_sources == ["model", "fallback", "fallback"]
-  assert got.validator_sources == ["model", "model", "fallback", "fallback"]
+  assert got.validator_sources == ["model", "model", "fallback", "fallback", "fallback"]
   model_inputs = [(3 * i,) for i in range(8)]
   fallback = (problems.fallback_inputs(sub, 8, (0, "generator", 1))
               + problems.fallback_inputs(sub, 8, (0, "generator", 2)))
   expect_all = list(dict.fromkeys(model_inputs + fallback))
   assert got.inputs == expect_all
-  # 3 of the 4 validators (the right one and two rule-based) reject 12..21; the lax one
-  # accepts them: 1/4 < 75%, removed. Inputs in range: 4/4, kept.
+  # 4 of the 5 validators (the right one and three rule-based) reject 12..21; the lax one
+  # accepts them: 1/5 < 75%, removed. Inputs in range: 5/5, kept.
   assert got.kept == [a for a in expect_all if 0 <= a[0] <= 9]
   assert got.counts()["removed"] == sum(a[0] > 9 for a in expect_all) == 4
 
