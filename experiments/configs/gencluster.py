@@ -52,7 +52,7 @@ def get_config(arg=None):
       sft=ml_collections.ConfigDict(dict(optim=sft.optim, train=sft.train, data=sft.data))))
   c.judge = ml_collections.ConfigDict(dict(checkpoint="", max_new_tokens=24, temperature=0.0))
   c.problems = ml_collections.ConfigDict(dict(split="test", difficulties=(1, 2, 3),
-                                              per_difficulty=4, n_hidden=8))
+                                              per_difficulty=8, n_hidden=8))
   c.candidates = ml_collections.ConfigDict(dict(k=16, temperature=1.0, max_new_tokens=48,
                                                 plant_reference=False))
   c.tests = ml_collections.ConfigDict(dict(n_generators=2, per_generator=8, n_validators=4,

@@ -50,16 +50,17 @@ def keep_mask(accepts: np.ndarray, share: float = KEEP_SHARE) -> np.ndarray:
 
 @dataclasses.dataclass
 class SubtaskInputs:
-  """``inputs``: all generated inputs (deduplicated); ``kept``: those the 75% rule keeps;
+  """``inputs``: all generated inputs (deduplicated); ``removed``: how many of them the
+  75% rule removed; ``kept``: the first ``max_inputs`` of those it keeps;
   ``sources``: "model"/"fallback" per generator and validator slot."""
   inputs: list[tuple]
   kept: list[tuple]
+  removed: int
   generator_sources: list[str]
   validator_sources: list[str]
 
   def counts(self) -> dict[str, int]:
-    return {"inputs": len(self.inputs), "kept": len(self.kept),
-            "removed": len(self.inputs) - len(self.kept),
+    return {"inputs": len(self.inputs), "kept": len(self.kept), "removed": self.removed,
             "generators_model": self.generator_sources.count("model"),
             "generators_fallback": self.generator_sources.count("fallback"),
             "validators_model": self.validator_sources.count("model"),
@@ -162,4 +163,4 @@ def build_inputs(sandbox, problem: Problem, subtask: Subtask, generator_texts: S
                                                                           len(unique))
   keep = keep_mask(accepts) if len(validator_texts) else np.ones(len(unique), bool)
   kept = [a for a, k in zip(unique, keep) if k][:max_inputs]
-  return SubtaskInputs(unique, kept, gen_sources, val_sources)
+  return SubtaskInputs(unique, kept, int(np.sum(~keep)), gen_sources, val_sources)

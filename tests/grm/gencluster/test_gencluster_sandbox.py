@@ -69,7 +69,10 @@ def test_build_inputs_model_generator_fallback_and_75_percent_filter(sandbox, pr
   # 4 of the 5 validators (the right one and three rule-based) reject 12..21; the lax one
   # accepts them: 1/5 < 75%, removed. Inputs in range: 5/5, kept.
   assert got.kept == [a for a in expect_all if 0 <= a[0] <= 9]
-  assert got.counts()["removed"] == sum(a[0] > 9 for a in expect_all) == 4
+  assert got.counts()["removed"] == got.removed == sum(a[0] > 9 for a in expect_all) == 4
+  capped = inputs.build_inputs(sandbox, problem, sub, gens, vals, per_generator=8, n_probe=6,
+                               seed=0, max_inputs=3)
+  assert capped.kept == got.kept[:3] and capped.removed == 4  # the cap removes nothing
 
 
 def test_hidden_passes_per_subtask_and_reference_check(sandbox, problem):
