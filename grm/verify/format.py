@@ -62,16 +62,14 @@ _ISSUE = re.compile(r"Line ([0-9]{1,4}): ([a-z_]+)(?: - (.*))?", re.ASCII)
 _VERDICT = re.compile(r"Issue ([0-9]{1,4}): (real|not real)", re.ASCII)
 _SCORE = re.compile(re.escape(SCORE_PREFIX) + r"[ \t]*(\S*)[ \t]*")
 
-_VERIFIER_INSTRUCTION = ("Verify the proof. Write each issue as \"Line k: kind\" (kinds: "
-                         + ", ".join(ISSUE_KINDS) + ") or \"No issues.\", then \"Score: s\" "
-                         "with s 1, 0.5 or 0.")
-_META_INSTRUCTION = ("Check the analysis of the proof. For each stated issue write \"Issue i: "
-                     "real\" or \"Issue i: not real\" (or \"No issues stated.\"), then "
-                     "\"Score: s\" with s 1, 0.5 or 0.")
-_GENERATOR_INSTRUCTION = ("Write the derivation, one step per line, ending with \"Answer: n\"; "
-                          "then \"Self-evaluation:\" and your verification of it.")
-_REFINE_INSTRUCTION = ("Your previous derivation and its verification follow. Write a corrected "
-                       "derivation, then \"Self-evaluation:\" and your verification of it.")
+# Short instructions: the tiny byte-level models read every prompt byte at every step.
+_VERIFIER_INSTRUCTION = ("Verify the proof: each issue as \"Line k: kind\", or \"No issues.\"; "
+                         "then \"Score: s\" (1, 0.5 or 0).")
+_META_INSTRUCTION = ("Check the analysis: \"Issue i: real\" or \"Issue i: not real\" per issue, "
+                     "or \"No issues stated.\"; then \"Score: s\".")
+_GENERATOR_INSTRUCTION = ("Derive it one step per line, then \"Self-evaluation:\" as a "
+                          "verifier would.")
+_REFINE_INSTRUCTION = "Fix this derivation, then \"Self-evaluation:\" as a verifier would."
 
 
 # ----------------------------------------------------------------------------- prompts
