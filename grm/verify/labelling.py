@@ -62,7 +62,7 @@ class Labelling:
   def arrays(self, n: int | None = None, m: int | None = None):
     """``(scores [P, n], reports [P, n], confirms [P, n, m])`` of the first n
     analyses and first m meta-checks (all by default)."""
-    n = len(self.analyses[0]) if n is None else n
+    n = (len(self.analyses[0]) if self.analyses else 0) if n is None else n
     m = max((len(x) for row in self.metas for x in row), default=0) if m is None else m
     P = len(self.analyses)
     scores, reports = np.ones((P, n)), np.zeros((P, n), bool)
@@ -137,7 +137,9 @@ def agreement_table(labelling: Labelling, truth, ns: Sequence[int], ms: Sequence
   rows = []
   for n in ns:
     for m in ms:
-      if not (1 <= n <= n_max and 1 <= m <= max(m_max, 1)):
+      # m_max 0: no analysis reported an issue, nothing was meta-checked, any m
+      # gives the same labels (all 1).
+      if not (1 <= n <= n_max and 1 <= m <= (m_max or m)):
         raise ValueError(f"(n, m)=({n}, {m}) outside the sampled run (n <= {n_max}, "
                          f"m <= {m_max})")
       labels = labelling.labels(n, m)

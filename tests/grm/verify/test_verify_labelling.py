@@ -81,6 +81,11 @@ def test_label_proofs_and_agreement_table():
     agreement_table(lab, [0.0, 0.5], ns=[3], ms=[1])
 
 
+def test_no_proofs_no_labels():
+  lab = label_proofs([], [], lambda ps: list(ps), lambda ps: list(ps), n=2, m=1)
+  assert lab.labels().shape == (0,)
+
+
 def test_label_proofs_checks_its_callables():
   with pytest.raises(ValueError, match="verify_fn returned 1"):
     label_proofs(["q"], ["p"], lambda ps: ["x"], lambda ps: [], n=2, m=1)
