@@ -36,6 +36,7 @@ _JOBS: dict[str, Target] = {
     "sequential_rl": "experiments.baselines:run_sequential_rl",
     "grm": "experiments.grm:run",
     "grm_reward": "experiments.grm_reward:run",
+    "mathv2": "experiments.mathv2:run",
     "gencluster": "experiments.gencluster:run",
 }
 

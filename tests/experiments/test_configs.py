@@ -19,9 +19,10 @@ from opd.config import overrides as config_utils
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "configs"
 # distill: tests/experiments/test_distill_job.py runs its tiny variant through the CLI.
-# compat: tests/experiments/test_compat_job.py does; gencluster: test_gencluster_job.py.
+# compat: tests/experiments/test_compat_job.py does; gencluster: test_gencluster_job.py;
+# mathv2: test_mathv2_job.py.
 SMOKE_TESTED = {"pretrain", "sft", "grpo", "specialists", "distill", "baselines", "v4", "grm",
-                "grm_reward", "compat", "gencluster"}
+                "grm_reward", "compat", "gencluster", "mathv2"}
 
 
 def _load(name, arg="tiny"):

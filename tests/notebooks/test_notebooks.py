@@ -119,6 +119,23 @@ def _check_opd_walkthrough(summary, stdout):
   assert "| reward@1 | math | instruct | avg |" in stdout and "| student after OPD |" in stdout
 
 
+def _check_mathv2(summary, stdout):
+  # The checker's verdict follows from how each proof was made (opd.tasks.proof_task).
+  want = {"reference": 1.0, "wrong_step": 0.0, "missing_step": 0.5, "wrong_final": 0.0}
+  assert summary["items"] and all(score == want[src] for src, score in summary["items"])
+  v = summary["verifier"]
+  assert v["n"] == len(summary["items"]) and 0 <= v["accuracy"] <= v["format"] <= 1, v
+  assert all(0 <= c <= 1 for c in summary["refine"].values()) and 0 <= summary["search"] <= 1
+  assert all(0 <= r <= 2 for r in summary["stopped"])
+  assert [(r["n"], r["m"]) for r in summary["labelling"]] == [(1, 1), (1, 3), (2, 1), (2, 3)]
+  share_one = sum(score == 1.0 for _, score in summary["items"]) / len(summary["items"])
+  for row in summary["labelling"]:
+    if row["mean_label"] == 1.0:  # every label 1: agreement is the share of clean proofs
+      assert abs(row["agreement"] - share_one) < 1e-12, row
+  assert summary["plot_bytes"] > 0 and "| refine@0 |" in stdout and "| search |" in stdout
+
+
 CHECKS = {"quickstart": _check_quickstart, "estimator_ablation": _check_estimator_ablation,
           "grm_voting": _check_grm_voting,
+          "mathv2": _check_mathv2,
           "opd_walkthrough": _check_opd_walkthrough, "gencluster": _check_gencluster}

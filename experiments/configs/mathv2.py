@@ -1,0 +1,74 @@
+"""Job ``mathv2``: DeepSeekMath-V2 on the toy proof domain (docs/DESIGN.md §7).
+
+Base → generator / verifier / meta-verifier SFT on rule-written texts →
+verifier GRPO with ``R_format·R_score`` and with ``R_format·R_score·R_meta``
+→ generator GRPO with the self-verification reward → evaluation (single
+pass, refinement at 1/2/4 rounds, search, verifier accuracy and issue
+faithfulness, auto-labelling agreement). See ``experiments/mathv2.py``.
+
+  nice -n 5 python -m experiments.launch --config=experiments/configs/mathv2.py \
+      --workdir=workdirs/mathv2
+  python -m experiments.launch --config=experiments/configs/mathv2.py:tiny \
+      --workdir=workdirs/mathv2_tiny          # CI smoke test: a few steps per stage
+
+Reference machine (2 CPU cores shared with other jobs): TIMES_PLACEHOLDER
+"""
+import ml_collections
+
+from experiments.configs import grpo as grpo_config
+from experiments.configs import pretrain as pretrain_config
+from opd.config import overrides as config_utils
+from opd.config.fields import to_group
+from opd.training.optim import OptimConfig
+
+
+def get_config(arg=None):
+  arg = config_utils.parse_arg(arg, tiny=False)
+  variant = "tiny" if arg["tiny"] else None
+  pre = pretrain_config.get_config(variant)
+  grpo = grpo_config.get_config(variant)
+  c = ml_collections.ConfigDict()
+  c.job = "mathv2"
+  c.seed = 0
+  c.model = pre.model
+  c.mesh = pre.mesh
+  c.sharding_rules = pre.sharding_rules
+  # The base: a checkpoint (``base.init``) or pre-trained here on proof-domain
+  # chat text, a ``response_fraction`` share with the reference proof.
+  c.base = ml_collections.ConfigDict(dict(
+      init="", steps=200, batch_size=8, seq_len=256, num_docs=4000, response_fraction=0.5))
+  c.base_optim = to_group(OptimConfig, lr=3e-3, warmup_steps=10, decay_steps=190,
+                          weight_decay=0.01)
+  # Problems and the proofs the verifier is trained and tested on: each
+  # problem's reference proof and ``corruptions`` corrupted copies.
+  c.data = ml_collections.ConfigDict(dict(
+      num_train=256, num_test=32, difficulties=(1, 2, 3), corruptions=2,
+      analysis_noise=0.3, generator_corrupt_fraction=0.3))
+  # The three SFTs (generator, verifier, meta-verifier) share these.
+  c.sft = ml_collections.ConfigDict(dict(steps=200, batch_size=4, seq_len=512))
+  c.sft_optim = to_group(OptimConfig, lr=1e-3, warmup_steps=10, decay_steps=200,
+                         end_lr_ratio=0.1)
+  # Every sampler call outside GRPO: fixed rows and prompt length (one compile).
+  c.sample = ml_collections.ConfigDict(dict(
+      batch_size=32, prompt_len=512, temperature=1.0, proof_tokens=160, analysis_tokens=64))
+  c.grpo = grpo.grpo
+  c.grpo.update(group_size=4, prompts_per_step=4, max_new_tokens=64, seq_len=512, kl_coef=0.05)
+  c.grpo_optim = to_group(OptimConfig, lr=2e-4, warmup_steps=2, end_lr_ratio=1.0, b2=0.99)
+  c.rl = ml_collections.ConfigDict(dict(verifier_steps=20, generator_steps=10, alpha=0.76,
+                                        beta=0.24, generator_max_new_tokens=160))
+  c.eval = ml_collections.ConfigDict(dict(
+      rounds=(1, 2, 4), search_pool=8, search_analyses=4, search_kept=2, search_rounds=2,
+      search_problems=8, label_ns=(1, 2, 4), label_ms=(1, 3), label_proofs=32))
+  if arg["tiny"]:
+    c.base.update(steps=2, batch_size=2, seq_len=256, num_docs=20)
+    c.base_optim.update(warmup_steps=0, decay_steps=2)
+    c.data.update(num_train=4, num_test=2, difficulties=(1,), corruptions=1)
+    c.sft.update(steps=2, batch_size=2)
+    c.sft_optim.update(warmup_steps=0, decay_steps=2)
+    c.sample.update(batch_size=8, proof_tokens=24, analysis_tokens=24)
+    c.grpo.update(group_size=2, prompts_per_step=2, max_new_tokens=24, seq_len=512)
+    c.rl.update(verifier_steps=1, generator_steps=1, generator_max_new_tokens=24)
+    c.eval.update(rounds=(1, 2), search_pool=2, search_analyses=2, search_kept=1,
+                  search_rounds=1, search_problems=1, label_ns=(1, 2), label_ms=(1,),
+                  label_proofs=2)
+  return c
