@@ -159,3 +159,33 @@ def test_submit_skips_a_subtask_solved_by_a_submission_aimed_elsewhere():
 def test_submit_rejects_bad_budget():
   with pytest.raises(ValueError, match="budget"):
     submission.submit([], {}, budget=0)
+
+
+# --- pipeline glue ------------------------------------------------------------------------------
+
+def test_parse_candidates_drops_parse_and_compile_failures():
+  from grm.gencluster import pipeline
+  texts = ["def f(x): return x+1",
+           "def f(x):\n  nonlocal y\n  return x",   # parses (ast) but does not compile
+           "def f(x, y): return x",                 # wrong arity: a parse failure
+           "print(1)"]
+  srcs, counts = pipeline.parse_candidates(texts, 1)
+  assert srcs == ["def f(x): return x+1", None, None, None]
+  assert counts == {"parsed": 1, "dropped_parse": 2, "dropped_compile": 1}
+
+
+def test_ranked_clusters_and_strategies():
+  from grm.gencluster import pipeline
+  cls = [clustering.Cluster(str(i), m) for i, m in enumerate([(0, 1, 2), (3, 4), (5,), (6,)])]
+  r = tournament.Ranking(order=(2, 0, 1), wins=(1, 0, 2), judged=3, valid=3)
+  # The tournament's 3 clusters in its order, then the rest by size.
+  assert pipeline.ranked_clusters(cls, r, 3) == [[5], [0, 1, 2], [3, 4], [6]]
+  assert pipeline.strategy_rankings("majority", candidates=range(7), clusters=cls,
+                                    tournament_order=None, seed=0) == [[0, 1, 2]]
+  rand = pipeline.strategy_rankings("random", candidates=list(range(7)), clusters=cls,
+                                    tournament_order=None, seed=3)
+  assert sorted(c for [c] in rand) == list(range(7))
+  assert rand == pipeline.strategy_rankings("random", candidates=list(range(7)), clusters=cls,
+                                            tournament_order=None, seed=3)
+  with pytest.raises(ValueError, match="unknown strategy"):
+    pipeline.strategy_rankings("best", candidates=[], clusters=cls, tournament_order=None, seed=0)
