@@ -52,12 +52,12 @@ def get_config(arg=None):
       sft=ml_collections.ConfigDict(dict(optim=sft.optim, train=sft.train, data=sft.data))))
   c.judge = ml_collections.ConfigDict(dict(checkpoint="", max_new_tokens=24, temperature=0.0))
   c.problems = ml_collections.ConfigDict(dict(split="test", difficulties=(1, 2, 3),
-                                              per_difficulty=8, n_hidden=8))
-  c.candidates = ml_collections.ConfigDict(dict(k=16, temperature=1.0, max_new_tokens=48,
+                                              per_difficulty=16, n_hidden=8))
+  c.candidates = ml_collections.ConfigDict(dict(k=32, temperature=1.0, max_new_tokens=48,
                                                 plant_reference=False))
   c.tests = ml_collections.ConfigDict(dict(n_generators=2, per_generator=8, n_validators=4,
                                            n_probe=8, max_inputs=12))
-  c.tournament = ml_collections.ConfigDict(dict(max_clusters=6, games=1))
+  c.tournament = ml_collections.ConfigDict(dict(max_clusters=4, games=1))
   c.submission = ml_collections.ConfigDict(dict(budget=50, report_budgets=(1, 2, 5, 10, 50)))
   c.sandbox = ml_collections.ConfigDict(dict(cpu_s=1.0, wall_s=2.0, memory_mb=256, workers=2,
                                              chunk=32))

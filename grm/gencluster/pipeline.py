@@ -29,16 +29,21 @@ from opd.text import parsers
 def sample_texts(model_cfg, params, tokenizer, prompts: Sequence[str], *, seed: int, sampling,
                  batch_size: int, mesh=None, rules=None, desc: str = "sample") -> list[str]:
   """One policy response per user prompt, ``batch_size`` rows per sampler call
-  (the last batch padded, so one compiled sampler serves every call)."""
+  (the last batch padded, and every batch's prompts left-padded to the longest
+  prompt of all, so one compiled sampler serves every call)."""
   import jax  # noqa: PLC0415 (jax-heavy; the rest of the module is not)
   from opd.rollout.episodes import sample  # noqa: PLC0415
   ids = [user_prompt_ids(tokenizer, p) for p in prompts]
   out: list[str] = []
+  if not ids:
+    return out
+  bucket = 32 * math.ceil(max(len(x) for x in ids) / 32)
   for b, start in enumerate(tqdm(range(0, len(ids), batch_size), desc=desc, leave=False)):
     chunk = ids[start:start + batch_size]
     out += [c.text for c in sample(model_cfg, params, tokenizer, chunk,
                                    jax.random.fold_in(jax.random.key(int(seed)), b), sampling,
-                                   batch_size=batch_size, mesh=mesh, rules=rules)]
+                                   batch_size=batch_size, prompt_bucket=bucket, mesh=mesh,
+                                   rules=rules)]
   return out
 
 
