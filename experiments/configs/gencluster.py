@@ -15,13 +15,27 @@ and plants two candidates per subtask that are not model-driven, the
 reference program and an off-by-one distractor, so that clusters, a
 tournament and solved subtasks exist.
 
-Reference machine (2 CPU cores shared with other jobs; timings under load):
-tiny see tests/experiments/test_gencluster_job.py; default: see
-docs/RESULTS.md (GENCLUSTER) for the measured time and results. Expected
-result: GENCLUSTER at or above the random-candidate and majority baselines at
-every budget, all of them below the upper bound (a subtask some candidate
-passes); a tiny policy's judge writes few valid judgements, so the
-tournament mostly falls back to cluster size (say so when reading it).
+Reference machine (2 CPU cores shared with ~6 other jobs, load average ~12):
+tiny 16 s (tests/experiments/test_gencluster_job.py launch). Default, on the
+V4 run's code specialist (workdirs/v4_3seeds/code/grpo): 4 min 26 s wall,
+1 min 18 s user + 28 s sys CPU (sampling 5,472 policy responses and 1,012
+judge prompts; the sandbox ran 4,466 programs at 59 programs/s wall).
+Measured result (48 problems x 3 subtasks, K = 32; % of subtasks solved,
+mean ± SE over problems):
+
+  budget                        1           2           5           10          50
+  GENCLUSTER                    9.0 ± 4.1   12.5 ± 4.8  15.3 ± 5.2  21.5 ± 5.9  25.0 ± 6.3
+  tournament, no validators     9.0 ± 4.1   12.5 ± 4.8  15.3 ± 5.2  21.5 ± 5.9  25.0 ± 6.3
+  majority cluster only         9.0 ± 4.1    9.0 ± 4.1   9.0 ± 4.1  11.8 ± 4.5  11.8 ± 4.5
+  random candidates             5.6 ± 3.0    5.6 ± 3.0   7.6 ± 3.6  15.3 ± 5.2  25.0 ± 6.3
+  upper bound (any candidate passes): 27.1
+
+Expected reading: clustering beats random candidates at small budgets and
+the majority cluster at large ones; all stay below the upper bound. The
+policy wrote no valid judgement (0 of 1,012), so the "tournament" ranks by
+cluster size; its generators were used 21 of 288 times and its validators
+never (0 of 576: rule-based instead), so the 75% filter removed only 4.9% of
+inputs and "no validators" equals GENCLUSTER here.
 """
 import ml_collections
 
