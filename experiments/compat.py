@@ -40,6 +40,7 @@ from opd.config.fields import from_group
 from opd.eval import evaluation as ev
 from opd.models import to_model_config
 from opd.training.checkpoints import load_params
+from opd.training.metrics_writer import read_metrics
 
 ARMS = ("A", "B")
 TEACHER = {"A": "same_base", "B": "other_base"}  # the teacher's name in each OPD run
@@ -140,6 +141,15 @@ def _cell(estimate) -> tuple[float, float]:
 def _diff(a, b) -> tuple[float, float]:
   """``a − b`` of two ``(value, se)``, the SEs in quadrature."""
   return a[0] - b[0], math.hypot(a[1], b[1])
+
+
+def _heldout_rkl(run_dir: pathlib.Path, teacher: str) -> dict[str, float]:
+  """The held-out reverse KL at step 0 (before OPD) and at the last step, from
+  ``metrics.jsonl`` (an OPD stage that was resumed keeps its step-0 row there)."""
+  key = f"eval/rkl/{teacher}"
+  pts = sorted((r["step"], r[key]) for r in read_metrics(run_dir) if key in r)
+  first = pts[0][1] if pts and pts[0][0] == 0 else float("nan")
+  return {"initial": first, "final": pts[-1][1] if pts else float("nan")}
 
 
 def summarize(scores: Mapping[str, Mapping[str, tuple[float, float]]],
@@ -251,8 +261,7 @@ def run(config, workdir: str) -> dict:
   scores = {key: {m: _cell(results[row].score(config.domain, m)) for m in metrics}
             for key, row in ROWS.items()}
   series = {arm: diagnostics_plot.read_diagnostics(root / f"opd_{arm.lower()}") for arm in ARMS}
-  heldout = {arm: {"initial": opd[arm][f"rkl_initial/{TEACHER[arm]}"],
-                   "final": opd[arm][f"rkl_final/{TEACHER[arm]}"]} for arm in ARMS}
+  heldout = {arm: _heldout_rkl(root / f"opd_{arm.lower()}", TEACHER[arm]) for arm in ARMS}
   summary = summarize(scores, series, heldout, metrics)
   report = render(summary, config.domain, timer_s=timer.seconds)
   (out_dir / "report.md").write_text(report)
