@@ -32,7 +32,18 @@ runs and ``verify`` is tiny. ``--quick`` uses the ``:tiny`` config variants.
 The ``sampler`` rows break one ``generate`` call of each GRPO batch down
 (``_sampler_breakdown``): prefill, decode steps, and the decoder's forward
 alone over the same shapes, with the bounds these put on any sampler-side
-speedup.
+speedup. They run with ``share_prefill=False`` (a prefill over every row, as
+before it was shared), except ``generate_shared_s``; times are CPU seconds
+of this process (``time.process_time``: the machine may be shared).
+
+The ``prefill_ab`` rows are the sample stage's before/after in the same run:
+each batch's sample stage (``rollout`` without verification) with
+``SamplingConfig.share_prefill`` off (before: every row prefilled) and on
+(after: each distinct prompt prefilled once), interleaved over
+``--ab_reps`` repeats with the same keys; CPU seconds, prompts/s and
+tokens/s per CPU second, and the ratio off/on (median and range of the
+paired repeats). ``--no_share_prefill`` runs the whole benchmark with
+sharing off (the baseline).
 
 Each batch runs with the step seeds 0 .. iters-1 twice: once to compile every
 shape they need (``first_call_s`` is step 0's), then timed; the stage times
@@ -47,6 +58,9 @@ as ``baseline`` with per-stage ``speedup`` = baseline seconds / these seconds.
 Both runs record their commit; ``outputs_match`` says whether the two
 produced identical episodes and rewards (a digest of every batch's response
 ids and rewards), which is what makes the comparison one of equal work.
+``sample_cpu`` (both runs) is the sample stage alone in CPU seconds, median
+over the steps; ``sample_cpu_speedups`` compares it with the baseline's,
+the comparison that stands on a loaded machine.
 
   python -m experiments.benchmarks.rollout --policies=workdirs/demo_check
   python -m experiments.benchmarks.rollout --quick          # seconds, smoke test
@@ -92,15 +106,22 @@ def _parse(argv):
                  help="tiny configs, GRPO on math only, one iteration, no baseline")
   p.add_argument("--no_breakdown", action="store_true",
                  help="skip the sampler breakdown (always skipped with --quick)")
+  p.add_argument("--ab_reps", type=int, default=3,
+                 help="repeats of the shared-prefill before/after (0 skips; 0 with --quick)")
+  p.add_argument("--no_share_prefill", action="store_true",
+                 help="sample with SamplingConfig.share_prefill=False everywhere (the baseline)")
   p.add_argument("--out", default="benchmark_results")
   p.add_argument("--name", default="rollout", help="JSON file name (without .json)")
   args = p.parse_args(argv)
   if args.quick:
     args.iters = 1
+    args.ab_reps = 0
     args.domains = args.domains or ["math"]
     args.baseline = args.baseline or "none"
   if args.iters < 1:
     raise ValueError(f"--iters={args.iters} must be >= 1")
+  if args.ab_reps < 0:
+    raise ValueError(f"--ab_reps={args.ab_reps} must be >= 0")
   return args
 
 
@@ -346,20 +367,25 @@ def _measure(name: str, fn, setup: dict, stage_names, iters: int) -> dict[str, A
 
 
 def _sampler_breakdown(name: str, setup: dict, reps: int) -> dict[str, Any]:
-  """Where one GRPO batch's sampler time goes (minimum over ``reps`` runs).
+  """Where one GRPO batch's sampler time goes (CPU seconds, min over ``reps`` runs).
 
   ``generate_s``: one ``generate`` call on the batch's prompts (as
-  ``rollout`` makes it) taking ``steps`` decode steps; ``prefill_s``: the
-  same call with ``max_new_tokens=1``; ``forward_only_s``: the decoder alone
-  over the same shapes (prefill, then ``steps - 1`` one-token forwards against
-  the cache; no head, no sampling, no bookkeeping). ``sampler_own_share`` =
+  ``rollout`` makes it) taking ``steps`` decode steps, every row prefilled
+  (``share_prefill=False``); ``prefill_s``: the same call with
+  ``max_new_tokens=1``; ``forward_only_s``: the decoder alone over the same
+  shapes (prefill, then ``steps - 1`` one-token forwards against the cache;
+  no head, no sampling, no bookkeeping). ``sampler_own_share`` =
   1 - forward_only / generate is what the sampler's own per-step work
   (head, sampling, end-of-row tests, output buffers) costs.
+  ``generate_shared_s`` / ``prefill_shared_s``: the same two calls with
+  each distinct prompt prefilled once; ``speedup_shared`` = generate_s /
+  generate_shared_s, against its bound ``bound_prefill_once``.
   """
   from opd.models import forward, init_cache
   from opd.rollout import prompt_ids
   from opd.rollout.sampler import generate
-  cfg, tok, sampling = setup["model_cfg"], setup["tok"], setup["sampling"]
+  cfg, tok = setup["model_cfg"], setup["tok"]
+  sampling = setup["sampling"].replace(share_prefill=False)
   prompts = [prompt_ids(tok, ex) for ex in setup["examples"] for _ in range(setup["cfg"].group_size)]
   P = 32 * -(-max(len(p) for p in prompts) // 32)  # episodes.sample's default bucket
   tokens = np.full((len(prompts), P), tok.pad_id, np.int32)
@@ -385,17 +411,20 @@ def _sampler_breakdown(name: str, setup: dict, reps: int) -> dict[str, Any]:
   params = setup["params"]
   out = generate(cfg, params, tokens, mask, 0, sampling)
   steps = int(out.steps)
+  shared, one = sampling.replace(share_prefill=True), dict(max_new_tokens=1)
   fns = (lambda: generate(cfg, params, tokens, mask, 0, sampling).tokens,
-         lambda: generate(cfg, params, tokens, mask, 0, sampling.replace(max_new_tokens=1)).tokens,
-         lambda: decoder_only(params, tokens, mask, out.tokens, steps))
+         lambda: generate(cfg, params, tokens, mask, 0, sampling.replace(**one)).tokens,
+         lambda: decoder_only(params, tokens, mask, out.tokens, steps),
+         lambda: generate(cfg, params, tokens, mask, 0, shared).tokens,
+         lambda: generate(cfg, params, tokens, mask, 0, shared.replace(**one)).tokens)
   times = [[] for _ in fns]
-  for rep in range(reps + 1):  # interleaved, so that load on a shared machine hits all three
+  for rep in range(reps + 1):  # interleaved, so that load on a shared machine hits all of them
     for fn, got in zip(fns, times):
-      t0 = time.perf_counter()
+      t0 = time.process_time()
       jax.block_until_ready(fn())
       if rep:  # the first round compiles
-        got.append(time.perf_counter() - t0)
-  full, prefill, alone = (min(t) for t in times)
+        got.append(time.process_time() - t0)
+  full, prefill, alone, full_shared, prefill_shared = (min(t) for t in times)
   G = setup["cfg"].group_size
   return {"batch": name, "rows": B, "prompt_len": P, "steps": steps, "generate_s": full,
           "prefill_s": prefill, "prefill_share": prefill / full,
@@ -404,7 +433,84 @@ def _sampler_breakdown(name: str, setup: dict, reps: int) -> dict[str, Any]:
           # Upper bounds on a sampler-side speedup: its own per-step work free,
           # or each prompt's prefill run once for its G samples.
           "bound_free_sampler": full / alone,
-          "bound_prefill_once": 1 / (1 - prefill / full * (1 - 1 / G))}
+          "bound_prefill_once": 1 / (1 - prefill / full * (1 - 1 / G)),
+          "generate_shared_s": full_shared, "prefill_shared_s": prefill_shared,
+          "speedup_shared": full / full_shared}
+
+
+def _sample_stage(setup: dict, share: bool | None, step: int) -> dict[str, Any]:
+  """One batch's sample stage alone (``rollout`` without verification):
+  wall and CPU seconds, prompts, policy tokens and the episodes' digest.
+  ``share``: ``share_prefill`` (None: the setup's sampling as it is, for a
+  baseline whose ``SamplingConfig`` may predate the field)."""
+  from opd import rollout as rollout_lib
+  cfg = setup["cfg"]
+  examples = [ex for ex in setup["examples"] for _ in range(cfg.group_size)]
+  sampling = setup["sampling"]
+  if share is not None:
+    sampling = sampling.replace(share_prefill=share)
+  wall, cpu = time.perf_counter(), time.process_time()
+  episodes = rollout_lib.rollout(setup["model_cfg"], setup["params"], setup["tok"], examples,
+                                 jax.random.fold_in(jax.random.key(0), step), sampling,
+                                 mesh=setup["mesh"], rules=setup["rules"], verify=False,
+                                 batch_size=cfg.batch_size, task_kwargs=setup.get("task_kwargs"))
+  return {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
+          "prompts": len(examples), "policy_tokens": sum(ep.num_policy_tokens for ep in episodes),
+          "digest": _digest(episodes)}
+
+
+def _prefill_ab(name: str, setup: dict, reps: int) -> dict[str, Any]:
+  """The sample stage with ``share_prefill`` off (before) and on (after).
+
+  Both are compiled first; then ``reps`` rounds, each running both with the
+  step-``r`` key, in alternating order. Medians of CPU seconds; ``ratio`` is
+  the median of the paired ``off / on`` CPU ratios (``ratio_min``,
+  ``ratio_max`` their range); ``outputs_match``: equal episodes every round.
+  """
+  if reps < 1:
+    raise ValueError(f"_prefill_ab needs reps >= 1, got {reps}")
+  for share in (False, True):
+    _sample_stage(setup, share, 0)
+  runs = {False: [], True: []}
+  for r in range(reps):
+    for share in ((False, True) if r % 2 == 0 else (True, False)):
+      runs[share].append(_sample_stage(setup, share, r))
+  off, on = runs[False], runs[True]
+  med = lambda rs, k: float(np.median([x[k] for x in rs]))
+  ratios = [a["cpu_s"] / b["cpu_s"] for a, b in zip(off, on)]
+  prompts, tokens = off[0]["prompts"], med(off, "policy_tokens")
+  row = {"batch": name, "prompts": prompts, "policy_tokens": tokens, "reps": reps,
+         "off_cpu_s": med(off, "cpu_s"), "on_cpu_s": med(on, "cpu_s"),
+         "off_wall_s": med(off, "wall_s"), "on_wall_s": med(on, "wall_s")}
+  for k in ("off", "on"):
+    row[f"{k}_prompts_per_cpu_s"] = prompts / row[f"{k}_cpu_s"]
+    row[f"{k}_tokens_per_cpu_s"] = tokens / row[f"{k}_cpu_s"]
+  row.update(ratio=float(np.median(ratios)), ratio_min=min(ratios), ratio_max=max(ratios),
+             ratio_wall=row["off_wall_s"] / row["on_wall_s"],
+             outputs_match=[a["digest"] for a in off] == [b["digest"] for b in on],
+             cpu_s={"off": [x["cpu_s"] for x in off], "on": [x["cpu_s"] for x in on]})
+  return row
+
+
+def _sample_cpu(name: str, setup: dict, iters: int) -> dict[str, Any]:
+  """The sample stage alone in CPU seconds, as configured (baseline runs
+  too): a compile run, then the median over steps 0 .. iters-1."""
+  _sample_stage(setup, None, 0)
+  runs = [_sample_stage(setup, None, step) for step in range(iters)]
+  return {"batch": name, "cpu_s": float(np.median([r["cpu_s"] for r in runs])),
+          "wall_s": float(np.median([r["wall_s"] for r in runs])),
+          "digests": [r["digest"] for r in runs]}
+
+
+def _ab_total(rows) -> dict[str, Any]:
+  """Sum over batches, repeat by repeat: ``off / on`` CPU seconds (median, range)."""
+  reps = min(r["reps"] for r in rows)
+  ratios = [sum(r["cpu_s"]["off"][i] for r in rows) / sum(r["cpu_s"]["on"][i] for r in rows)
+            for i in range(reps)]
+  return {"batches": [r["batch"] for r in rows], "off_cpu_s": sum(r["off_cpu_s"] for r in rows),
+          "on_cpu_s": sum(r["on_cpu_s"] for r in rows), "ratio": float(np.median(ratios)),
+          "ratio_min": min(ratios), "ratio_max": max(ratios),
+          "outputs_match": all(r["outputs_match"] for r in rows)}
 
 
 def _aggregate(rows, stage_names) -> dict[str, Any]:
@@ -416,7 +522,8 @@ def _aggregate(rows, stage_names) -> dict[str, Any]:
 
 
 def measure(args, breakdown: bool = True) -> dict[str, Any]:
-  """This checkout's figures (no baseline); ``breakdown``: add ``sampler``."""
+  """This checkout's figures (no baseline); ``breakdown``: add ``sampler``;
+  ``--ab_reps`` > 0: add ``prefill_ab``."""
   from opd.tasks import ALL_DOMAINS
   from opd.parallel import sharding
   spec, v4 = _configs(args.quick)
@@ -430,11 +537,18 @@ def measure(args, breakdown: bool = True) -> dict[str, Any]:
   mesh = sharding.make_mesh((n, 1, 1), jax.devices()[:n])
   domains = args.domains or list(ALL_DOMAINS)
   setups = _grpo_setups(spec, policies, domains, mesh, rules)
+  opd_setup = _opd_setup(v4, policies, mesh, rules)
+  if args.no_share_prefill:
+    for setup in [s for _, s in setups] + [opd_setup]:
+      setup["sampling"] = setup["sampling"].replace(share_prefill=False)
   grpo = [_measure(name, _grpo_batch, setup, GRPO_STAGES, args.iters) for name, setup in setups]
   sampler = ([_sampler_breakdown(name, setup, max(7, args.iters)) for name, setup in setups]
              if breakdown else [])
-  opd_setup = _opd_setup(v4, policies, mesh, rules)
   opd = _measure("opd", _opd_batch, opd_setup, OPD_STAGES, args.iters)
+  sample_cpu = [_sample_cpu(name, setup, args.iters)
+                for name, setup in setups + [("opd", opd_setup)]]
+  ab = ([_prefill_ab(name, setup, args.ab_reps) for name, setup in setups + [("opd", opd_setup)]]
+        if args.ab_reps else [])
   g, o = spec.grpo, opd_setup["cfg"]
   return {
       **_commit(),
@@ -449,6 +563,10 @@ def measure(args, breakdown: bool = True) -> dict[str, Any]:
       "rows": grpo + [opd],
       "grpo_total": _aggregate(grpo, GRPO_STAGES),
       "sampler": sampler,
+      "sample_cpu": sample_cpu,
+      "share_prefill": not args.no_share_prefill,
+      "prefill_ab": ab,
+      "prefill_ab_grpo_total": _ab_total(ab[:-1]) if ab else None,
   }
 
 
@@ -461,8 +579,9 @@ def run_baseline(rev: str, args) -> dict[str, Any]:
     commit = subprocess.run(["git", "rev-parse", rev], cwd=ROOT, capture_output=True,
                             text=True, check=True).stdout.strip()
     policies = _policies_dir(args.policies)
-    argv = ["--baseline", "none", "--iters", str(args.iters), "--out", tmp, "--name", "child",
-            "--policies", str(policies.resolve()) if policies else "random"]
+    # The baseline's opd may predate SamplingConfig.share_prefill: no A/B there.
+    argv = ["--baseline", "none", "--ab_reps", "0", "--iters", str(args.iters), "--out", tmp,
+            "--name", "child", "--policies", str(policies.resolve()) if policies else "random"]
     if args.domains:
       argv += ["--domains", *args.domains]
     if args.quick:
@@ -494,7 +613,21 @@ def merge(current: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
     speedups.append(row)
   agg_b, agg_c = baseline["grpo_total"], current["grpo_total"]
   stage = agg_b["largest_stage"]
-  return {"baseline": {k: baseline[k] for k in ("commit", "dirty", "rows", "grpo_total")},
+  # The sample stage alone in CPU seconds (robust to a shared machine's load).
+  cpu_b = {r["batch"]: r for r in baseline.get("sample_cpu", [])}
+  cpu = [{"batch": r["batch"], "baseline_cpu_s": cpu_b[r["batch"]]["cpu_s"],
+          "current_cpu_s": r["cpu_s"], "speedup": cpu_b[r["batch"]]["cpu_s"] / r["cpu_s"],
+          "outputs_match": cpu_b[r["batch"]]["digests"] == r["digests"]}
+         for r in current.get("sample_cpu", []) if r["batch"] in cpu_b]
+  grpo_cpu = [r for r in cpu if r["batch"].startswith("grpo/")]
+  cpu_total = None
+  if grpo_cpu:
+    b, c = (sum(r[k] for r in grpo_cpu) for k in ("baseline_cpu_s", "current_cpu_s"))
+    cpu_total = {"baseline_cpu_s": b, "current_cpu_s": c, "speedup": b / c,
+                 "outputs_match": all(r["outputs_match"] for r in grpo_cpu)}
+  return {"baseline": {k: baseline.get(k) for k in ("commit", "dirty", "rows", "grpo_total",
+                                                    "sample_cpu")},
+          "sample_cpu_speedups": cpu, "sample_cpu_grpo_total": cpu_total,
           "speedups": speedups,
           "outputs_match": all(s["outputs_match"] for s in speedups) and bool(speedups),
           "largest_stage": {"stage": stage, "baseline_s": agg_b["stages"][stage],
@@ -536,6 +669,17 @@ def main(argv=None) -> dict:
   if payload["sampler"]:
     print("\nsampler breakdown (min over runs; forward_only: the decoder alone, same shapes):")
     print(common.format_table(payload["sampler"]))
+  if payload["prefill_ab"]:
+    print(f"\nsample stage, every row prefilled (off) vs each distinct prompt once (on); "
+          f"CPU seconds, medians over {args.ab_reps} paired repeats:")
+    print(common.format_table(payload["prefill_ab"], [
+        "batch", "prompts", "policy_tokens", "off_cpu_s", "on_cpu_s", "off_prompts_per_cpu_s",
+        "on_prompts_per_cpu_s", "off_tokens_per_cpu_s", "on_tokens_per_cpu_s", "ratio",
+        "ratio_min", "ratio_max", "ratio_wall", "outputs_match"]))
+    t = payload["prefill_ab_grpo_total"]
+    print(f"sample stage, GRPO all domains: {t['off_cpu_s']:.3g} -> {t['on_cpu_s']:.3g} CPU s, "
+          f"{t['ratio']:.2f}x (range {t['ratio_min']:.2f}-{t['ratio_max']:.2f}); identical "
+          f"episodes: {t['outputs_match']}")
   agg = payload["grpo_total"]
   print(f"GRPO, all domains: {agg['total_s']:.3g} s; largest stage {agg['largest_stage']} "
         f"({100 * agg['share'][agg['largest_stage']]:.0f}%)")
@@ -550,6 +694,13 @@ def main(argv=None) -> dict:
     print(f"largest stage ({ls['stage']}, GRPO all domains): {ls['baseline_s']:.3g} s -> "
           f"{ls['current_s']:.3g} s, {ls['speedup']:.2f}x; identical episodes and rewards: "
           f"{payload['outputs_match']}")
+    if payload["sample_cpu_grpo_total"]:
+      print("\nsample stage alone, CPU seconds (median over the steps), baseline vs current:")
+      print(common.format_table(payload["sample_cpu_speedups"]))
+      t = payload["sample_cpu_grpo_total"]
+      print(f"sample stage, GRPO all domains: {t['baseline_cpu_s']:.3g} -> "
+            f"{t['current_cpu_s']:.3g} CPU s, {t['speedup']:.2f}x; identical episodes: "
+            f"{t['outputs_match']}")
   path = common.write_result(args.name, payload, args.out)
   print(f"wrote {path}")
   return payload

@@ -3,12 +3,13 @@
 ``generate`` runs one jitted program per (shapes, model config, static sampling
 fields): temperature, top-k, top-p and ``max_new_tokens`` are traced, so sweeps
 over them reuse one program (the decode width is the static
-``max_new_tokens_cap``). The program is a prefill over the prompt batch (once
-per distinct prompt: ``opd.rollout.prefill``), then a ``lax.while_loop`` of one-token decode steps that exits after N steps or
-as soon as every row has ended. Prompts may be left- or right-padded (or have
-holes); rows are first compacted to left padding so that all rows decode in
-lockstep and share the cache write index, and RoPE positions are
-``cumsum(mask) - 1`` so padding never shifts them.
+``max_new_tokens_cap``). The program is a prefill over the prompt batch, once
+per distinct prompt (``opd.rollout.prefill``), then a ``lax.while_loop`` of
+one-token decode steps that exits after N steps or as soon as every row has
+ended. Prompts may be left- or right-padded (or have holes); rows are first
+compacted to left padding so that all rows decode in lockstep and share the
+cache write index, and RoPE positions are ``cumsum(mask) - 1`` so padding
+never shifts them.
 
 Sampling follows the usual order (as ``transformers``' logits warpers):
 temperature, then top-k, then top-p on the top-k-renormalised distribution.
@@ -61,9 +62,8 @@ class SamplingConfig:
     return_hidden: also return the last hidden state each token was sampled
       from (``SampleOutput.hidden``).
     share_prefill: prefill each distinct prompt of a concrete batch once and
-      copy its cache to the rows that repeat it (``opd.rollout.prefill``);
-      the samples are the same either way. False runs the prefill over every
-      row (the baseline of ``experiments/benchmarks/rollout.py``).
+      copy its cache to the rows repeating it (``opd.rollout.prefill``); the
+      samples are the same. False prefills every row (a benchmark baseline).
   """
   max_new_tokens: int = 64
   max_new_tokens_cap: int | None = None
@@ -116,8 +116,7 @@ class SamplingConfig:
     return self.max_new_tokens if self.max_new_tokens_cap is None else self.max_new_tokens_cap
 
   def static_part(self) -> "SamplingConfig":
-    """This config with its traced fields at fixed values: the jit cache key."""
-    # share_prefill acts on the host: the traced ``PrefillRows`` select the program.
+    """This config with its traced and host-side (``share_prefill``) fields fixed: the jit key."""
     return dataclasses.replace(self, max_new_tokens=self.cap, max_new_tokens_cap=None,
                                temperature=1.0, top_k=0, top_p=1.0, share_prefill=True)
 
@@ -249,15 +248,13 @@ def _generate(params, prompt_tokens, prompt_mask, rng, knobs: _Knobs, rows: Pref
               *, model_cfg: ModelConfig, sampling: SamplingConfig, rules, mesh):
   del mesh  # static only so that each mesh gets its own compiled program
   with nn.logical_axis_rules(rules or ()):
-    return _generate_body(params, prompt_tokens, prompt_mask, rng, knobs, rows, model_cfg,
-                          sampling)
+    return _generate_body(params, prompt_tokens, prompt_mask, rng, knobs, rows, model_cfg, sampling)
 
 
 def _generate_body(params, prompt_tokens, prompt_mask, rng, knobs: _Knobs,
                    rows: PrefillRows | None, cfg: ModelConfig,
                    sampling: SamplingConfig) -> SampleOutput:
-  """``sampling`` is the static part: its ``max_new_tokens`` is the cap N;
-  ``rows`` (None: every row) the rows whose prompts are prefilled."""
+  """``sampling``: the static part (``max_new_tokens`` is the cap N); ``rows``: see prefill."""
   B, N, D = prompt_tokens.shape[0], sampling.max_new_tokens, cfg.d_model
   constrain = nn.with_logical_constraint
   tokens, mask = left_align(prompt_tokens, prompt_mask, sampling.pad_id)

@@ -432,7 +432,8 @@ def test_shared_prefill_equals_prefill_of_every_row(model, repeated_prompts):
       # The shared prefill changes nothing: same tokens, log-probs, hidden states.
       np.testing.assert_array_equal(np.asarray(shared.tokens), np.asarray(every.tokens))
       np.testing.assert_array_equal(np.asarray(shared.mask), np.asarray(every.mask))
-      np.testing.assert_allclose(np.asarray(shared.logprobs), lp, atol=_logprob_atol(logits / t, lp))
+      np.testing.assert_allclose(np.asarray(shared.logprobs), lp,
+                                 atol=_logprob_atol(logits / t, lp))
       np.testing.assert_allclose(np.asarray(shared.hidden), np.asarray(every.hidden),
                                  atol=_f32_atol(hidden))
       sampled.add(np.asarray(shared.tokens).tobytes())
