@@ -31,6 +31,7 @@ import pathlib
 
 import jax
 import numpy as np
+from tqdm.auto import tqdm
 
 from experiments import common
 from experiments import pretrain as pretrain_job
@@ -180,7 +181,7 @@ def _stage_inputs(ctx: _Ctx, workdir: pathlib.Path) -> dict:
   samples = _read(ctx, "samples", "samples.json")
   stats = execution.RunStats()
   out, totals = {}, {}
-  for p in _problems(ctx):
+  for p in tqdm(_problems(ctx), desc="test inputs", unit="problem"):
     rows = []
     for j, s in enumerate(p.subtasks):
       built = inputs_lib.build_inputs(
