@@ -253,8 +253,11 @@ def run(config, workdir: str) -> dict:
             ROWS["student"]: root / "student", ROWS["opd_A"]: root / "opd_a",
             ROWS["opd_B"]: root / "opd_b"}
   out_dir = root / "compat"
+  # The whole job config is part of the stage's: a changed upstream stage (say
+  # more OPD steps) must not reuse an evaluation of the old checkpoints.
   eval_stage = ml_collections.ConfigDict(dict(job="compat_eval", eval=_copy(config.eval),
-                                              models=[str(v) for v in models.values()]))
+                                              models=[str(v) for v in models.values()],
+                                              pipeline=_copy(config)))
   common.run_stage("compat evaluation", _evaluate(config, models), eval_stage, out_dir)
   results = {r.name: r for r in ev.load_results(str(out_dir / "results.json"))}
   metrics = (config.report_metric, f"mean@{config.eval.num_samples}")

@@ -20,6 +20,11 @@ are the only difference. The student is a short SFT of base A on the domain
 (``student_sft``, its own data seed ``seed + 1``), weak at the task, then
 ``opd`` steps of OPD in each arm with the same settings and seed.
 
+The variant argument: ``tiny``, ``domain=NAME``, ``opd_steps=N`` (OPD steps;
+only the two OPD stages and the evaluation change, so in an existing
+workdir move ``opd_a/``, ``opd_b/`` and ``compat/`` aside and the bases,
+teachers and student are reused).
+
 The report (WORKDIR/compat/report.md, summary.json, compat.png): each
 teacher's score (greedy reward@1 and mean@4 on the held-out test set, with
 bootstrap SEs) and their difference; the initial top-8 overlap and reverse
@@ -44,7 +49,7 @@ from opd.training.optim import OptimConfig
 
 
 def get_config(arg=None):
-  arg = config_utils.parse_arg(arg, tiny=False, domain="math")
+  arg = config_utils.parse_arg(arg, tiny=False, domain="math", opd_steps=0)
   if arg["domain"] not in ALL_DOMAINS:
     raise ValueError(f"config arg domain={arg['domain']!r}: expected one of {ALL_DOMAINS}")
   spec = specialists_config.get_config("tiny" if arg["tiny"] else None)
@@ -103,4 +108,10 @@ def get_config(arg=None):
     c.opd_train.update(steps=2, save_every=2, eval_every=2)
     c.eval.update(n_per_domain=4, num_samples=2, max_new_tokens=12, batch_size=8,
                   bootstrap_samples=50)
+  if arg["opd_steps"] < 0:
+    raise ValueError(f"config arg opd_steps={arg['opd_steps']}: expected >= 0 (0: the default)")
+  if arg["opd_steps"]:
+    n = arg["opd_steps"]
+    c.opd_train.update(steps=n, save_every=n, eval_every=max(1, n // 4))
+    c.opd_optim.decay_steps = max(1, n - c.opd_optim.warmup_steps)
   return c

@@ -75,6 +75,14 @@ def test_config_checks():
   c = compat_config.get_config()
   # The teachers follow the specialists' math settings (160 SFT steps, GRPO lr 5e-5).
   assert c.sft.train.steps == 160 and c.grpo_optim.lr == 5e-5
+  # opd_steps=N: only the OPD stages change (steps, checkpoint, eval spacing, cosine length).
+  long = compat_config.get_config("opd_steps=120")
+  assert (long.opd_train.steps, long.opd_train.save_every, long.opd_train.eval_every) == (
+      120, 120, 30)
+  assert long.opd_optim.decay_steps == 120 - long.opd_optim.warmup_steps
+  assert long.sft == c.sft and long.student_sft == c.student_sft and long.opd == c.opd
+  with pytest.raises(ValueError, match="opd_steps=-1"):
+    compat_config.get_config("opd_steps=-1")
   c.base_seeds = (3, 3)
   with pytest.raises(ValueError, match="base_seeds"):
     compat.run_teachers(c, pathlib.Path("/nonexistent"))
