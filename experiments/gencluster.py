@@ -18,8 +18,12 @@ holds ``config.json``, ``final_metrics.json`` and its JSON outputs):
              kept inputs and on the unfiltered ones, and on every subtask's
              hidden tests; clusters per variant (``clusters.json``); sandbox
              throughput.
+  judge      ``judge.train_steps`` > 0: SFT of the policy into a pairwise code
+             judge on rule-written train-split pairs (reference vs a near miss).
   rank       the pairwise tournament between cluster representatives, per
-             variant, judged by ``judge.checkpoint`` or the policy (``rankings.json``).
+             variant, judged by ``judge.checkpoint``, the trained judge, or the
+             policy (``rankings.json``); judge accuracy on the matches where
+             exactly one representative passes the subtask's hidden tests.
   report     submissions per strategy under the budget; solve rate vs budget
              (``report.md``, ``results.json``, ``solve_rate.png``).
 """
@@ -37,6 +41,8 @@ from experiments import common
 from experiments import pretrain as pretrain_job
 from experiments import sft as sft_job
 from experiments.specialists import _stage_config
+from grm import pairwise
+from grm import training as training_lib
 from grm.gencluster import clustering, execution, pipeline
 from grm.gencluster import inputs as inputs_lib
 from grm.gencluster import tournament as tournament_lib
@@ -46,7 +52,9 @@ from opd import tasks as tasks_lib
 from opd.models import init_params, to_model_config
 from opd.rollout.episodes import sampling_for_chat
 from opd.tasks.sandbox import Sandbox, SandboxLimits
+from opd.training import lm_trainer
 from opd.training.checkpoints import load_params
+from opd.training.metrics_writer import MetricWriter
 
 STRATEGIES = ("gencluster", "no_validators", "majority", "random")
 LABELS = {"gencluster": "GENCLUSTER (tournament, validated inputs)",
@@ -270,10 +278,40 @@ def _stage_execute(ctx: _Ctx, workdir: pathlib.Path) -> dict:
           "upper_bound": pipeline.upper_bound(passes)}
 
 
+def _stage_judge(ctx: _Ctx, workdir: pathlib.Path) -> dict:
+  """SFT of the policy into a pairwise code judge (``judge.train_steps`` > 0 and no
+  ``judge.checkpoint``) on rule-written pairs of the code domain's train split:
+  the reference against a near miss (``tournament.judge_sft_pairs``)."""
+  c = ctx.config
+  if c.judge.checkpoint or not c.judge.train_steps:
+    return {"trained": 0}
+  examples = [ex for d in c.problems.difficulties for ex in tasks_lib.get_task("code").examples(
+      "train", c.judge.num_train // len(c.problems.difficulties), seed=c.seed + 5, difficulty=d,
+      unique=False)]
+  pairs = tournament_lib.judge_sft_pairs(examples, seed=c.seed)
+  steps = c.judge.train_steps
+  loop = lm_trainer.LMTrainConfig(steps=steps, keep_checkpoints=1, progress=True)
+  history = []
+  optim = common.optim_config(c.judge.optim, "config.judge.optim")
+  with MetricWriter(workdir) as writer:
+    logger = common.Logger(writer, every=max(1, steps // 20))
+    training_lib.train_judgement_sft(
+        ctx.model_cfg, _policy_params(ctx), ctx.tok, pairs, optim=optim, loop=loop,
+        mesh=ctx.mesh, rules=ctx.rules, seed=c.seed, seq_len=c.judge.seq_len,
+        batch_size=c.judge.batch_size, checkpoint_dir=workdir / "checkpoints",
+        on_metrics=lambda s, m: (history.append(m), logger(s, m)))
+  losses = [float(m["loss"]) for m in history if "loss" in m]
+  return {"trained": 1, "pairs": len(pairs), "loss_first": losses[0],
+          "loss_final": float(np.mean(losses[-5:]))}
+
+
 def _judge(ctx: _Ctx):
   c = ctx.config
   if c.judge.checkpoint:
     params = load_params(c.judge.checkpoint, ctx.model_cfg, mesh=ctx.mesh, rules=ctx.rules)
+  elif c.judge.train_steps:
+    params = load_params(ctx.root / "judge" / "checkpoints", ctx.model_cfg, mesh=ctx.mesh,
+                         rules=ctx.rules)
   else:
     params = _policy_params(ctx)
   sampling = sampling_for_chat(ctx.tok, max_new_tokens=c.judge.max_new_tokens,
@@ -300,6 +338,14 @@ def _stage_rank(ctx: _Ctx, workdir: pathlib.Path) -> dict:
   texts = list(_judge(ctx)([m.prompt.text for m in all_matches], c.seed)) if all_matches else []
   out: dict = {}
   judged = valid = 0
+  informative = right = 0  # matches where exactly one representative passes the subtask
+  for m, (pid, v, j), text in zip(all_matches, owner, texts):
+    sub = clusters[pid]["variants"][v][j]["clusters"]
+    ok = [j in clusters[pid]["passes"][sub[k][0]] for k in (m.i, m.j)]
+    if ok[0] != ok[1]:
+      informative += 1
+      pick = pairwise.preferred_index(pairwise.parse_pairwise(text), m.prompt.swapped)
+      right += pick == (0 if ok[0] else 1)
   for pi, p in enumerate(problems):
     out[p.id] = {}
     for v in VARIANTS:
@@ -314,7 +360,9 @@ def _stage_rank(ctx: _Ctx, workdir: pathlib.Path) -> dict:
   common.write_json(workdir / "rankings.json", out)
   common.write_json(workdir / "judge_samples.json", texts[:20])
   return {"matches": judged, "valid_judgements": valid,
-          "judge_valid_rate": valid / judged if judged else float("nan")}
+          "judge_valid_rate": valid / judged if judged else float("nan"),
+          "informative_matches": informative,
+          "judge_accuracy": right / informative if informative else float("nan")}
 
 
 # --- report -------------------------------------------------------------------------------------
@@ -402,7 +450,9 @@ def render_report(results: dict, budgets) -> str:
             + f", generators {inp['generators_model']}/{inp['generators_model'] + inp['generators_fallback']}"
             f" (rest: seeded fallback), validators {inp['validators_model']}/"
             f"{inp['validators_model'] + inp['validators_fallback']} (rest: rule-based), "
-            f"tournament judge (valid judgements {rk['valid_judgements']}/{rk['matches']}).", "",
+            f"tournament judge (valid judgements {rk['valid_judgements']}/{rk['matches']}; "
+            f"right on {rk.get('judge_accuracy', float('nan')):.2f} of the "
+            f"{rk.get('informative_matches', 0)} matches where exactly one side passes).", "",
             f"Candidates {ex['candidates']}: parsed {ex['parsed']}, dropped (parse) "
             f"{ex['dropped_parse']}, dropped (compile) {ex['dropped_compile']}. Clusters kept "
             f"{ex['validated/clusters_kept']} of {ex['validated/clusters_all']} (validated inputs).",
@@ -436,6 +486,7 @@ STAGES = (("policy", _stage_policy, ("policy",)),
           ("samples", _stage_samples, ("candidates", "tests", "sample_batch")),
           ("inputs", _stage_inputs, ("tests", "sandbox")),
           ("execute", _stage_execute, ("sandbox",)),
+          ("judge", _stage_judge, ("judge", "problems")),
           ("rank", _stage_rank, ("judge", "tournament")),
           ("report", _stage_report, ("submission",)))
 

@@ -42,6 +42,8 @@ import ml_collections
 from experiments.configs import pretrain as pretrain_config
 from experiments.configs import sft as sft_config
 from opd.config import overrides as config_utils
+from opd.config.fields import to_group
+from opd.training.optim import OptimConfig
 
 V4 = "workdirs/v4_3seeds"
 
@@ -64,7 +66,10 @@ def get_config(arg=None):
       base=f"{V4}/base/checkpoints",
       pretrain=ml_collections.ConfigDict(dict(optim=pre.optim, train=pre.train, data=pre.data)),
       sft=ml_collections.ConfigDict(dict(optim=sft.optim, train=sft.train, data=sft.data))))
-  c.judge = ml_collections.ConfigDict(dict(checkpoint="", max_new_tokens=24, temperature=0.0))
+  c.judge = ml_collections.ConfigDict(dict(
+      checkpoint="", max_new_tokens=24, temperature=0.0, train_steps=100, num_train=3000,
+      batch_size=16, seq_len=512,
+      optim=to_group(OptimConfig, lr=3e-4, warmup_steps=10, decay_steps=90, schedule="cosine")))
   c.problems = ml_collections.ConfigDict(dict(split="test", difficulties=(1, 2, 3),
                                               per_difficulty=16, n_hidden=8))
   c.candidates = ml_collections.ConfigDict(dict(k=32, temperature=1.0, max_new_tokens=48,
@@ -82,7 +87,7 @@ def get_config(arg=None):
     c.candidates.update(k=3, max_new_tokens=12, plant_reference=True)
     c.tests.update(n_generators=1, per_generator=4, n_validators=2, n_probe=4, max_inputs=6)
     c.tournament.update(max_clusters=3)
-    c.judge.update(max_new_tokens=8)
+    c.judge.update(max_new_tokens=8, train_steps=0)
     c.submission.update(budget=8, report_budgets=(1, 2, 8))
     c.sample_batch = 16
   return c

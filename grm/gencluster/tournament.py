@@ -16,6 +16,8 @@ the judge's texts only: deterministic for a deterministic judge.
 from __future__ import annotations
 
 import dataclasses
+import random
+import re
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -84,3 +86,36 @@ def run_tournament(query: str, representatives: Sequence[str], sizes: Sequence[i
   ms = matches(query, representatives, seed=seed, where=where, games=games)
   texts = list(judge([m.prompt.text for m in ms], int(seed))) if ms else []
   return rank(sizes, ms, texts)
+
+
+_INT = re.compile(r"(?<![\w.])\d+(?![\w.])")
+
+
+def mutate_constant(source: str, rng: random.Random) -> str | None:
+  """``source`` with one integer literal changed by 1-3 (a near miss), or None when
+  it has none."""
+  spots = list(_INT.finditer(source))
+  if not spots:
+    return None
+  m = rng.choice(spots)
+  n = int(m.group())
+  value = n + rng.choice((1, 2, 3) if n <= 3 else (-3, -2, -1, 1, 2, 3))  # stays >= 0, != n
+  return source[:m.start()] + str(value) + source[m.end():]
+
+
+def judge_sft_pairs(examples, *, seed: int) -> list[tuple[str, str]]:
+  """Rule-written pairwise SFT pairs for code: (prompt text, ``Better: A|B``).
+
+  Per code example with an integer literal in its reference: the reference
+  against a near miss (``mutate_constant``), sides by a coin seeded with
+  ``(seed, e)``; the target names the reference's side. Docs: DESIGN.md §7.
+  """
+  out = []
+  for e, ex in enumerate(examples):
+    ref = ex.reference[-1][1]
+    wrong = mutate_constant(ref, random.Random(f"gencluster/judge/{seed}/{e}"))
+    if wrong is None or wrong == ref:
+      continue
+    p = pairwise.build_pairwise_prompt(ex.prompt, ref, wrong, seed=(int(seed), e))
+    out.append((p.text, pairwise.format_pairwise("", "B" if p.swapped else "A")))
+  return out

@@ -189,3 +189,30 @@ def test_ranked_clusters_and_strategies():
                                             tournament_order=None, seed=3)
   with pytest.raises(ValueError, match="unknown strategy"):
     pipeline.strategy_rankings("best", candidates=[], clusters=cls, tournament_order=None, seed=0)
+
+
+def test_mutate_constant_changes_one_literal():
+  import random
+  import re
+  src = "def f(x): return x*12+3"
+  for s in range(20):
+    out = tournament.mutate_constant(src, random.Random(s))
+    a, b = re.findall(r"\d+", src), re.findall(r"\d+", out)
+    diff = [(u, v) for u, v in zip(a, b) if u != v]
+    assert len(a) == len(b) and len(diff) == 1, out
+    assert 1 <= abs(int(diff[0][1]) - int(diff[0][0])) <= 3 and int(diff[0][1]) >= 0
+  assert tournament.mutate_constant("def f(xs): return sum(xs)", random.Random(0)) is None
+
+
+def test_judge_sft_pairs_name_the_reference_side():
+  from opd.tasks import get_task
+  examples = get_task("code").examples("train", 12, seed=0, difficulty=1)
+  pairs = tournament.judge_sft_pairs(examples, seed=0)
+  assert len(pairs) == len(examples)  # every difficulty-1 reference has a literal
+  sides = set()
+  for ex, (text, target) in zip(examples, pairs):
+    side = pairwise.parse_pairwise(target).choice
+    shown = text.split(f"[Response {side}]\n")[1].split(f"\n[End of Response {side}]")[0]
+    assert shown == ex.reference[-1][1]
+    sides.add(side)
+  assert sides == {"A", "B"}  # the coin puts the reference on both sides
