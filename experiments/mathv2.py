@@ -11,7 +11,9 @@ decoders; every text a role is measured on is sampled from it.
                     proof-domain chat text (a ``response_fraction`` share
                     with the reference proof).
   generator_sft     SFT from the base: problem → proof Y + honest
-                    self-evaluation Z (rule-written).
+                    self-evaluation Z (rule-written), on its own pool of
+                    ``generator.num_problems`` train problems for
+                    ``generator.sft_steps`` steps.
   verifier_sft      SFT from the base: problem + proof → the checker's analysis.
   meta_sft          SFT from the base: problem + proof + noisy analysis → the
                     rule meta-verification.
@@ -152,24 +154,30 @@ def _losses(logger, **extra) -> dict:
   return {**extra, "loss_first": losses[0], "loss_final": float(np.mean(losses[-5:]))}
 
 
-def _sft(ctx: _Ctx, pairs, workdir: pathlib.Path) -> dict:
+def _sft(ctx: _Ctx, pairs, workdir: pathlib.Path, steps: int | None = None) -> dict:
   c = ctx.config
-  loop = lm_trainer.LMTrainConfig(steps=c.sft.steps, keep_checkpoints=1)
+  steps = steps or c.sft.steps
+  loop = lm_trainer.LMTrainConfig(steps=steps, keep_checkpoints=1)
   with MetricWriter(workdir) as writer:
-    logger = common.Logger(writer, every=max(1, c.sft.steps // 20))
+    logger = common.Logger(writer, every=max(1, steps // 20))
+    optim = common.optim_config(c.sft_optim, "config.sft_optim")
+    if steps != c.sft.steps and optim.schedule != "constant":  # the schedule spans the run
+      optim = dataclasses.replace(optim, decay_steps=max(1, steps - optim.warmup_steps))
     train_lib.train_role_sft(
-        ctx.model_cfg, _params(ctx, "base"), ctx.tok, pairs,
-        optim=common.optim_config(c.sft_optim, "config.sft_optim"), loop=loop, mesh=ctx.mesh,
+        ctx.model_cfg, _params(ctx, "base"), ctx.tok, pairs, optim=optim, loop=loop, mesh=ctx.mesh,
         rules=ctx.rules, seed=c.seed, seq_len=c.sft.seq_len, batch_size=c.sft.batch_size,
         checkpoint_dir=workdir / "checkpoints", on_metrics=logger)
   return _losses(logger, pairs=len(pairs))
 
 
 def _stage_generator_sft(ctx, workdir):
-  _, items = _load(ctx, "train")
-  return _sft(ctx, train_lib.generator_pairs(
-      items, corrupt_fraction=ctx.config.data.generator_corrupt_fraction, seed=ctx.config.seed),
-              workdir)
+  c = ctx.config
+  problems = train_lib.proof_problems("train", c.generator.num_problems,
+                                      difficulties=tuple(c.data.difficulties), seed=c.seed + 2)
+  items = train_lib.proof_items(problems, corruptions=c.data.corruptions, seed=c.seed + 2)
+  pairs = train_lib.generator_pairs(items, corrupt_fraction=c.data.generator_corrupt_fraction,
+                                    seed=c.seed)
+  return _sft(ctx, pairs, workdir, steps=c.generator.sft_steps)
 
 
 def _stage_verifier_sft(ctx, workdir):
@@ -396,7 +404,7 @@ def _plot(results: dict, rounds, path) -> None:
 
 STAGES = (("data", _stage_data, ("data",)),
           ("base", _stage_base, ("base", "base_optim", "data")),
-          ("generator_sft", _stage_generator_sft, ("sft", "sft_optim")),
+          ("generator_sft", _stage_generator_sft, ("sft", "sft_optim", "generator", "data")),
           ("verifier_sft", _stage_verifier_sft, ("sft", "sft_optim")),
           ("meta_sft", _stage_meta_sft, ("sft", "sft_optim")),
           ("verifier_rl", _stage_verifier_rl, ("rl", "grpo", "grpo_optim")),
