@@ -31,7 +31,8 @@ class KVCache(NamedTuple):
   """Per-layer keys/values for decoding; a pytree, so it crosses ``jit``.
 
   Attributes:
-    k, v: tuples of ``n_layers`` arrays ``[B, S, K, Dh]``.
+    k, v: tuples of ``n_layers`` arrays ``[B, K, S, Dh]`` (kv heads before
+      slots: a decode step reads each head's slots contiguously).
     mask: ``[B, S]`` bool, True where a slot holds a real (non-pad) token.
     index: int32 scalar, the next slot to write (shared by the batch).
   """
