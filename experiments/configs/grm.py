@@ -3,7 +3,7 @@
 See docs/DESIGN.md §6 and ``experiments/grm.py``.
 
   python -m experiments.launch --config=experiments/configs/grm.py \
-      --workdir=workdirs/grm                  # on the demo's models (workdirs/demo_check2)
+      --workdir=workdirs/grm                  # on the models of `make demo` (workdirs/demo)
   python -m experiments.launch --config=experiments/configs/grm.py:tiny \
       --workdir=workdirs/grm_tiny             # CI smoke test: tiny random models
 
@@ -30,7 +30,7 @@ from opd.config import overrides as config_utils
 from opd.config.fields import to_group
 from opd.training.optim import OptimConfig
 
-DEMO = "workdirs/demo_check2"
+DEMO = "workdirs/demo"  # what `make demo` writes
 # name -> checkpoint dir of the demo's models (base, per-domain SFT and GRPO specialists).
 DEMO_MODELS = {"base": f"{DEMO}/base/checkpoints",
                **{f"sft_{d}": f"{DEMO}/{d}/sft/checkpoints" for d in ("math", "instruct")},

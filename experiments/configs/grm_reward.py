@@ -8,7 +8,7 @@ test split with the hidden rubric: a learned reward that the policy games
 shows as a rise in its own reward without a rise in the rubric score.
 
   python -m experiments.launch --config=experiments/configs/grm_reward.py \
-      --workdir=workdirs/grm_reward --config.init=workdirs/demo_check2/writing/sft/checkpoints \
+      --workdir=workdirs/grm_reward --config.init=workdirs/demo/writing/sft/checkpoints \
       --config.grm_init=workdirs/grm/<GRM stage>/checkpoints \
       --config.bt_init=workdirs/grm/<BT stage>/checkpoints
   python -m experiments.launch --config=experiments/configs/grm_reward.py:tiny \
