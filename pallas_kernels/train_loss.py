@@ -42,13 +42,15 @@ Implementations are "grads functions" (:data:`GRADS_FUNCTIONS`, keyed by
   and ``dw_s`` [Ds, V] in ``w_s.dtype``. Teachers get no gradient.
 
 ``"reference"`` materialises ``[T, V]`` logits and differentiates the loss
-with ``jax.grad``; ``"chunked"`` (:func:`train_grads_chunked`) scans token
-chunks of ``block_t`` rows and, inside each, vocabulary tiles twice: pass 1
-computes the tile's ``z`` and ``b`` (1 + K matmuls) into a ``[C, V]`` buffer
-pair and folds them into the online statistics of
-:mod:`pallas_kernels.tile_math`; pass 2 walks the buffers once the
-per-token normaliser is known and accumulates ``dh_s`` and ``dW_s`` (2
-matmuls). ``"pallas"`` is ``pallas_kernels.pallas_train.train_grads_pallas``.
+with ``jax.grad``; ``"chunked"`` (:func:`train_grads_chunked`) scans equal
+token chunks of at most ``block_t`` rows and, inside each, vocabulary tiles
+twice: pass 1 computes the tile's ``z`` and ``x_k`` (1 + K matmuls), folds
+them into the online statistics of :mod:`pallas_kernels.tile_math` and
+stores ``e = exp(z − m_j)`` (``m_j`` the running max after tile j) and ``b``
+in a ``[C, V]`` buffer pair; pass 2 walks the buffers once the per-token
+normaliser is known, forms ``∂L/∂z = c e exp(m_j − lse) (b − E_p[b])`` (no
+second exp per logit) and accumulates ``dh_s`` and ``dW_s`` (2 matmuls).
+``"pallas"`` is ``pallas_kernels.pallas_train.train_grads_pallas``.
 """
 from __future__ import annotations
 
@@ -118,7 +120,9 @@ class TrainChunkSizes:
       bytes, :func:`default_block_t`) within ``(2 + K)·32 MiB`` — no more
       than the per-token chunked path's ``(4 + 2K)·T·block_v·4`` bytes of
       tiles at T = 2048 (C = 96 at K = 1 and 160 at K = 3 for V = 131072).
-      Larger C means fewer read-modify-writes of ``dW_s`` (one per chunk).
+      T is then split into equal chunks of at most this many rows
+      (:func:`balanced_block_t`). Larger C means fewer passes over the heads
+      and over ``dW_s`` (one of each per chunk), so larger, faster matmuls.
     block_v: vocabulary columns per tile of both passes.
   """
   block_t: int | None = None
@@ -178,55 +182,101 @@ def gradient_pass(g_tile, h_c, w_s, dw, block_v: int):
   return chunked.fold_tiles(step, (dh0, dw), w_s.shape[1], block_v)
 
 
-def _chunk_pass(h_c, w_s, hk_c, w_k, wh_c, c_c, dw, *, inv_tau, block_v, shared_head):
-  """Both vocabulary passes of one token chunk.
+class _Chunk(NamedTuple):
+  """Token inputs of one chunk of C rows."""
+  h: jax.Array        # [C, Ds] student hidden states
+  hk: tuple           # K arrays [C, Dt_k] teacher hidden states
+  wh: jax.Array       # [C, K] ŵ
+  c: jax.Array        # [C] c
+
+
+class _Normaliser(NamedTuple):
+  """What pass 2 of a chunk needs once its pass 1 has seen the whole vocabulary."""
+  h: jax.Array        # [C, Ds] the chunk's student hidden states
+  lse: jax.Array      # [C, 1] lse(z)
+  e_b: jax.Array      # [C, 1] E_p[b] = Σ_k ŵ_k E_p[z − x_k]
+  g_scale: jax.Array  # [C, 1] c / τ (chain rule through z = h W / τ)
+
+
+def _pass1(w_s, w_k, bufs, chunk: _Chunk, *, inv_tau, block_v, shared_head):
+  """Pass 1 of a chunk: the 1 + K logit matmuls per vocabulary tile, the online
+  statistics (running max m, Σe^{z−m}, E_p[z − x_k], lse_k) and the buffers.
 
   Args:
-    h_c: [C, Ds]; hk_c: K arrays [C, Dt_k]; wh_c: [C, K] ŵ; c_c: [C] c.
-    dw: [Ds, V] float32 running ``dW_s`` (columns updated in place).
+    bufs: ``(ebuf [C, V], bbuf [C, V], mbuf [C, n_tiles])`` float32, filled
+      per tile j with ``e = exp(z − m_j)`` (``m_j`` the running max after
+      tile j), ``b = z − Σ_k ŵ_k x_k`` and ``m_j``.
 
   Returns:
-    ``(dw, (dh_c [C, Ds] f32, lse [C], ent [C], e_k [C, K], lse_k [C, K]))``.
+    ``(bufs, (lse, ent, e_k, lse_k))``, columns [C, 1] (lists of K for e_k / lse_k).
   """
-  rows, k, vocab = h_c.shape[0], len(hk_c), w_s.shape[1]
-  hk_stack = jnp.concatenate(hk_c, axis=0) if shared_head and k > 1 else None  # [K·C, Dt]
+  rows, k = chunk.h.shape[0], len(chunk.hk)
+  bv = min(block_v, w_s.shape[1])
+  hk_stack = jnp.concatenate(chunk.hk, axis=0) if shared_head and k > 1 else None  # [K·C, Dt]
 
   def teacher_logits(start, size):
     if hk_stack is not None:  # one [K·C, Dt] x [Dt, tile] product: the tile is loaded once
       x = chunked.logit_tile(hk_stack, w_k[0], start, size, inv_tau)[0]
       return [x[i * rows:(i + 1) * rows] for i in range(k)]
-    return chunked.teacher_tiles(hk_c, w_k, start, size, inv_tau)
+    return chunked.teacher_tiles(chunk.hk, w_k, start, size, inv_tau)
 
-  # Pass 1: z and b = z − Σ_k ŵ_k x_k of every tile into the buffers, plus the
-  # online statistics (running max, Σe^{z−m}, E_p[z − x_k], lse_k).
-  def pass1(carry, start, size):
-    acc, zbuf, bbuf = carry
-    z, _ = chunked.logit_tile(h_c, w_s, start, size, inv_tau)
+  def step(carry, start, size):
+    acc, (ebuf, bbuf, mbuf) = carry
+    z, _ = chunked.logit_tile(chunk.h, w_s, start, size, inv_tau)
     xs = teacher_logits(start, size)
     acc = tile_math.acc_update(acc, z, xs, None)
+    # exp(z − m_j) is the expression acc_update sums: XLA computes it once, and
+    # pass 2 gets p = e · exp(m_j − lse) without a second exp per logit.
+    e = jnp.exp(z - acc.m)
     b = z
     for i, x in enumerate(xs):
-      b = b - wh_c[:, i:i + 1] * x
-    zbuf = lax.dynamic_update_slice_in_dim(zbuf, z, start, axis=1)
-    return acc, zbuf, lax.dynamic_update_slice_in_dim(bbuf, b, start, axis=1)
+      b = b - chunk.wh[:, i:i + 1] * x
+    return acc, (lax.dynamic_update_slice_in_dim(ebuf, e, start, axis=1),
+                 lax.dynamic_update_slice_in_dim(bbuf, b, start, axis=1),
+                 lax.dynamic_update_slice_in_dim(mbuf, acc.m, start // bv, axis=1))
 
-  buf = jnp.zeros((rows, vocab), jnp.float32)
-  init = tile_math.match_vma((tile_math.acc_init(rows, k), buf, buf), h_c, w_s)
-  acc, zbuf, bbuf = chunked.fold_tiles(pass1, init, vocab, block_v)
-  lse, ent, e_k, lse_k = tile_math.acc_finalize(acc)
-  # E_p[b] = Σ_k ŵ_k E_p[z − x_k] (Σ_k ŵ_k = 1 wherever c ≠ 0).
-  e_b = sum((wh_c[:, i:i + 1] * e for i, e in enumerate(e_k)), jnp.zeros_like(lse))
-  g_scale = (c_c * inv_tau)[:, None]  # chain rule through z = h W / τ
+  acc0 = tile_math.match_vma(tile_math.acc_init(rows, k), chunk.h, w_s)
+  acc, bufs = chunked.fold_tiles(step, (acc0, bufs), w_s.shape[1], block_v)
+  return bufs, tile_math.acc_finalize(acc)
 
-  # Pass 2: ∂L/∂z = c p (b − E_p[b]) per tile.
+
+def _pass2(w_s, bufs, dw, prev: _Normaliser, *, block_v):
+  """Pass 2 of a chunk: per tile ``∂L/∂z = c p (b − E_p[b])`` with
+  ``p = e · exp(m_j − lse)``, then ``dh += g W_tileᵀ`` and ``dW_tile += hᵀ g``
+  (the 2 gradient matmuls; 1/τ is in ``g_scale``).
+
+  Returns:
+    ``(dw, dh [C, Ds] f32)``.
+  """
+  ebuf, bbuf, mbuf = bufs
+  bv = min(block_v, w_s.shape[1])
+
   def g_tile(start, size):
-    z = lax.dynamic_slice_in_dim(zbuf, start, size, axis=1)
+    e = lax.dynamic_slice_in_dim(ebuf, start, size, axis=1)
     b = lax.dynamic_slice_in_dim(bbuf, start, size, axis=1)
-    return g_scale * jnp.exp(z - lse) * (b - e_b)
+    m_j = lax.dynamic_slice_in_dim(mbuf, start // bv, 1, axis=1)
+    return (prev.g_scale * jnp.exp(m_j - prev.lse)) * e * (b - prev.e_b)
 
-  dh, dw = gradient_pass(g_tile, h_c, w_s, dw, block_v)
-  st = tile_math.stats_from_columns(lse, ent, e_k, lse_k, k)
-  return dw, (dh, st.lse, st.ent, st.e_k, st.lse_k)
+  dh, dw = gradient_pass(g_tile, prev.h, w_s, dw, block_v)
+  return dw, dh
+
+
+def _normaliser(chunk: _Chunk, cols, inv_tau) -> _Normaliser:
+  lse, _, e_k, _ = cols
+  # E_p[b] = Σ_k ŵ_k E_p[z − x_k] (Σ_k ŵ_k = 1 wherever c ≠ 0).
+  e_b = sum((chunk.wh[:, i:i + 1] * e for i, e in enumerate(e_k)), jnp.zeros_like(lse))
+  return _Normaliser(chunk.h, lse, e_b, (chunk.c * inv_tau)[:, None])
+
+
+def balanced_block_t(t: int, block_t: int) -> int:
+  """Rows per chunk when T takes ``n = ceil(T / block_t)`` chunks of equal size:
+  ``ceil(T / n)``, rounded up to a multiple of 8 when ``block_t`` is one (still
+  <= block_t), so the zero rows padding T to ``n·C`` are fewer than ``n·8``."""
+  if t <= block_t:
+    return t
+  n = -(-t // block_t)
+  c = -(-t // n)
+  return -(-c // 8) * 8 if block_t % 8 == 0 else c
 
 
 def train_grads_chunked(h_s, w_s, h_k, w_k, w_hat, coef, *, temperature: float,
@@ -234,28 +284,50 @@ def train_grads_chunked(h_s, w_s, h_k, w_k, w_hat, coef, *, temperature: float,
                         shared_head: bool = False) -> TrainOut:
   """Token chunks × vocabulary tiles in ``lax.scan`` (module docstring).
 
-  Transient memory: the ``[C, V]`` float32 ``z`` / ``b`` buffers
-  (:class:`TrainChunkSizes`), a few ``[C, block_v]`` tiles, and the
-  gradients themselves (``dW_s`` accumulates in float32). No head is padded
-  or copied: a remainder chunk and a remainder tile are static-size calls.
+  T is split into ``n = ceil(T / block_t)`` chunks of equal size C
+  (:func:`balanced_block_t`), the tokens padded with zero rows to ``n·C``
+  (``c = 0`` there: exact-zero gradient), so every chunk is one compiled
+  body and no remainder chunk holds buffers of its own. No head is padded or
+  copied; a remainder vocabulary tile is a static-size call.
+
+  Transient memory: the ``[C, V]`` float32 ``e`` / ``b`` buffers
+  (:class:`TrainChunkSizes`), a ``[C, ⌈V / block_v⌉]`` column of running
+  maxima, a few ``[C, block_v]`` tiles and the float32 ``dW_s``.
   """
   if sizes is not None and not isinstance(sizes, TrainChunkSizes):
     raise ValueError(f"block_sizes={sizes!r}: impl='chunked' takes a TrainChunkSizes")
   sizes = sizes or TrainChunkSizes()
   inv_tau = 1.0 / temperature
-  t = h_s.shape[0]
-  run = functools.partial(_chunk_pass, w_s=w_s, w_k=w_k, inv_tau=inv_tau,
-                          block_v=sizes.block_v, shared_head=shared_head)
+  t, k, vocab = h_s.shape[0], len(h_k), w_s.shape[1]
+  rows = balanced_block_t(t, sizes.block_t or default_block_t(k, vocab))
+  n = -(-t // rows)
 
-  def body(dw, start, size):
-    rows = lambda a: lax.dynamic_slice_in_dim(a, start, size, axis=0)
-    return run(rows(h_s), hk_c=[rows(h) for h in h_k], wh_c=rows(w_hat), c_c=rows(coef), dw=dw)
+  def chunks(a):  # [T, ...] -> [n, C, ...], zero rows appended
+    a = jnp.pad(a, [(0, n * rows - t)] + [(0, 0)] * (a.ndim - 1))
+    return a.reshape(n, rows, *a.shape[1:])
+  xs = _Chunk(chunks(h_s), tuple(chunks(h) for h in h_k), chunks(w_hat), chunks(coef))
+  pass1 = functools.partial(_pass1, w_s, w_k, inv_tau=inv_tau, block_v=sizes.block_v,
+                            shared_head=shared_head)
 
-  dw0 = tile_math.match_vma(jnp.zeros(w_s.shape, jnp.float32), h_s, w_s)
-  block_t = sizes.block_t or default_block_t(len(h_k), w_s.shape[1])
-  dw, (dh, lse, ent, e_k, lse_k) = fold_chunks(body, dw0, t, block_t)
-  kl = tile_math.kl_from_stats(tile_math.Stats(lse, ent, e_k, lse_k))
-  return TrainOut(weighted_loss(coef, w_hat, kl), kl, ent, dh.astype(h_s.dtype),
+  n_tiles = -(-vocab // min(sizes.block_v, vocab))
+  bufs = (jnp.zeros((rows, vocab), jnp.float32), jnp.zeros((rows, vocab), jnp.float32),
+          jnp.zeros((rows, n_tiles), jnp.float32))
+  dw = jnp.zeros(w_s.shape, jnp.float32)
+  bufs, dw = tile_math.match_vma((bufs, dw), h_s, w_s)
+
+  def body(carry, chunk):
+    bufs, dw = carry
+    bufs, cols = pass1(bufs, chunk)
+    dw, dh = _pass2(w_s, bufs, dw, _normaliser(chunk, cols, inv_tau), block_v=sizes.block_v)
+    return (bufs, dw), (cols, dh)
+
+  (_, dw), (cols, dh) = lax.scan(body, (bufs, dw), xs)
+  flat = lambda a: a.reshape(n * rows, *a.shape[2:])[:t]  # [n, C, ...] -> [T, ...]
+  lse, ent, e_k, lse_k = jax.tree.map(flat, cols)
+  st = tile_math.stats_from_columns(lse, ent, e_k, lse_k, k)
+  dh = flat(dh)
+  kl = tile_math.kl_from_stats(st)
+  return TrainOut(weighted_loss(coef, w_hat, kl), kl, st.ent, dh.astype(h_s.dtype),
                   dw.astype(w_s.dtype))
 
 

@@ -228,3 +228,20 @@ def test_default_chunk_buffers_fit_the_per_token_paths_tiles(k):
   budget = (4 + 2 * k) * t * block_v * 4
   assert c % 8 == 0 and 2 * c * v * 4 <= budget < 2 * (c + 8) * v * 4
   assert TrainChunkSizes().block_t is None  # the default resolves per K and V
+
+
+@pytest.mark.parametrize("t,block_t,expected", [
+    (2048, 96, 96),  # 22 chunks: ceil(2048 / 22) = 94 -> 96 (multiple of 8), 64 zero rows
+    (2048, 160, 160),  # 13 chunks: ceil(2048 / 13) = 158 -> 160
+    (300, 64, 64),  # 5 chunks: ceil(300 / 5) = 60 -> 64
+    (20, 8, 8),  # 3 chunks: ceil(20 / 3) = 7 -> 8
+    (7, 4, 4),  # block_t not a multiple of 8: 2 chunks of ceil(7 / 2) = 4
+    (7, 3, 3),  # 3 chunks of ceil(7 / 3) = 3
+    (100, 48, 40),  # 3 chunks: ceil(100 / 3) = 34 -> 40, not 48 (20 zero rows, not 44)
+    (5, 8, 5),  # one chunk holds T
+])
+def test_balanced_block_t(t, block_t, expected):
+  """Equal chunks in as few as block_t allows, never larger than block_t."""
+  c = train_loss.balanced_block_t(t, block_t)
+  assert c == expected
+  assert c <= block_t and -(-t // c) == -(-t // block_t)  # same chunk count, none larger
