@@ -41,7 +41,6 @@ from experiments import common
 from experiments import pretrain as pretrain_job
 from experiments import sft as sft_job
 from experiments.specialists import _stage_config
-from grm import pairwise
 from grm import training as training_lib
 from grm.gencluster import clustering, execution, pipeline
 from grm.gencluster import inputs as inputs_lib
@@ -339,22 +338,19 @@ def _stage_rank(ctx: _Ctx, workdir: pathlib.Path) -> dict:
   out: dict = {}
   judged = valid = 0
   informative = right = 0  # matches where exactly one representative passes the subtask
-  for m, (pid, v, j), text in zip(all_matches, owner, texts):
-    sub = clusters[pid]["variants"][v][j]["clusters"]
-    ok = [j in clusters[pid]["passes"][sub[k][0]] for k in (m.i, m.j)]
-    if ok[0] != ok[1]:
-      informative += 1
-      pick = pairwise.preferred_index(pairwise.parse_pairwise(text), m.prompt.swapped)
-      right += pick == (0 if ok[0] else 1)
   for pi, p in enumerate(problems):
     out[p.id] = {}
     for v in VARIANTS:
       orders = []
       for j, sub in enumerate(clusters[p.id]["variants"][v]):
         idx = [i for i, o in enumerate(owner) if o == (p.id, v, j)]
-        sizes = [len(m) for m in sub["clusters"][:c.tournament.max_clusters]]
-        r = tournament_lib.rank(sizes, [all_matches[i] for i in idx], [texts[i] for i in idx])
+        head = sub["clusters"][:c.tournament.max_clusters]
+        games, said = [all_matches[i] for i in idx], [texts[i] for i in idx]
+        r = tournament_lib.rank([len(m) for m in head], games, said)
         judged, valid = judged + r.judged, valid + r.valid
+        n, k = tournament_lib.judge_accuracy(
+            games, said, [j in clusters[p.id]["passes"][m[0]] for m in head])
+        informative, right = informative + n, right + k
         orders.append({"order": list(r.order), "wins": list(r.wins)})
       out[p.id][v] = orders
   common.write_json(workdir / "rankings.json", out)

@@ -45,7 +45,7 @@ from opd.config import overrides as config_utils
 from opd.config.fields import to_group
 from opd.training.optim import OptimConfig
 
-V4 = "workdirs/v4_3seeds"
+DEMO = "workdirs/demo"  # what `make demo` writes (read only here)
 
 
 def get_config(arg=None):
@@ -62,8 +62,8 @@ def get_config(arg=None):
   sft.data.update(domains=("code",), difficulties=(1, 2, 3))
   c.policy = ml_collections.ConfigDict(dict(
       random_init=False,
-      checkpoints=(f"{V4}/code/grpo/checkpoints", f"{V4}/code/sft/checkpoints"),
-      base=f"{V4}/base/checkpoints",
+      checkpoints=(f"{DEMO}/code/grpo/checkpoints", f"{DEMO}/code/sft/checkpoints"),
+      base=f"{DEMO}/base/checkpoints",
       pretrain=ml_collections.ConfigDict(dict(optim=pre.optim, train=pre.train, data=pre.data)),
       sft=ml_collections.ConfigDict(dict(optim=sft.optim, train=sft.train, data=sft.data))))
   c.judge = ml_collections.ConfigDict(dict(
@@ -87,7 +87,8 @@ def get_config(arg=None):
     c.candidates.update(k=3, max_new_tokens=12, plant_reference=True)
     c.tests.update(n_generators=1, per_generator=4, n_validators=2, n_probe=4, max_inputs=6)
     c.tournament.update(max_clusters=3)
-    c.judge.update(max_new_tokens=8, train_steps=0)
+    c.judge.update(max_new_tokens=8, train_steps=2, num_train=12, batch_size=2)
+    c.judge.optim.update(warmup_steps=0, decay_steps=2)
     c.submission.update(budget=8, report_budgets=(1, 2, 8))
     c.sample_batch = 16
   return c

@@ -12,6 +12,8 @@ A valid judgement gives the preferred cluster one win; an invalid one gives
 nobody anything. Clusters are ranked by wins, then size, then by their order
 in the input (largest first), so the ranking is a function of the seed and
 the judge's texts only: deterministic for a deterministic judge.
+``judge_accuracy`` scores the judge on the matches where exactly one side
+is correct.
 """
 from __future__ import annotations
 
@@ -76,6 +78,24 @@ def rank(sizes: Sequence[int], games: Sequence[Match], texts: Sequence[str]) -> 
       wins[(m.i, m.j)[p]] += 1
   order = sorted(range(len(sizes)), key=lambda c: (-wins[c], -sizes[c], c))
   return Ranking(tuple(order), tuple(int(w) for w in wins), len(games), valid)
+
+
+def judge_accuracy(games: Sequence[Match], texts: Sequence[str], correct: Sequence[bool]
+                   ) -> tuple[int, int]:
+  """``(informative, right)`` over the ``games`` where exactly one cluster is
+  ``correct`` (its representative passes the subtask's hidden tests): how
+  many such matches, and on how many the judge preferred the correct side
+  (mapped back through the swap; an invalid judgement is not right)."""
+  if len(games) != len(texts):
+    raise ValueError(f"{len(games)} matches but {len(texts)} judge texts")
+  informative = right = 0
+  for m, text in zip(games, texts):
+    if bool(correct[m.i]) == bool(correct[m.j]):
+      continue
+    informative += 1
+    pick = pairwise.preferred_index(pairwise.parse_pairwise(text), m.prompt.swapped)
+    right += pick == (0 if correct[m.i] else 1)
+  return informative, right
 
 
 def run_tournament(query: str, representatives: Sequence[str], sizes: Sequence[int], judge: JudgeFn,

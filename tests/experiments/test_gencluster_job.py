@@ -5,6 +5,7 @@ rarely parse) plus two planted candidates per subtask (the reference and an
 off-by-one distractor), inputs, clustering, the tournament, submissions and
 the report; a second launch reuses every finished stage.
 """
+import itertools
 import json
 import math
 import os
@@ -75,6 +76,20 @@ def test_tournament_judges_every_pair_and_report_is_complete(run):
               for row in clusters.values() for v in job.VARIANTS for sub in row["variants"][v])
   assert m["rank/matches"] == pairs > 0
   assert 0 <= m["rank/valid_judgements"] <= pairs
+  # The judge stage fine-tuned the policy (2 steps in tiny) and the tournament used it.
+  assert m["judge/trained"] == 1 and m["judge/pairs"] > 0
+  assert (workdir / "judge" / "checkpoints").is_dir()
+  # Judge accuracy is over the pairs where exactly one representative (a cluster's
+  # first member) passes the subtask's hidden tests, counted here from clusters.json.
+  informative = 0
+  for row in clusters.values():
+    for v in job.VARIANTS:
+      for j, sub in enumerate(row["variants"][v]):
+        ok = [j in row["passes"][cl[0]] for cl in sub["clusters"][:3]]
+        informative += sum(a != b for a, b in itertools.combinations(ok, 2))
+  assert m["rank/informative_matches"] == informative
+  if informative:
+    assert 0 <= m["rank/judge_accuracy"] <= 1
   results = _read(workdir, "report", "results.json")
   for name in job.STRATEGIES:
     curve = results["curves"][name]

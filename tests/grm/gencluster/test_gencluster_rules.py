@@ -121,6 +121,28 @@ def test_rank_maps_the_choice_back_through_the_swap():
   assert r.wins == (0, 1) and r.order == (1, 0)
 
 
+def test_judge_accuracy_counts_only_matches_with_one_correct_side():
+  # Clusters 1 and 3 are correct. Informative pairs (one side correct): (0,1), (0,3), (1,2),
+  # (2,3); (0,2) and (1,3) are not. The fair judge prefers "GOOD" (cluster 1 only), so it is
+  # right on (0,1) and (1,2), invalid ("no idea") on (0,3) and (2,3): 2 of 4.
+  correct = [False, True, False, True]
+  ms = tournament.matches("q", REPS, seed=3)
+  texts = _fair([m.prompt.text for m in ms], 3)
+  assert tournament.judge_accuracy(ms, texts, correct) == (4, 2)
+  # A judge naming the correct side wherever it is shown is right on all 4 for any seed;
+  # naming the other side, on none: the swap is undone before scoring.
+  for seed in range(5):
+    ms = tournament.matches("q", REPS, seed=seed)
+    side = lambda m, good: "A" if (correct[m.i] == good) != m.prompt.swapped else "B"  # noqa: E731
+    assert tournament.judge_accuracy(ms, [f"Better: {side(m, True)}" for m in ms],
+                                     correct) == (4, 4)
+    assert tournament.judge_accuracy(ms, [f"Better: {side(m, False)}" for m in ms],
+                                     correct) == (4, 0)
+  assert tournament.judge_accuracy(ms, ["Better: A"] * len(ms), [True] * 4) == (0, 0)
+  with pytest.raises(ValueError, match="judge texts"):
+    tournament.judge_accuracy(ms, [], correct)
+
+
 # --- submission ---------------------------------------------------------------------------------
 
 def test_round_robin_order():
