@@ -8,11 +8,12 @@ in ``opd``. Nothing here holds training logic.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -169,3 +170,54 @@ def run_stage(name: str, fn, cfg, workdir: pathlib.Path) -> dict:
   metrics = fn(cfg, str(workdir))
   write_json(done, metrics)
   return metrics
+
+
+def stage_matches(workdir: pathlib.Path, cfg) -> bool:
+  """``workdir`` holds a finished stage whose ``config.json`` matches ``cfg``."""
+  saved = workdir / "config.json"
+  if not (saved.exists() and (workdir / FINAL).exists()):
+    return False
+  return not config_mismatches(json.loads(saved.read_text()), config_to_dict(cfg))
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+  """Where a pipeline's stages live: its own root, and finished runs to reuse.
+
+  ``run(name, fn, cfg, rel)`` returns ``(metrics, directory)``. The stage is
+  read from the first root in ``reuse`` whose ``rel`` holds it finished under
+  the same stage config (nothing is written there), else it runs (or resumes)
+  in ``root / rel`` through :func:`run_stage`. Stage configs name their
+  inputs by path, so a stage is reused only when its inputs were too: a
+  lever that changes OPD reruns OPD and what follows it, and reads the
+  specialists and the cold start from the run it was started from
+  (``--config.reuse_from``).
+  """
+  root: pathlib.Path
+  reuse: tuple[pathlib.Path, ...] = ()
+
+  @classmethod
+  def of(cls, root, reuse: Sequence[str | pathlib.Path] = ()) -> "Stages":
+    root = pathlib.Path(root)
+    roots = tuple(pathlib.Path(r) for r in reuse if str(r))
+    for r in roots:
+      if not r.is_dir():
+        raise ValueError(f"reuse_from={str(r)!r} is not a directory (a finished run's workdir)")
+      if r.resolve() == root.resolve():
+        raise ValueError(f"reuse_from={str(r)!r} is the workdir itself")
+    return cls(root, roots)
+
+  def find(self, cfg, rel: str) -> pathlib.Path | None:
+    """The reuse root's directory holding stage ``rel`` finished under ``cfg``."""
+    for r in self.reuse:
+      if stage_matches(r / rel, cfg):
+        return r / rel
+    return None
+
+  def run(self, name: str, fn, cfg, rel: str) -> tuple[dict, pathlib.Path]:
+    found = self.find(cfg, rel)
+    if found is not None:
+      print(f"[stage] {name}: reused from {found}", flush=True)
+      return json.loads((found / FINAL).read_text()), found
+    d = self.root / rel
+    return run_stage(name, fn, cfg, d), d

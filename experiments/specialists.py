@@ -77,74 +77,92 @@ def _check_per_domain(config) -> None:
                          f"{PER_DOMAIN_FIELDS}, >= 0 (0 means the shared value)")
 
 
-def run(config, workdir: str) -> dict:
+def run(config, workdir: str, reuse=()) -> dict:
+  """Runs (or resumes) every stage; ``reuse``: finished workdirs whose
+  matching stages are read instead of rerun (``experiments.common.Stages``)."""
   timer = common.Timer()
-  root = pathlib.Path(workdir)
+  stages = common.Stages.of(workdir, reuse)
   domains = tuple(config.domains)
   _check_per_domain(config)
-  model_cfg = to_model_config(config.model)
-  tok = common.tokenizer_for(model_cfg)
-  mesh, rules = common.mesh_and_rules(config)
   stage_metrics: dict[str, dict] = {}
 
-  base_dir = root / "base"
-  stage_metrics["base"] = common.run_stage(
+  stage_metrics["base"], base_dir = stages.run(
       "base pre-training", pretrain_job.run,
       _stage_config(config, "pretrain", optim=config.base.optim, train=config.base.train,
-                    data=config.base.data), base_dir)
+                    data=config.base.data), "base")
 
+  dirs = {}
   for d in domains:
-    sft_dir, grpo_dir = root / d / "sft", root / d / "grpo"
     sft_train, sft_optim = _steps(config.sft.train, config.sft.optim, config, d, "sft_steps")
-    stage_metrics[f"sft_{d}"] = common.run_stage(
+    stage_metrics[f"sft_{d}"], sft_dir = stages.run(
         f"{d}: SFT", sft_job.run,
         _stage_config(config, "sft", init=str(base_dir / "checkpoints"), optim=sft_optim,
-                      train=sft_train, data=_copy(config.sft.data, domains=(d,))), sft_dir)
+                      train=sft_train, data=_copy(config.sft.data, domains=(d,))), f"{d}/sft")
     grpo_train, _ = _steps(config.grpo_train, None, config, d, "grpo_steps")
     grpo_lr = config.get("per_domain", {}).get(d, {}).get("grpo_lr")
     grpo_optim = _copy(config.grpo_optim, lr=grpo_lr) if grpo_lr else config.grpo_optim
-    stage_metrics[f"grpo_{d}"] = common.run_stage(
+    stage_metrics[f"grpo_{d}"], grpo_dir = stages.run(
         f"{d}: GRPO", grpo_job.run,
         _stage_config(config, "grpo", init=str(sft_dir / "checkpoints"), grpo=config.grpo,
                       optim=grpo_optim, train=grpo_train,
                       data=_copy(config.grpo_data, domains=(d,)),
-                      agent_reward=config.agent_reward), grpo_dir)
+                      agent_reward=config.agent_reward), f"{d}/grpo")
+    dirs[d] = {"sft": sft_dir, "grpo": grpo_dir}
 
-  # Evaluation. The heatmap: base and specialists on every test set, greedy.
-  # The GRPO-vs-SFT comparison: each domain's SFT model and specialist on
-  # their own test set, greedy and sampled (mean@N is what GRPO optimises).
-  cross_cfg = from_group(ev.EvalConfig, config.eval, "config.eval", domains=domains,
+  eval_cfg = ml_collections.ConfigDict(dict(
+      job="specialists_eval", seed=config.seed, model=_copy(config.model), mesh=config.mesh,
+      sharding_rules=config.sharding_rules,
+      eval=_copy(config.eval), report_metric=config.report_metric, base=str(base_dir),
+      models={d: {k: str(v) for k, v in dirs[d].items()} for d in domains}))
+  metrics, out_dir = stages.run("specialists evaluation", _evaluate, eval_cfg, "results")
+  print((out_dir / "report.md").read_text(), flush=True)
+  print(f"[specialists] heatmap: {out_dir / 'heatmap.png'}\n"
+        f"[specialists] tables: {out_dir / 'results.md'}", flush=True)
+  return {**metrics, "wall_s": timer.seconds, "heatmap": str(out_dir / "heatmap.png"),
+          "report": str(out_dir / "report.md"), "dirs": {
+              "base": str(base_dir), **{f"{d}/{k}": str(v) for d in domains
+                                        for k, v in dirs[d].items()}}}
+
+
+def _evaluate(cfg, workdir: str) -> dict:
+  """The evaluation stage. The heatmap: base and specialists on every test
+  set, greedy. The GRPO-vs-SFT comparison: each domain's SFT model and
+  specialist on their own test set, greedy and sampled (mean@N is what
+  GRPO optimises)."""
+  domains = tuple(cfg.models)
+  model_cfg = to_model_config(cfg.model)
+  tok = common.tokenizer_for(model_cfg)
+  mesh, rules = common.mesh_and_rules(cfg)
+  cross_cfg = from_group(ev.EvalConfig, cfg.eval, "config.eval", domains=domains,
                          num_samples=0)
   results, own = [], {}
-  models = [("base", base_dir)] + [(f"{d}-specialist", root / d / "grpo") for d in domains]
+  models = [("base", pathlib.Path(cfg.base))] + [
+      (f"{d}-specialist", pathlib.Path(cfg.models[d]["grpo"])) for d in domains]
   print(f"[specialists] evaluating {len(models)} models on {len(domains)} test sets "
         f"({cross_cfg.n_per_domain} examples each)", flush=True)
-  key = jax.random.key(config.seed + 1234)
+  key = jax.random.key(cfg.seed + 1234)
   for name, run_dir in models:
     params = load_params(run_dir / "checkpoints", model_cfg, mesh=mesh, rules=rules)
     results.append(ev.evaluate(model_cfg, params, tok, cross_cfg, rng=key, name=name, mesh=mesh,
                                rules=rules))
-    print(f"  {name}: " + ", ".join(f"{d} {results[-1].score(d, config.report_metric).value:.0f}"
+    print(f"  {name}: " + ", ".join(f"{d} {results[-1].score(d, cfg.report_metric).value:.0f}"
                                     for d in domains), flush=True)
   for d in domains:
-    own_cfg = from_group(ev.EvalConfig, config.eval, "config.eval", domains=(d,))
+    own_cfg = from_group(ev.EvalConfig, cfg.eval, "config.eval", domains=(d,))
     for stage in ("sft", "grpo"):
-      params = load_params(root / d / stage / "checkpoints", model_cfg, mesh=mesh, rules=rules)
+      params = load_params(pathlib.Path(cfg.models[d][stage]) / "checkpoints", model_cfg,
+                           mesh=mesh, rules=rules)
       own[d, stage] = ev.evaluate(model_cfg, params, tok, own_cfg, rng=key,
                                   name=f"{d}-{stage}", mesh=mesh, rules=rules)
 
-  out_dir = root / "results"
-  paths = ev.save_results(results + list(own.values()), out_dir)
-  heat = ev.heatmap(results, out_dir / "heatmap.png", metric=config.report_metric)
-  sampled = f"mean@{config.eval.num_samples}"
-  summary = summarize(results, own, domains, config.report_metric, sampled)
-  table = ev.results_table(results, metric=config.report_metric)
-  report = render_report(table, summary, config.report_metric, sampled)
-  (out_dir / "report.md").write_text(report)
-  print(report, flush=True)
-  print(f"[specialists] heatmap: {heat}\n[specialists] tables: {paths['markdown']}", flush=True)
-  return {"wall_s": timer.seconds, "heatmap": str(heat), "report": str(out_dir / "report.md"),
-          **{k: v for k, v in summary.items() if not isinstance(v, (list, dict))},
+  out_dir = pathlib.Path(workdir)
+  ev.save_results(results + list(own.values()), out_dir)
+  ev.heatmap(results, out_dir / "heatmap.png", metric=cfg.report_metric)
+  sampled = f"mean@{cfg.eval.num_samples}"
+  summary = summarize(results, own, domains, cfg.report_metric, sampled)
+  table = ev.results_table(results, metric=cfg.report_metric)
+  (out_dir / "report.md").write_text(render_report(table, summary, cfg.report_metric, sampled))
+  return {**{k: v for k, v in summary.items() if not isinstance(v, (list, dict))},
           **{f"{k}/{d}": v for k, row in summary.items() if isinstance(row, dict)
              for d, v in row.items()}}
 

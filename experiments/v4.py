@@ -12,10 +12,16 @@ config (``experiments.common.run_stage``):
       OPD: routing by domain, reverse KL to the specialists  WORKDIR/student/seed<s>/opd
       annealing: teacher weights → uniform, lr → 0           WORKDIR/student/seed<s>/anneal
   → baselines (``config.baselines.baselines``)                WORKDIR/baselines/<job>
-  → evaluation of every model on every test set               WORKDIR/v4/
+  → evaluation of each model on every test set               WORKDIR/eval/<model>
+  → the report (tables, heatmap, diagnostics; rewritten on every run)  WORKDIR/v4/
 
 The specialists stage also writes its own report (``WORKDIR/results``).
-The ``v4`` evaluation scores every row (base, specialists, each student
+``--config.reuse_from=DIR[,DIR2]`` reads every stage a finished run in DIR
+holds under the same stage config instead of rerunning it (nothing is
+written there; ``experiments.common.Stages``): a lever on OPD
+(``--config.opd.aggregation=sequence_mean``) in a new workdir reruns only
+OPD, annealing and their evaluations; ``:seeds=3`` only the new seeds.
+The evaluation scores every row (base, specialists, each student
 stage, each baseline) with one ``EvalConfig``: greedy ``reward@1`` and the
 sampled ``mean@N``, bootstrap standard errors over test examples; student
 rows with several seeds show the mean and the standard deviation across
@@ -48,17 +54,23 @@ def _copy(group) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(group.to_dict())
 
 
-def _teachers(config, root: pathlib.Path) -> ml_collections.ConfigDict:
+def _teachers(config, grpo_dirs) -> ml_collections.ConfigDict:
   model = config.specialists.model
   return ml_collections.ConfigDict({
-      d: ml_collections.ConfigDict(dict(init=str(root / d / "grpo" / "checkpoints"), domain=d,
-                                        model=_copy(model)))
+      d: ml_collections.ConfigDict(dict(init=str(pathlib.Path(grpo_dirs[d]) / "checkpoints"),
+                                        domain=d, model=_copy(model)))
       for d in config.specialists.domains})
 
 
-def student_stage_config(config, stage: str, root: pathlib.Path, student_init: str,
+def student_stage_config(config, stage: str, grpo_dirs, student_init: str,
                          seed: int) -> ml_collections.ConfigDict:
-  """The ``experiments.distill`` config of one student stage."""
+  """The ``experiments.distill`` config of one student stage.
+
+  ``grpo_dirs``: ``{domain: specialist run dir}``, the teachers. Each stage's config
+  holds only the groups it reads: the cold start has no ``opd`` group, OPD
+  and annealing no ``cold_start`` group, so an OPD lever reuses the cold
+  start (``experiments.common.Stages``).
+  """
   if stage not in STUDENT_STAGES:
     raise ValueError(f"stage={stage!r}: expected one of {STUDENT_STAGES}")
   c = ml_collections.ConfigDict()
@@ -68,20 +80,22 @@ def student_stage_config(config, stage: str, root: pathlib.Path, student_init: s
   c.sharding_rules = config.specialists.sharding_rules
   c.student = ml_collections.ConfigDict(dict(init=student_init,
                                              model=_copy(config.specialists.model)))
-  c.teachers = _teachers(config, root)
+  c.teachers = _teachers(config, grpo_dirs)
   c.data = _copy(config.data)
-  c.cold_start = _copy(config.cold_start)
   # The teachers are the specialists: nothing is built (a fixed group, so no
   # stage depends on another stage's optimizer settings).
   c.build_teachers = ml_collections.ConfigDict(dict(sft_steps=0, num_train=0, batch_size=1,
                                                     optim=to_group(OptimConfig)))
-  c.opd = _copy(config.opd)
   c.optim = _copy(config.cold_start_optim if stage == "cold_start" else
                   config.opd_optim if stage == "opd" else config.anneal_optim)
+  if stage == "cold_start":
+    c.cold_start = _copy(config.cold_start)
+    return c
+  c.opd = _copy(config.opd)
   c.train = _copy(config.opd_train)
   if stage == "opd":
     c.opd.anneal_steps = 0
-  elif stage == "anneal":
+  else:
     steps = config.anneal.steps
     c.opd.anneal_steps = steps
     c.train.update(steps=steps, save_every=steps, eval_every=max(1, steps // 2))
@@ -92,83 +106,106 @@ def _ckpt(directory: pathlib.Path) -> str:
   return str(directory / "checkpoints")
 
 
-def run_students(config, root: pathlib.Path) -> dict[int, dict[str, pathlib.Path]]:
+def _stages(config, workdir) -> common.Stages:
+  reuse = [r.strip() for r in str(config.get("reuse_from", "") or "").split(",") if r.strip()]
+  return common.Stages.of(workdir, reuse)
+
+
+def run_students(config, stages: common.Stages, grpo_dirs,
+                 base_dir: pathlib.Path) -> dict[int, dict[str, pathlib.Path]]:
   """Cold start → OPD → annealing for every seed; ``{seed: {stage: run dir}}``."""
   out = {}
   for seed in config.student_seeds:
-    dirs, init = {}, _ckpt(root / "base")
+    dirs, init = {}, _ckpt(base_dir)
     for stage in STUDENT_STAGES:
-      d = root / "student" / f"seed{seed}" / stage
       fn = distill_job.run_cold_start if stage == "cold_start" else distill_job.run_opd
-      common.run_stage(f"student seed {seed}: {stage}", fn,
-                                 student_stage_config(config, stage, root, init, seed), d)
+      _, d = stages.run(f"student seed {seed}: {stage}", fn,
+                        student_stage_config(config, stage, grpo_dirs, init, seed),
+                        f"student/seed{seed}/{stage}")
       dirs[stage], init = d, _ckpt(d)
     out[seed] = dirs
   return out
 
 
-def run_baselines(config, root: pathlib.Path, cold_start: pathlib.Path) -> dict[str, pathlib.Path]:
+def run_baselines(config, stages: common.Stages, grpo_dirs,
+                  base_dir: pathlib.Path, cold_start: pathlib.Path) -> dict[str, pathlib.Path]:
   """The baselines in ``config.baselines.baselines``; ``{job: run dir}``."""
   bl = config.baselines
-  paths = {"base": _ckpt(root / "base"), "student": _ckpt(cold_start),
-           "teachers": {d: _ckpt(root / d / "grpo") for d in config.specialists.domains}}
+  paths = {"base": _ckpt(base_dir), "student": _ckpt(cold_start),
+           "teachers": {d: _ckpt(grpo_dirs[d]) for d in config.specialists.domains}}
   out = {}
   for job in bl.baselines:
     if job not in baselines_job.RUNS:
       raise ValueError(f"config.baselines.baselines has {job!r}: expected some of "
                        f"{tuple(baselines_job.RUNS)}")
-    d = root / "baselines" / job
-    common.run_stage(f"baseline {job}", baselines_job.RUNS[job],
-                               baselines_job.stage_config(bl, job, paths), d)
-    out[job] = d
+    _, out[job] = stages.run(f"baseline {job}", baselines_job.RUNS[job],
+                             baselines_job.stage_config(bl, job, paths), f"baselines/{job}")
   return out
 
 
-def _evaluate_all(config, models: dict[str, pathlib.Path]):
-  """A stage function: every model on every test set, results saved as JSON."""
+def _slug(name: str) -> str:
+  return "".join(ch if ch.isalnum() else "_" for ch in name).strip("_").lower()
+
+
+def _evaluate_one(config):
+  """A stage function: one model on every test set (``results.json``)."""
 
   def fn(cfg, workdir: str) -> dict:
-    model_cfg = to_model_config(config.specialists.model)
+    model_cfg = to_model_config(cfg.model)
     tok = common.tokenizer_for(model_cfg)
     mesh, rules = common.mesh_and_rules(config.specialists)
-    eval_cfg = from_group(ev.EvalConfig, cfg.eval, "config.eval",
-                          domains=tuple(config.specialists.domains))
-    key = jax.random.key(config.seed + 1234)
-    results = []
-    print(f"[v4] evaluating {len(models)} models on {len(eval_cfg.domains)} test sets "
-          f"({eval_cfg.n_per_domain} examples each, greedy + mean@{eval_cfg.num_samples})",
+    eval_cfg = from_group(ev.EvalConfig, cfg.eval, "config.eval", domains=tuple(cfg.domains))
+    params = load_params(_ckpt(pathlib.Path(cfg.model_dir)), model_cfg, mesh=mesh, rules=rules)
+    result = ev.evaluate(model_cfg, params, tok, eval_cfg, rng=jax.random.key(cfg.seed + 1234),
+                         name=cfg.name, mesh=mesh, rules=rules)
+    ev.save_results([result], workdir)
+    print(f"  {cfg.name}: " + ", ".join(
+        f"{d} {result.score(d, config.report_metric).value:.0f}" for d in eval_cfg.domains),
           flush=True)
-    for name, run_dir in models.items():
-      params = load_params(_ckpt(run_dir), model_cfg, mesh=mesh, rules=rules)
-      results.append(ev.evaluate(model_cfg, params, tok, eval_cfg, rng=key, name=name, mesh=mesh,
-                                 rules=rules))
-      print(f"  {name}: " + ", ".join(
-          f"{d} {results[-1].score(d, config.report_metric).value:.0f}" for d in eval_cfg.domains),
-            flush=True)
-    ev.save_results(results, workdir)
-    return {"models": len(results)}
+    return {f"{d}/{config.report_metric}": result.score(d, config.report_metric).value
+            for d in eval_cfg.domains}
 
   return fn
+
+
+def evaluate_models(config, stages: common.Stages, models: dict[str, pathlib.Path]) -> list:
+  """Every model on every test set, one reusable stage per model
+  (``eval/<name>``); the ``EvalResult`` list in ``models``' order."""
+  print(f"[v4] evaluating {len(models)} models on {len(config.specialists.domains)} test sets "
+        f"({config.eval.n_per_domain} examples each, greedy + mean@{config.eval.num_samples})",
+        flush=True)
+  results = []
+  for name, run_dir in models.items():
+    cfg = ml_collections.ConfigDict(dict(
+        job="v4_eval", seed=config.seed, eval=_copy(config.eval),
+        domains=tuple(config.specialists.domains), model=_copy(config.specialists.model),
+        model_dir=str(run_dir), name=name))
+    _, d = stages.run(f"evaluation: {name}", _evaluate_one(config), cfg, f"eval/{_slug(name)}")
+    results += ev.load_results(str(d / "results.json"))
+  return results
 
 
 def run(config, workdir: str) -> dict:
   timer = common.Timer()
   root = pathlib.Path(workdir)
-  specialists_job.run(config.specialists, str(root))
-  students = run_students(config, root)
-  first = students[config.student_seeds[0]]["cold_start"]
-  base_rows = run_baselines(config, root, first)
-  models = {"base": root / "base"}
-  models.update({f"{d}-specialist": root / d / "grpo" for d in config.specialists.domains})
+  stages = _stages(config, root)
+  spec = specialists_job.run(config.specialists, str(root), reuse=stages.reuse)
+  base_dir = pathlib.Path(spec["dirs"]["base"])
+  grpo_dirs = {d: pathlib.Path(spec["dirs"][f"{d}/grpo"]) for d in config.specialists.domains}
+  students = run_students(config, stages, grpo_dirs, base_dir)
+  first = students[config.student_seeds[0]]
+  base_rows = run_baselines(config, stages, grpo_dirs, base_dir, first["cold_start"])
+  models = {"base": base_dir}
+  models.update({f"{d}-specialist": grpo_dirs[d] for d in config.specialists.domains})
   for seed, dirs in students.items():
     for stage, d in dirs.items():
       models[f"{v4_report.STUDENT_ROWS[stage]}#{seed}"] = d
   models.update({v4_report.BASELINE_ROWS.get(job, job): d for job, d in base_rows.items()})
-  eval_stage = ml_collections.ConfigDict(dict(
-      job="v4_eval", eval=_copy(config.eval), models=sorted(str(v) for v in models.values())))
+  results = evaluate_models(config, stages, models)
   out_dir = root / "v4"
-  common.run_stage("v4 evaluation", _evaluate_all(config, models), eval_stage, out_dir)
-  results = ev.load_results(str(out_dir / "results.json"))
+  out_dir.mkdir(parents=True, exist_ok=True)
+  ev.save_results(results, str(out_dir))
+  common.write_json(out_dir / "models.json", {k: str(v) for k, v in models.items()})
   summary = v4_report.summarize(results, tuple(config.specialists.domains),
                                 config.report_metric, f"mean@{config.eval.num_samples}")
   report = v4_report.render(summary, timer_s=timer.seconds)
@@ -177,7 +214,7 @@ def run(config, workdir: str) -> dict:
   heat = v4_report.heatmap(summary, out_dir / "heatmap.png", config.report_metric)
   # Per-teacher overlap and reverse KL by position over OPD then annealing (first seed).
   diag = diagnostics_plot.plot_diagnostics(
-      [first.parent / "opd", first.parent / "anneal"], out_dir / "diagnostics.png",
+      [first["opd"], first["anneal"]], out_dir / "diagnostics.png",
       f"OPD then annealing (student seed {config.student_seeds[0]}): diagnostics per teacher")
   print(report, flush=True)
   print(f"[v4] heatmap: {heat}\n[v4] diagnostics: {diag}\n[v4] report: {out_dir / 'report.md'}",

@@ -15,9 +15,11 @@ The variant argument: ``tiny``, ``seeds=N`` (student seeds 0..N-1),
 ``all_baselines``. Stages are shared with the separate jobs (``specialists``,
 ``cold_start``/``opd`` in experiments/configs/distill.py, the baselines in
 experiments/configs/baselines.py), so the same workdir extends step by step:
-``seeds=3`` after a default run trains only seeds 1 and 2 and the
-evaluation (whose stage config then differs: use its own workdir, or delete
-``WORKDIR/v4``).
+``seeds=3`` after a default run trains and evaluates only seeds 1 and 2.
+A lever in its own workdir reuses the finished stages of another:
+
+  python -m experiments.launch --config=experiments/configs/v4.py --workdir=workdirs/v4_seqmean \
+      --config.reuse_from=workdirs/demo --config.opd.aggregation=sequence_mean
 
 Budget (the same for OPD and the RL baselines): OPD 80 steps + annealing 20
 steps of 8 prompts × 4 samples × ≤ 80 new tokens (100 updates, ≤ 256,000
@@ -53,6 +55,9 @@ def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.job = "v4"
   c.seed = 0
+  # Finished workdirs (comma-separated) whose stages are read, not rerun,
+  # when their stage config matches (experiments.common.Stages).
+  c.reuse_from = ""
   c.specialists = spec
   c.student_seeds = tuple(range(arg["seeds"]))
   c.report_metric = "reward@1"

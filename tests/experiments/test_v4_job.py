@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from experiments import diagnostics_plot, v4_report
+from experiments import diagnostics_plot, v4, v4_report
 from opd.eval.report import load_results
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -71,3 +71,29 @@ def test_v4_tiny_runs_every_stage_and_reports_every_row(tmp_path):
   for t in domains:
     steps = series[t]["overlap@8"][0]
     assert set(steps) <= {1.0, 3.0} and steps[-1] == 3.0, (t, steps)
+
+  # A lever in a new workdir (--config.reuse_from) reruns only what it
+  # changes: OPD, annealing and their two evaluations; every other stage and
+  # row is read from the first run, which is left untouched.
+  before = {p: p.stat().st_mtime_ns for p in workdir.rglob("*") if p.is_file()}
+  lever = tmp_path / "lever"
+  proc = subprocess.run(cmd[:-1] + [f"--workdir={lever}", f"--config.reuse_from={workdir}",
+                                    "--config.opd.aggregation=sequence_mean"],
+                        capture_output=True, text=True, env=env, timeout=1200, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert {p: p.stat().st_mtime_ns for p in workdir.rglob("*") if p.is_file()} == before
+  assert not any((lever / d).exists() for d in ("base", "baselines", *domains))
+  assert not (lever / "student" / "seed0" / "cold_start").exists()
+  for stage in ("opd", "anneal"):
+    assert (lever / "student" / "seed0" / stage / "checkpoints").is_dir()
+  opd_cfg = json.loads((lever / "student" / "seed0" / "opd" / "config.json").read_text())
+  assert opd_cfg["opd"]["aggregation"] == "sequence_mean"
+  assert opd_cfg["student"]["init"] == str(workdir / "student" / "seed0" / "cold_start" /
+                                           "checkpoints")
+  changed = {v4_report.STUDENT_ROWS[s] + "#0" for s in ("opd", "anneal")}
+  assert sorted(p.name for p in (lever / "eval").iterdir()) == sorted(map(v4._slug, changed))
+  again = {r.name: r for r in load_results(str(lever / "v4" / "results.json"))}
+  assert set(again) == set(results)
+  for name, r in results.items():
+    if name not in changed:
+      assert again[name].to_dict() == r.to_dict(), name
