@@ -13,7 +13,11 @@ Per response token ``t`` with renormalised teacher weights ``ŵ_{t,k}``::
 
 plus ``forward_kl_coef · Σ_k ŵ_{t,k} KL(q_k,t ‖ p_s,t)`` (default 0). All logits
 are divided by ``temperature`` and rebuilt inside the kernels from hidden
-states and heads; ``[B, T, V]`` is never materialised.
+states and heads; ``[B, T, V]`` is never materialised. ``teacher_temperature``
+τ_T (default 1) sharpens (τ_T < 1) or flattens the targets only: teacher k's
+logits become ``x_k / (τ τ_T)``, applied exactly by scaling its hidden states
+(``x_k = h_k W_k``), so the kernels are unchanged; the reported ``kl/<name>``
+is then to the sharpened teacher (docs/DESIGN.md §3).
 
 With ``grpo_coef > 0`` the GRPO verifier-reward term (docs/DESIGN.md §5) is
 added to the aggregated loss: ``grpo_coef · opd.rl.loss.policy_loss(log p_s(y),
@@ -71,6 +75,8 @@ class OPDLossConfig:
     estimator: ``"full"``, ``"top_k"`` or ``"token"`` (module docstring).
     top_k: k of the ``top_k`` estimator, in [1, V].
     temperature: τ > 0, divides every logit.
+    teacher_temperature: τ_T > 0, further divides the teachers' logits only
+      (the targets; module docstring).
     aggregation: ``"token_mean"`` or ``"sequence_mean"``.
     forward_kl_coef: weight of the forward-KL term (>= 0, default 0).
     grpo_coef: weight of the GRPO policy-gradient term (>= 0, default 0).
@@ -87,6 +93,7 @@ class OPDLossConfig:
   estimator: str = "full"
   top_k: int = 8
   temperature: float = 1.0
+  teacher_temperature: float = 1.0
   aggregation: str = "token_mean"
   forward_kl_coef: float = 0.0
   grpo_coef: float = 0.0
@@ -104,8 +111,9 @@ class OPDLossConfig:
     fields.check_choice(owner, "aggregation", self.aggregation, AGGREGATIONS)
     fields.check_choice(owner, "impl", self.impl, IMPLS)
     fields.set_field(self, "top_k", fields.check_int(owner, "top_k", self.top_k, min_value=1))
-    fields.set_field(self, "temperature", fields.check_float(
-        owner, "temperature", self.temperature, min_value=0, min_exclusive=True))
+    for name in ("temperature", "teacher_temperature"):
+      fields.set_field(self, name, fields.check_float(
+          owner, name, getattr(self, name), min_value=0, min_exclusive=True))
     for name, bounds in (("forward_kl_coef", dict(min_value=0)), ("grpo_coef", dict(min_value=0)),
                          ("grpo_temperature", dict(min_value=0, min_exclusive=True)),
                          ("grpo_clip_eps_low", dict(min_value=0, max_value=1,
@@ -202,6 +210,7 @@ def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
   # head): the training loss loads each head tile once for all K.
   shared = len(heads) > 1 and all(w is heads[0] for w in heads)
   tau, impl = float(config.temperature), config.impl
+  inv_teacher_tau = 1.0 / float(config.teacher_temperature)
   grpo = config.grpo_coef > 0
 
   def loss_fn(params, batch, rng):
@@ -213,6 +222,8 @@ def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
     h_s = out.hidden.reshape(b * t, -1)
     w_s = head_matrix(student_cfg, params)
     h_k = [h.reshape(b * t, h.shape[-1]) for h in batch["teacher_hidden"]]
+    if inv_teacher_tau != 1.0:  # x_k / τ_T = (h_k / τ_T) W_k
+      h_k = [h.astype(jnp.float32) * inv_teacher_tau for h in h_k]
     weights = batch["teacher_weights"].astype(jnp.float32)
     keep = ((batch["loss_mask"] > 0) & batch["mask"].astype(bool)
             & (jnp.sum(weights, axis=-1) > 0))  # [B, T]

@@ -86,6 +86,9 @@ class OPDConfig:
     group_size: G, student samples per prompt (>= 1).
     temperature: the student's sampling temperature (> 0).
     kl_temperature: τ dividing every logit in the loss and diagnostics.
+    teacher_temperature: τ_T, further dividing the teachers' logits in the
+      loss only (< 1 sharpens the targets; diagnostics and the held-out KL
+      use the teachers as they are).
     max_new_tokens: N, tokens per sampled response.
     seq_len: L, the longest training row (``len(prompt) + N - 1 <= L``).
     length_bucket: rows are padded to the longest episode rounded up to a
@@ -116,6 +119,7 @@ class OPDConfig:
   group_size: int = 4
   temperature: float = 1.0
   kl_temperature: float = 1.0
+  teacher_temperature: float = 1.0
   max_new_tokens: int = 64
   seq_len: int = 256
   length_bucket: int = 32
@@ -145,7 +149,8 @@ class OPDConfig:
                      ("updates_per_batch", 1), ("diag_every", 0), ("diag_tokens", 1)):
       fields.set_field(self, name, fields.check_int(owner, name, getattr(self, name),
                                                     min_value=lo))
-    for name in ("temperature", "kl_temperature", "confidence_temperature", "deadline_s"):
+    for name in ("temperature", "kl_temperature", "teacher_temperature", "confidence_temperature",
+                 "deadline_s"):
       fields.set_field(self, name, fields.check_float(owner, name, getattr(self, name),
                                                       min_value=0, min_exclusive=True))
     for name in ("forward_kl_coef", "grpo_coef", "grpo_clip_eps_high"):
@@ -179,7 +184,9 @@ class OPDConfig:
   def loss_config(self) -> OPDLossConfig:
     """The loss's options (``opd.distill.loss.make_opd_loss``)."""
     return OPDLossConfig(estimator=self.estimator, top_k=self.top_k,
-                         temperature=self.kl_temperature, aggregation=self.aggregation,
+                         temperature=self.kl_temperature,
+                         teacher_temperature=self.teacher_temperature,
+                         aggregation=self.aggregation,
                          forward_kl_coef=self.forward_kl_coef, grpo_coef=self.grpo_coef,
                          grpo_temperature=self.temperature,
                          grpo_clip_eps_low=self.grpo_clip_eps_low,

@@ -70,8 +70,9 @@ def _log_softmax(z):
   return z - m - np.log(np.exp(z - m).sum(-1, keepdims=True))
 
 
-def _reference(setup, weights, keep, tau, top_k=None):
-  """Per-token reverse KL, forward KL, token estimate and top-k KL in float64 numpy."""
+def _reference(setup, weights, keep, tau, top_k=None, teacher_tau=1.0):
+  """Per-token reverse KL, forward KL, token estimate and top-k KL in float64 numpy
+  (teacher logits divided by ``tau * teacher_tau``, the student's by ``tau``)."""
   h_s = np.asarray(_hidden(STUDENT, setup["student"], setup["batch"]["tokens"],
                            setup["batch"]["mask"]), np.float64)
   lp = _log_softmax(h_s @ np.asarray(head_matrix(STUDENT, setup["student"]), np.float64) / tau)
@@ -82,7 +83,7 @@ def _reference(setup, weights, keep, tau, top_k=None):
   per_teacher = []
   token = np.take_along_axis(lp, y, -1)[..., 0]
   for k, (h, hd) in enumerate(zip(setup["hidden"], setup["heads"])):
-    x = np.asarray(h, np.float64) @ np.asarray(hd, np.float64) / tau
+    x = np.asarray(h, np.float64) @ np.asarray(hd, np.float64) / (tau * teacher_tau)
     lq = _log_softmax(x)
     per_teacher.append((np.exp(lp) * (lp - lq)).sum(-1))
     rkl = rkl + w[..., k] * per_teacher[-1]
@@ -135,6 +136,26 @@ def test_full_loss_matches_numpy(setup, aggregation):
   for k, kl in enumerate(per_teacher):  # over the tokens teacher k weighs
     uses = keep & (weights[..., k] > 0)
     assert abs(float(metrics[f"kl/t{k}"]) - kl[uses].mean()) <= _tol(setup, 1.5)
+
+
+@pytest.mark.parametrize("teacher_tau", [0.5, 2.0])
+def test_teacher_temperature_divides_only_the_teachers_logits(setup, teacher_tau):
+  """τ_T sharpens (or flattens) the targets: KL(p_s^τ ‖ softmax(x_k / (τ τ_T)))."""
+  weights = setup["weights"]
+  cfg = loss_lib.OPDLossConfig(temperature=1.5, teacher_temperature=teacher_tau)
+  loss, metrics, _ = _run(setup["student"], _batch(setup, weights), tuple(setup["heads"]), cfg)
+  keep = _keep(setup, weights)
+  rkl, _, _, _, _, per_teacher = _reference(setup, weights, keep, 1.5, teacher_tau=teacher_tau)
+  tol = _tol(setup, 1.5 * min(teacher_tau, 1.0))
+  assert abs(float(loss) - rkl[keep].mean()) <= tol
+  plain, _, _ = _run(setup["student"], _batch(setup, weights), tuple(setup["heads"]),
+                     loss_lib.OPDLossConfig(temperature=1.5))
+  rkl1, *_ = _reference(setup, weights, keep, 1.5)
+  assert abs(rkl[keep].mean() - rkl1[keep].mean()) > 100 * tol  # the option changes the loss
+  assert abs(float(plain) - rkl1[keep].mean()) <= tol
+  for k, kl in enumerate(per_teacher):
+    uses = keep & (weights[..., k] > 0)
+    assert abs(float(metrics[f"kl/t{k}"]) - kl[uses].mean()) <= tol
 
 
 def test_topk_and_token_estimators_match_numpy(setup):
@@ -270,6 +291,7 @@ def test_sharded_222_step_equals_single_device(setup):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(estimator="beam"), r"OPDLossConfig.estimator must be one of .*'beam'"),
     (dict(temperature=0.0), r"OPDLossConfig.temperature must be .*0.0"),
+    (dict(teacher_temperature=-0.5), r"OPDLossConfig.teacher_temperature must be .*-0.5"),
     (dict(top_k=0), r"OPDLossConfig.top_k must be .*0"),
     (dict(forward_kl_coef=-1.0), r"OPDLossConfig.forward_kl_coef must be .*-1.0"),
 ])
