@@ -22,6 +22,11 @@ def test_notebook_is_clean_and_runs(path, tmp_path):
     if cell["cell_type"] == "code":
       assert cell["outputs"] == [] and cell["execution_count"] is None, "stored outputs"
   assert "colab-badge" in "".join("".join(c["source"]) for c in nb["cells"])
+  # Colab: the first code cell installs the package from the repository,
+  # never from a path of this machine (``-e ..`` only exists in a checkout).
+  install = _code(nb)[0]
+  assert "pip" in install and "git+https://github.com/" in install, install
+  assert '"-e"' not in install and "/work/" not in install, install
   script = tmp_path / "nb.py"
   # The last expression of a cell is displayed in Jupyter; here it is just evaluated.
   # Each notebook ends with a ``summary`` dict of what it demonstrates; the
