@@ -143,6 +143,20 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
 FINAL = "final_metrics.json"  # a finished stage's metrics (as the launcher writes)
 
 
+# Fields added to a stage config after stages were written, with the value
+# that reproduces what those stages did: a saved ``config.json`` without the
+# field matches a stage config holding exactly that value (and no other).
+ADDED_FIELDS = {"opd.teacher_temperature": 1.0}
+
+
+def stage_mismatches(saved, cfg) -> list[tuple[str, Any, Any]]:
+  """``config_mismatches`` of a saved stage config against ``cfg``, except
+  :data:`ADDED_FIELDS` missing from the saved one at their reproducing value."""
+  bad = config_mismatches(saved, config_to_dict(cfg))
+  return [(k, have, want) for k, have, want in bad
+          if not (have == "<missing>" and k in ADDED_FIELDS and ADDED_FIELDS[k] == want)]
+
+
 def run_stage(name: str, fn, cfg, workdir: pathlib.Path) -> dict:
   """Runs one stage unless it already finished; returns its final metrics.
 
@@ -154,7 +168,7 @@ def run_stage(name: str, fn, cfg, workdir: pathlib.Path) -> dict:
   """
   saved_path = workdir / "config.json"
   if saved_path.exists():
-    bad = config_mismatches(json.loads(saved_path.read_text()), config_to_dict(cfg))
+    bad = stage_mismatches(json.loads(saved_path.read_text()), cfg)
     if bad:
       detail = "; ".join(f"{k}: was {have!r}, now {want!r}" for k, have, want in bad[:5])
       more = f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""
@@ -177,7 +191,7 @@ def stage_matches(workdir: pathlib.Path, cfg) -> bool:
   saved = workdir / "config.json"
   if not (saved.exists() and (workdir / FINAL).exists()):
     return False
-  return not config_mismatches(json.loads(saved.read_text()), config_to_dict(cfg))
+  return not stage_mismatches(json.loads(saved.read_text()), cfg)
 
 
 @dataclasses.dataclass(frozen=True)
