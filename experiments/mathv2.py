@@ -13,7 +13,8 @@ decoders; every text a role is measured on is sampled from it.
   generator_sft     SFT from the base: problem → proof Y + honest
                     self-evaluation Z (rule-written), on its own pool of
                     ``generator.num_problems`` train problems for
-                    ``generator.sft_steps`` steps.
+                    ``generator.sft_steps`` steps (its own ``seq_len``,
+                    ``batch_size`` and ``lr``: its texts are shorter).
   verifier_sft      SFT from the base: problem + proof → the checker's analysis.
   meta_sft          SFT from the base: problem + proof + noisy analysis → the
                     rule meta-verification.
@@ -154,7 +155,11 @@ def _losses(logger, **extra) -> dict:
   return {**extra, "loss_first": losses[0], "loss_final": float(np.mean(losses[-5:]))}
 
 
-def _sft(ctx: _Ctx, pairs, workdir: pathlib.Path, steps: int | None = None) -> dict:
+def _sft(ctx: _Ctx, pairs, workdir: pathlib.Path, *, steps: int | None = None,
+         seq_len: int | None = None, batch_size: int | None = None,
+         lr: float | None = None) -> dict:
+  """SFT of a role from the base; ``steps``, ``seq_len``, ``batch_size`` and ``lr``
+  default to the shared ``sft`` / ``sft_optim`` groups."""
   c = ctx.config
   steps = steps or c.sft.steps
   loop = lm_trainer.LMTrainConfig(steps=steps, keep_checkpoints=1)
@@ -163,10 +168,13 @@ def _sft(ctx: _Ctx, pairs, workdir: pathlib.Path, steps: int | None = None) -> d
     optim = common.optim_config(c.sft_optim, "config.sft_optim")
     if steps != c.sft.steps and optim.schedule != "constant":  # the schedule spans the run
       optim = dataclasses.replace(optim, decay_steps=max(1, steps - optim.warmup_steps))
+    if lr is not None:
+      optim = dataclasses.replace(optim, lr=float(lr))
     train_lib.train_role_sft(
         ctx.model_cfg, _params(ctx, "base"), ctx.tok, pairs, optim=optim, loop=loop, mesh=ctx.mesh,
-        rules=ctx.rules, seed=c.seed, seq_len=c.sft.seq_len, batch_size=c.sft.batch_size,
-        checkpoint_dir=workdir / "checkpoints", on_metrics=logger)
+        rules=ctx.rules, seed=c.seed, seq_len=seq_len or c.sft.seq_len,
+        batch_size=batch_size or c.sft.batch_size, checkpoint_dir=workdir / "checkpoints",
+        on_metrics=logger)
   return _losses(logger, pairs=len(pairs))
 
 
@@ -177,7 +185,9 @@ def _stage_generator_sft(ctx, workdir):
   items = train_lib.proof_items(problems, corruptions=c.data.corruptions, seed=c.seed + 2)
   pairs = train_lib.generator_pairs(items, corrupt_fraction=c.data.generator_corrupt_fraction,
                                     seed=c.seed)
-  return _sft(ctx, pairs, workdir, steps=c.generator.sft_steps)
+  g = c.generator
+  return _sft(ctx, pairs, workdir, steps=g.sft_steps, seq_len=g.seq_len,
+              batch_size=g.batch_size, lr=g.lr)
 
 
 def _stage_verifier_sft(ctx, workdir):
