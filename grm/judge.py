@@ -2,8 +2,10 @@
 
 For E examples (a query and its n_e responses) and k samples each, the E·k
 prompts, every one with its own seeded response order (seed ``(seed, e,
-j)``), go through ``opd.rollout.episodes.sample`` together, then each output
-is parsed (``grm.parse``) and its scores mapped back to the original order.
+j)``), go through ``opd.rollout.episodes.sample`` together (``sample_rows``:
+one call, or fixed-size chunks of ``batch_size`` rows at a fixed prompt
+width when there are more), then each output is parsed (``grm.parse``) and
+its scores mapped back to the original order.
 ``score_arrays`` turns one example's samples into the ``[k, n]`` / ``[k]``
 arrays the pure voting functions (``grm.voting``) take.
 
@@ -16,15 +18,17 @@ counts sampled judgements over it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
+import jax
 import numpy as np
 
 from grm.format import GRMPrompt, build_prompt, prompt_ids, unshuffle
 from grm.parse import REASONS as PARSE_REASONS
 from grm.parse import Judgement, parse_judgement
 from opd.models import ModelConfig
-from opd.rollout.episodes import sample
+from opd.rollout.episodes import Completion, sample
 from opd.rollout.sampler import SamplingConfig
 
 TRUNCATED = "truncated"
@@ -89,7 +93,8 @@ def build_prompts(groups, k: int, seed: int, *, hints: Sequence[int | None] | No
 
 def sample_judgements(model_cfg: ModelConfig, params, tokenizer, groups, *, k: int, seed: int,
                       sampling: SamplingConfig, hints: Sequence[int | None] | None = None,
-                      prompt_bucket: int = 32, batch_size: int | None = None, mesh=None,
+                      prompt_bucket: int = 32, batch_size: int | None = None,
+                      length_bucket: int | None = None, mesh=None,
                       rules=None) -> list[list[SampledJudgement]]:
   """k judgements per example, all E·k prompts in one batched sampler call.
 
@@ -101,9 +106,8 @@ def sample_judgements(model_cfg: ModelConfig, params, tokenizer, groups, *, k: i
     seed: seeds both the shuffles (``build_prompts``) and the sampler.
     sampling: e.g. ``opd.rollout.episodes.sampling_for_chat(tok, ...)``.
     hints: optional per-example best index for hinted sampling.
-    prompt_bucket, batch_size, mesh, rules: passed to
-      ``opd.rollout.episodes.sample`` (``batch_size`` bounds the rows sampled
-      at once; None: all).
+    prompt_bucket, batch_size, length_bucket, mesh, rules: as ``sample_rows``
+      (``batch_size`` bounds the rows sampled at once; None: all in one call).
 
   Returns:
     ``[E][k]`` ``SampledJudgement``s.
@@ -111,11 +115,64 @@ def sample_judgements(model_cfg: ModelConfig, params, tokenizer, groups, *, k: i
   prompts = build_prompts(groups, k, seed, hints=hints)
   flat = [p for row in prompts for p in row]
   ids = [prompt_ids(tokenizer, p) for p in flat]
-  completions = sample(model_cfg, params, tokenizer, ids, int(seed), sampling,
-                       batch_size=batch_size, prompt_bucket=prompt_bucket, mesh=mesh,
-                       rules=rules)
+  completions = sample_rows(model_cfg, params, tokenizer, ids, seed, sampling,
+                            batch_size=batch_size, prompt_bucket=prompt_bucket,
+                            length_bucket=length_bucket, mesh=mesh, rules=rules)
   out = [judge_completion(p, c.text, c.finished) for p, c in zip(flat, completions)]
   return [out[e * k:(e + 1) * k] for e in range(len(prompts))]
+
+
+def sample_rows(model_cfg: ModelConfig, params, tokenizer, prompts: Sequence[np.ndarray],
+                seed: int, sampling: SamplingConfig, *, batch_size: int | None = None,
+                prompt_bucket: int = 32, length_bucket: int | None = None, mesh=None,
+                rules=None) -> list[Completion]:
+  """One completion per prompt (id arrays), in sampler calls of at most ``batch_size`` rows.
+
+  ``batch_size`` None, or at least ``len(prompts)``: one call of
+  ``opd.rollout.episodes.sample`` with key ``seed``. Otherwise the prompts
+  go in chunks of exactly ``batch_size`` rows (the last padded by
+  ``sample``), chunk c with key ``fold_in(key(seed), c)``, and the prompt
+  width is fixed so the chunks share compiled samplers:
+
+  - ``length_bucket`` None: every chunk is padded to the longest prompt
+    (rounded up to ``prompt_bucket``): one shape, rows in their given order
+    (a group's k samples stay in one chunk, where the sampler's shared
+    prefill sees the repeated orders).
+  - ``length_bucket`` L: rows are first stably sorted by length (equal-length
+    rows keep their order) and each chunk is padded to its own longest
+    rounded up to a multiple of L: fewer pad tokens, at most
+    ``span / L + 1`` shapes. Completions come back in the given order.
+  """
+  if not prompts:
+    return []
+  n = len(prompts)
+  if batch_size is None or n <= batch_size:
+    return sample(model_cfg, params, tokenizer, list(prompts), int(seed), sampling,
+                  batch_size=batch_size, prompt_bucket=prompt_bucket, mesh=mesh, rules=rules)
+  if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
+      or batch_size < 1:
+    raise ValueError(f"batch_size={batch_size!r} must be an int >= 1 or None")
+  if length_bucket is not None and (isinstance(length_bucket, bool) or not isinstance(
+      length_bucket, (int, np.integer)) or length_bucket < 1):
+    raise ValueError(f"length_bucket={length_bucket!r} must be an int >= 1 or None")
+  lengths = np.asarray([len(p) for p in prompts])
+  if length_bucket is None:
+    order = np.arange(n)
+  else:
+    order = np.argsort(lengths, kind="stable")
+  key = jax.random.key(int(seed))
+  out: list[Completion | None] = [None] * n
+  for c, start in enumerate(range(0, n, int(batch_size))):
+    idx = order[start:start + int(batch_size)]
+    longest = int(lengths.max() if length_bucket is None else lengths[idx].max())
+    step = prompt_bucket if length_bucket is None else int(length_bucket)
+    width = step * math.ceil(longest / step)
+    got = sample(model_cfg, params, tokenizer, [prompts[i] for i in idx],
+                 jax.random.fold_in(key, c), sampling, batch_size=int(batch_size),
+                 prompt_bucket=width, mesh=mesh, rules=rules)
+    for i, comp in zip(idx, got):
+      out[int(i)] = comp
+  return out  # type: ignore[return-value]
 
 
 def judge_completion(prompt: GRMPrompt, text: str, finished: bool) -> SampledJudgement:

@@ -22,8 +22,8 @@ from typing import Sequence
 import numpy as np
 
 from grm.format import plain, user_prompt_ids
+from grm.judge import sample_rows
 from opd.models import ModelConfig
-from opd.rollout.episodes import sample
 from opd.rollout.sampler import SamplingConfig
 
 CHOICE_PREFIX = "Better:"
@@ -99,11 +99,14 @@ def preferred_index(judgement: PairwiseJudgement, swapped: bool) -> int:
 
 
 def judge_pairs(model_cfg: ModelConfig, params, tokenizer, pairs: Sequence[tuple[str, str, str]],
-                *, seed: int, sampling: SamplingConfig, prompt_bucket: int = 32, mesh=None,
+                *, seed: int, sampling: SamplingConfig, prompt_bucket: int = 32,
+                batch_size: int | None = None, length_bucket: int | None = None, mesh=None,
                 rules=None) -> tuple[np.ndarray, list[PairwiseJudgement]]:
-  """Judges ``(query, first, second)`` triples in one batched sampler call.
+  """Judges ``(query, first, second)`` triples in batched sampler calls.
 
-  Pair e is swapped with seed ``(seed, e)``.
+  Pair e is swapped with seed ``(seed, e)``. ``batch_size`` (None: all in
+  one call), ``prompt_bucket`` and ``length_bucket`` are those of
+  ``grm.judge.sample_rows``.
 
   Returns:
     ``(preferred [E] int64, judgements)``: the preferred original index per
@@ -112,8 +115,9 @@ def judge_pairs(model_cfg: ModelConfig, params, tokenizer, pairs: Sequence[tuple
   prompts = [build_pairwise_prompt(q, a, b, seed=(int(seed), e))
              for e, (q, a, b) in enumerate(pairs)]
   ids = [user_prompt_ids(tokenizer, p.text) for p in prompts]
-  completions = sample(model_cfg, params, tokenizer, ids, int(seed), sampling,
-                       prompt_bucket=prompt_bucket, mesh=mesh, rules=rules)
+  completions = sample_rows(model_cfg, params, tokenizer, ids, int(seed), sampling,
+                            batch_size=batch_size, prompt_bucket=prompt_bucket,
+                            length_bucket=length_bucket, mesh=mesh, rules=rules)
   judgements = [parse_pairwise(c.text) for c in completions]
   preferred = np.asarray([preferred_index(j, p.swapped) for j, p in zip(judgements, prompts)],
                          np.int64)

@@ -118,13 +118,14 @@ def test_pairwise_round_trip_reasons_and_swap_mapping(monkeypatch):
       out.append(Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), True, body))
     return out
 
-  monkeypatch.setattr(pairwise_lib, "sample", sample)
+  monkeypatch.setattr(judge_lib, "sample", sample)
   pairs = [("q", "good", "bad") if e % 3 else ("q", "bad", "good") for e in range(30)]
-  preferred, judgements = pairwise_lib.judge_pairs(None, None, TOK, pairs, seed=3,
-                                                   sampling=sampling_for_chat(TOK,
-                                                                              max_new_tokens=4))
-  assert all(j.valid for j in judgements)
-  np.testing.assert_array_equal(preferred, [0 if e % 3 else 1 for e in range(30)])
+  for batch_size in (None, 8):  # one call, or chunks of 8 (the last padded)
+    preferred, judgements = pairwise_lib.judge_pairs(
+        None, None, TOK, pairs, seed=3, batch_size=batch_size,
+        sampling=sampling_for_chat(TOK, max_new_tokens=4))
+    assert all(j.valid for j in judgements)
+    np.testing.assert_array_equal(preferred, [0 if e % 3 else 1 for e in range(30)])
   assert pairwise_lib.preferred_index(pairwise_lib.parse_pairwise("x"), False) == -1
 
 
@@ -146,3 +147,60 @@ def test_a_truncated_sample_is_invalid_even_when_it_ends_on_a_valid_scores_line(
   counts = judge_lib.invalid_sample_counts(samples)
   assert counts["truncated"] == 1 and sum(counts.values()) == 1
   assert set(counts) == set(judge_lib.REASONS) and "truncated" in judge_lib.REASONS
+
+
+def _echo_sampler(calls):
+  """Records each call's (rows, batch_size, prompt width) and returns each prompt's own text,
+  so a completion can be checked against the prompt it belongs to."""
+
+  def sample(model_cfg, params, tokenizer, prompts, rng, sampling, *, batch_size=None,
+             prompt_bucket=32, **kwargs):
+    longest = max(len(p) for p in prompts)
+    calls.append((len(prompts), batch_size, prompt_bucket * -(-longest // prompt_bucket)))
+    return [Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), True,
+                       tokenizer.decode(p)) for p in prompts]
+
+  return sample
+
+
+def test_sample_rows_chunks_keep_the_order_and_fix_the_prompt_width(monkeypatch):
+  calls = []
+  monkeypatch.setattr(judge_lib, "sample", _echo_sampler(calls))
+  rng = np.random.default_rng(0)
+  texts = ["x" * int(n) for n in rng.integers(1, 300, size=23)]
+  prompts = [np.asarray(TOK.encode(t), np.int32) for t in texts]
+  sampling = sampling_for_chat(TOK, max_new_tokens=4)
+  longest = max(len(p) for p in prompts)
+  # Unchunked: one call with every row.
+  out = judge_lib.sample_rows(None, None, TOK, prompts, 0, sampling)
+  assert [c.text for c in out] == texts and calls == [(23, None, 32 * -(-longest // 32))]
+  # Chunks of 8: ceil(23 / 8) = 3 calls of batch_size 8, one width (the longest, bucketed).
+  calls.clear()
+  out = judge_lib.sample_rows(None, None, TOK, prompts, 0, sampling, batch_size=8)
+  assert [c.text for c in out] == texts
+  assert calls == [(8, 8, 32 * -(-longest // 32))] * 2 + [(7, 8, 32 * -(-longest // 32))]
+  # Length buckets of 100: rows sorted by length, each chunk padded to its own longest
+  # rounded up to a multiple of 100; the completions still come back in the given order.
+  calls.clear()
+  out = judge_lib.sample_rows(None, None, TOK, prompts, 0, sampling, batch_size=8,
+                              length_bucket=100)
+  assert [c.text for c in out] == texts
+  ranked = sorted(len(p) for p in prompts)
+  expected = [100 * -(-max(ranked[c:c + 8]) // 100) for c in range(0, 23, 8)]
+  assert [w for _, _, w in calls] == expected and [b for _, b, _ in calls] == [8, 8, 8]
+
+
+def test_sample_rows_chunks_give_each_prompt_its_own_completion_on_a_tiny_model():
+  cfg = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                    d_ff=64)
+  params = init_params(cfg, jax.random.key(1))
+  # Every call is [2 rows, 32 columns] (one compile): the chunked run's rows equal
+  # those of direct calls on each pair, so chunking pairs each prompt with its own output.
+  prompts = [np.asarray(TOK.encode(t, add_bos=True), np.int32)
+             for t in ("2+2?", "Name a colour, please.", "Hi.", "Count to three")]
+  greedy = sampling_for_chat(TOK, max_new_tokens=3, temperature=0.0)
+  direct = [c for pair in (prompts[:2], prompts[2:])
+            for c in judge_lib.sample_rows(cfg, params, TOK, pair, 0, greedy, batch_size=2)]
+  chunked = judge_lib.sample_rows(cfg, params, TOK, prompts, 0, greedy, batch_size=2)
+  assert [c.ids.tolist() for c in chunked] == [c.ids.tolist() for c in direct]
+  assert len({tuple(c.ids.tolist()) for c in direct}) > 1  # the rows differ, so order matters
