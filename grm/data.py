@@ -8,7 +8,10 @@ draws, per example, a group of n responses (n uniform in ``sizes``, capped
 by the number of distinct candidates) with ground-truth ratings:
 
   n >= 2  the verifier rewards in [0, 1]; a group is kept only when its best
-          response is unique (dropped groups are counted, ``no_unique_best``);
+          response is unique (dropped groups are counted, ``no_unique_best``).
+          With ``max_draws > 1`` subsets are redrawn until one has a unique
+          best (the size first lowered to the largest that can have one), so
+          an example is dropped only when all its candidates score alike;
   n == 1  the integer rating ``rating_from_reward(r) = 1 + round(9 r)``.
 
 Splits are those of the examples, which ``opd.tasks`` assigns by a hash of
@@ -18,7 +21,7 @@ it).
 **Rule-based judge.** ``rule_judgement`` writes a judgement that knows the
 truth, in the grammar of ``grm.format``: two principles drawn from a
 per-domain list with integer weights summing to 100, a critique that names
-each response's verifier reason, and scores consistent with the ratings
+each response's verifier reason (``Response 2: wrong_answer.``), and scores consistent with the ratings
 (the best strictly highest; the others jittered by ±1 with probability
 ``noise``, never reaching the best). It plays the role that a stronger
 model's judgements play in the paper.
@@ -38,23 +41,24 @@ from opd.models import ModelConfig
 from opd.rollout.episodes import Episode, rollout, sampling_for_chat
 from opd.tasks import Example, Reward
 
+# Short texts (byte-level models: every character is a token the GRM writes).
 PRINCIPLES = {
-    "math": ("The final answer must equal the correct value.",
-             "The answer must be given on an 'Answer: <number>' line.",
-             "Any reasoning should be short and free of errors."),
-    "code": ("The function must return the right value on every input.",
-             "The code must define the requested function and run without errors.",
-             "The code should be short and direct."),
-    "instruct": ("Every explicit constraint of the request must hold.",
-                 "Forbidden words or content must not appear.",
-                 "The response should have exactly the requested length."),
-    "writing": ("The text must have the requested number of sentences.",
-                "The required words and the subject must be mentioned.",
-                "Sentences should start with a capital and end with punctuation.",
-                "Words should not repeat."),
-    "agent": ("The final answer must match what the tools return.",
-              "Tool calls must be well-formed and use the right keys.",
-              "The episode should use no more tool calls than needed."),
+    "math": ("The final answer is correct.",
+             "It ends with 'Answer: <number>'.",
+             "The reasoning is short and sound."),
+    "code": ("It returns the right values.",
+             "It defines the function and runs.",
+             "The code is short and direct."),
+    "instruct": ("Every constraint holds.",
+                 "No forbidden word appears.",
+                 "The length is as requested."),
+    "writing": ("It has the requested sentences.",
+                "It uses the required words.",
+                "Sentences are well punctuated.",
+                "No word repeats."),
+    "agent": ("The answer matches the tools.",
+              "Tool calls are well-formed.",
+              "No needless tool calls."),
 }
 
 
@@ -128,7 +132,7 @@ def sample_candidates(models: Sequence[tuple[ModelConfig, object]], tokenizer,
 
 
 def build_groups(examples: Sequence[Example], candidates: Sequence[Sequence[Candidate]], *,
-                 seed: int, sizes: Sequence[int] = (1, 2, 3, 4)
+                 seed: int, sizes: Sequence[int] = (1, 2, 3, 4), max_draws: int = 1
                  ) -> tuple[list[PreferenceGroup], dict[str, int]]:
   """One preference group per example (module docstring).
 
@@ -138,16 +142,27 @@ def build_groups(examples: Sequence[Example], candidates: Sequence[Sequence[Cand
       identical texts count once).
     seed: ``np.random.default_rng((seed, e))`` draws example e's group.
     sizes: allowed group sizes (each in 1..10).
+    max_draws: for n >= 2, random subsets of size n are drawn until one has
+      a unique best, at most this many times (1: one draw, dropped on a tie
+      at the top). With ``max_draws > 1`` the size is first lowered to the
+      largest any subset can have a unique best at, ``1 + #{candidates below
+      the top reward}`` (a group of n needs n - 1 responses below its best);
+      when that is under 2 (every distinct candidate has the same reward) or
+      no draw succeeds, the example is dropped. The kept groups are random
+      subsets conditioned on a unique best.
 
   Returns:
     ``(groups, counts)`` with counts ``kept``, ``no_unique_best``,
-    ``no_candidates`` and ``kept_n{n}`` per size.
+    ``no_candidates``, ``kept_n{n}`` per size and (``max_draws > 1``)
+    ``redrawn`` (groups kept after more than one draw) and ``size_lowered``.
   """
   if len(examples) != len(candidates):
     raise ValueError(f"{len(examples)} examples but {len(candidates)} candidate lists")
   sizes = tuple(sorted(set(int(s) for s in sizes)))
   if not sizes or sizes[0] < 1 or sizes[-1] > 10:
     raise ValueError(f"sizes={sizes} must be non-empty ints in [1, 10]")
+  if isinstance(max_draws, bool) or not isinstance(max_draws, (int, np.integer)) or max_draws < 1:
+    raise ValueError(f"max_draws={max_draws!r} must be an int >= 1")
   counts = collections.Counter()
   groups = []
   for e, (example, cands) in enumerate(zip(examples, candidates)):
@@ -157,8 +172,20 @@ def build_groups(examples: Sequence[Example], candidates: Sequence[Sequence[Cand
       continue
     rng = np.random.default_rng((int(seed), e))
     n = min(int(rng.choice(sizes)), len(distinct))
-    picked = [distinct[i] for i in rng.choice(len(distinct), size=n, replace=False)]
-    rewards = [c.reward.reward for c in picked]
+    if n >= 2 and max_draws > 1:
+      top = max(c.reward.reward for c in distinct)
+      feasible = 1 + sum(c.reward.reward < top for c in distinct)
+      if feasible < 2:
+        counts["no_unique_best"] += 1
+        continue
+      if feasible < n:
+        n = feasible
+        counts["size_lowered"] += 1
+    for draw in range(max_draws if n >= 2 else 1):
+      picked = [distinct[i] for i in rng.choice(len(distinct), size=n, replace=False)]
+      rewards = [c.reward.reward for c in picked]
+      if n == 1 or rewards.count(max(rewards)) == 1:
+        break
     if n == 1:
       ratings = (float(rating_from_reward(rewards[0])),)
     elif rewards.count(max(rewards)) != 1:
@@ -166,6 +193,8 @@ def build_groups(examples: Sequence[Example], candidates: Sequence[Sequence[Cand
       continue
     else:
       ratings = tuple(float(r) for r in rewards)
+      if draw:
+        counts["redrawn"] += 1
     groups.append(PreferenceGroup(example.domain, example.id, example.split, example.prompt,
                                   tuple(c.text for c in picked), ratings,
                                   tuple(c.reward.reason for c in picked)))
@@ -240,8 +269,5 @@ def rule_judgement(group: PreferenceGroup, *, seed, noise: float = 0.2,
   scores = truth_scores(group.ratings, rng, noise)
   shown_scores = shuffle(scores, prompt.order)
   shown_reasons = shuffle(group.reasons, prompt.order)
-  critique = "\n".join(
-      f"Response {p + 1}: " + ("meets every requirement." if reason == "ok"
-                               else f"falls short ({reason}).")
-      for p, reason in enumerate(shown_reasons))
+  critique = "\n".join(f"Response {p + 1}: {reason}." for p, reason in enumerate(shown_reasons))
   return prompt, format_judgement(principles, critique, shown_scores)

@@ -40,13 +40,13 @@ CRITIQUE_HEADER = "Critique:"
 MIN_SCORE, MAX_SCORE = 1, 10
 HINT_PREFIX = "The best response is: Response "
 
+# Short on purpose: it opens every prompt the GRM reads (SFT, sampling, RL,
+# meta-RM) and the models are byte-level, so each character is a token.
 _INSTRUCTION = (
-    "Judge the responses to the query below. First write a line \"Principles:\" followed by "
-    "the principles that matter for this query, one per line, as \"Principle 1: ...\" or "
-    "weighted as \"Principle 1 (weight 30%): ...\". Then write a line \"Critique:\" followed "
-    "by a critique of each response against those principles. End with exactly one line "
-    "\"Scores: \\boxed{{s_1, ..., s_n}}\" that gives each of the {n} responses an integer "
-    "score from 1 to 10, in the order they are shown.")
+    "Judge the {n} responses. Write \"Principles:\" and one principle per line "
+    "(\"Principle 1 (weight 30%): ...\"), then \"Critique:\" and a critique of each "
+    "response, then a last line \"Scores: \\boxed{{s_1, ..., s_n}}\": one score in 1..10 "
+    "per response, in the order shown.")
 
 
 @dataclasses.dataclass(frozen=True)

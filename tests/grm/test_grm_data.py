@@ -1,4 +1,6 @@
 """grm.data: preference groups from the task suite and the rule-based judge."""
+import collections
+
 import jax
 import numpy as np
 import pytest
@@ -115,3 +117,39 @@ def test_sample_candidates_runs_each_model_and_temperature_through_rollout():
       assert c.reward == task.verify(e, c.text)
   groups, counts = build_groups(examples, cands, seed=0)
   assert counts.get("kept", 0) == len(groups)
+
+
+def _fixed_candidates(rewards):
+  return [Candidate(f"r{i}", tasks.Reward(r, 1.0, {}, "ok" if r == 1 else "wrong"))
+          for i, r in enumerate(rewards)]
+
+
+def test_redrawing_samples_subsets_conditioned_on_a_unique_best():
+  task = tasks.get_task("math")
+  examples = task.examples("train", 1, seed=0) * 3000
+  cands = [_fixed_candidates((1.0, 0.5, 0.5, 0.0))] * len(examples)
+  groups, counts = build_groups(examples, cands, seed=1, sizes=(2,), max_draws=64)
+  assert counts["kept"] == len(examples) and "no_unique_best" not in counts
+  # Reference: of the C(4, 2) = 6 pairs all but {r1, r2} (tied at 0.5) have a
+  # unique best, so each of those 5 is drawn with probability 1/5.
+  pairs = collections.Counter(tuple(sorted(g.responses)) for g in groups)
+  assert set(pairs) == {("r0", "r1"), ("r0", "r2"), ("r0", "r3"), ("r1", "r3"), ("r2", "r3")}
+  se = np.sqrt(0.2 * 0.8 / len(groups))
+  for c in pairs.values():
+    assert abs(c / len(groups) - 0.2) < 5 * se
+  # One draw (the default) drops the tied pair instead: about 1/6 of the examples.
+  _, once = build_groups(examples, cands, seed=1, sizes=(2,))
+  assert abs(once["no_unique_best"] / len(examples) - 1 / 6) < 5 * np.sqrt(5 / 36 / 3000)
+
+
+def test_redrawing_lowers_the_size_and_drops_only_all_equal_candidates():
+  task = tasks.get_task("math")
+  examples = task.examples("train", 2, seed=0)
+  cands = [_fixed_candidates((1.0, 1.0, 1.0, 0.0)), _fixed_candidates((0.0, 0.0, 0.0))]
+  groups, counts = build_groups(examples, cands, seed=0, sizes=(4,), max_draws=8)
+  # Example 0: a group of 4 would hold three tied 1.0s; one response is below the top, so
+  # the largest size with a unique best is 2: one 1.0 and the 0.0.
+  [g] = groups
+  assert g.n == 2 and sorted(g.ratings) == [0.0, 1.0]
+  assert {k: counts[k] for k in ("kept", "kept_n2", "size_lowered", "no_unique_best")} == {
+      "kept": 1, "kept_n2": 1, "size_lowered": 1, "no_unique_best": 1}
