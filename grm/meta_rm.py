@@ -92,8 +92,9 @@ def meta_batch(tokenizer, prompts, texts, labels, *, seq_len: int) -> dict[str, 
 
 
 def meta_scores(cfg: ModelConfig, params, tokenizer, samples, *, seq_len: int,
-                batch_size: int = 32) -> np.ndarray:
-  """``[N]`` meta-RM logits of ``grm.judge.SampledJudgement``s (batched)."""
+                batch_size: int = 32, length_bucket: int | None = None) -> np.ndarray:
+  """``[N]`` meta-RM logits of ``grm.judge.SampledJudgement``s (batched;
+  ``length_bucket`` as ``grm.scalar_rm.score_sequences``)."""
   seqs = [meta_input_ids(tokenizer, s.prompt, s.text) for s in samples]
   return score_sequences(cfg, params, seqs, seq_len=seq_len, pad_id=tokenizer.pad_id,
-                         batch_size=batch_size)
+                         batch_size=batch_size, length_bucket=length_bucket)

@@ -104,22 +104,38 @@ def pair_batch(chosen: Sequence[Sequence[int]], rejected: Sequence[Sequence[int]
 
 
 def score_sequences(cfg: ModelConfig, params, seqs: Sequence[Sequence[int]], *, seq_len: int,
-                    pad_id: int, batch_size: int = 32) -> np.ndarray:
-  """``[N]`` float32 rewards of token sequences, in fixed-size batches (one compile).
+                    pad_id: int, batch_size: int = 32,
+                    length_bucket: int | None = None) -> np.ndarray:
+  """``[N]`` float32 rewards of token sequences, in fixed-size batches.
 
   The last batch is padded with copies of the first row, dropped afterwards.
+  ``length_bucket`` None: every batch is ``[batch_size, seq_len]`` (one
+  compile). ``length_bucket`` L: rows are scored in order of length and each
+  batch is cut to its longest row rounded up to a multiple of L (at most
+  ``seq_len``): far fewer pad tokens when lengths vary, at most
+  ``seq_len / L`` compiles. The value read is the same either way (the last
+  real token's; right padding is masked).
   """
   if not seqs:
     return np.zeros(0, np.float32)
+  if length_bucket is not None and (isinstance(length_bucket, bool) or not isinstance(
+      length_bucket, (int, np.integer)) or length_bucket < 1):
+    raise ValueError(f"length_bucket={length_bucket!r} must be an int >= 1 or None")
   fn = jax.jit(functools.partial(sequence_rewards, cfg))
-  out = []
+  lengths = np.asarray([len(s) for s in seqs])
+  order = np.arange(len(seqs)) if length_bucket is None else np.argsort(lengths, kind="stable")
+  out = np.zeros(len(seqs), np.float32)
   for start in range(0, len(seqs), batch_size):
-    chunk = list(seqs[start:start + batch_size])
+    idx = order[start:start + batch_size]
+    chunk = [seqs[i] for i in idx]
     real = len(chunk)
     chunk += [chunk[0]] * (batch_size - real)
-    tokens, mask = pad_rows(chunk, seq_len, pad_id)
-    out.append(np.asarray(fn(params, tokens, mask))[:real])
-  return np.concatenate(out).astype(np.float32)
+    width = seq_len
+    if length_bucket is not None:
+      width = min(seq_len, int(length_bucket) * -(-int(lengths[idx].max()) // int(length_bucket)))
+    tokens, mask = pad_rows(chunk, width, pad_id)
+    out[idx] = np.asarray(fn(params, tokens, mask))[:real]
+  return out
 
 
 def train_reward_model(cfg: ModelConfig, loss_fn: Callable, batches: Iterator[Mapping[str, Any]],

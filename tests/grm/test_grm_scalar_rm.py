@@ -87,6 +87,11 @@ def test_losses_read_each_row_at_its_last_real_token():
   assert abs(float(loss) - ref.mean()) <= 1e-5 * scale
   np.testing.assert_allclose(np.asarray(score_sequences(CFG, params, chosen, seq_len=16, pad_id=0,
                                                         batch_size=4)), rc, atol=1e-5 * scale)
+  # Length-bucketed batches (rows sorted by length, each batch cut to its longest
+  # rounded up to 4) read the same last-token values, in the given order.
+  np.testing.assert_allclose(np.asarray(score_sequences(CFG, params, chosen, seq_len=16, pad_id=0,
+                                                        batch_size=4, length_bucket=4)),
+                             rc, atol=1e-5 * scale)
   # A float32 mean of six 0/1 values: one or two roundings of the quotient.
   np.testing.assert_allclose(float(metrics["accuracy"]), np.mean(rc > rr), rtol=2 * EPS32)
 
