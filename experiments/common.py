@@ -186,6 +186,23 @@ def run_stage(name: str, fn, cfg, workdir: pathlib.Path) -> dict:
   return metrics
 
 
+def check_upstream(root: pathlib.Path, name: str, upstream) -> None:
+  """Raises a ``ValueError`` when the finished stage ``root/name`` is older than
+  one of its finished ``upstream`` stages (``root/<stage>``): that one was rerun
+  after ``name`` read it, so ``name``'s results are stale. A stage config holds
+  only the groups its stage reads, so a changed config of an upstream stage
+  does not reach it; this catches the rerun instead. Unfinished stages pass."""
+  done = root / name / FINAL
+  if not done.exists():
+    return
+  newer = [u for u in upstream if (root / u / FINAL).exists()
+           and (root / u / FINAL).stat().st_mtime_ns > done.stat().st_mtime_ns]
+  if newer:
+    raise ValueError(f"{root / name} finished before its upstream stage(s) {', '.join(newer)} "
+                     f"were rerun: its results are stale; delete {root / name} (and the "
+                     "stages after it) and launch again")
+
+
 def stage_matches(workdir: pathlib.Path, cfg) -> bool:
   """``workdir`` holds a finished stage whose ``config.json`` matches ``cfg``."""
   saved = workdir / "config.json"

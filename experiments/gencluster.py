@@ -426,6 +426,12 @@ STAGES = (("policy", _stage_policy, ("policy",)),
           ("rank", _stage_rank, ("judge", "tournament")),
           ("report", _stage_report, ("submission",)))
 
+# The stages each one reads (``common.check_upstream``: a rerun upstream makes it stale).
+UPSTREAM = {"samples": ("policy", "problems"), "inputs": ("problems", "samples"),
+            "execute": ("problems", "samples", "inputs"), "judge": ("policy",),
+            "rank": ("problems", "execute", "judge"),
+            "report": ("policy", "problems", "samples", "inputs", "execute", "rank")}
+
 
 def run(config, workdir: str) -> dict:
   timer = common.Timer()
@@ -435,6 +441,7 @@ def run(config, workdir: str) -> dict:
   ctx = _Ctx(config, root, model_cfg, common.tokenizer_for(model_cfg), mesh, rules)
   out = {}
   for name, fn, groups in STAGES:
+    common.check_upstream(root, name, UPSTREAM.get(name, ()))
     cfg = _stage_config(config, f"gencluster_{name}", **{g: config[g] for g in groups})
     metrics = common.run_stage(name, lambda _c, w, fn=fn: fn(ctx, pathlib.Path(w)), cfg,
                                root / name)

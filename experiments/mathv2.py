@@ -423,6 +423,13 @@ STAGES = (("data", _stage_data, ("data",)),
           ("generator_rl", _stage_generator_rl, ("rl", "grpo", "grpo_optim", "sample")),
           ("evaluate", _stage_evaluate, ("eval", "sample")))
 
+# The stages each one reads (``common.check_upstream``: a rerun upstream makes it stale).
+UPSTREAM = {"base": ("data",), "generator_sft": ("base",), "verifier_sft": ("data", "base"),
+            "meta_sft": ("data", "base"), "verifier_rl": ("data", "verifier_sft"),
+            "verifier_rl_meta": ("data", "verifier_sft", "meta_sft"),
+            "generator_rl": ("data", "generator_sft", "verifier_rl_meta", "meta_sft"),
+            "evaluate": ("data", *VERIFIERS, *GENERATORS, "meta_sft")}
+
 
 def run(config, workdir: str) -> dict:
   timer = common.Timer()
@@ -432,6 +439,7 @@ def run(config, workdir: str) -> dict:
   ctx = _Ctx(config, root, model_cfg, common.tokenizer_for(model_cfg), mesh, rules)
   out = {}
   for name, fn, groups in STAGES:
+    common.check_upstream(root, name, UPSTREAM.get(name, ()))
     cfg = _stage_config(config, f"mathv2_{name}", **{g: config[g] for g in groups})
     metrics = common.run_stage(name, lambda _c, w, fn=fn: fn(ctx, pathlib.Path(w)), cfg,
                                root / name)
