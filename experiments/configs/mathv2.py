@@ -50,7 +50,6 @@ arithmetic steps are mostly wrong, and its self-evaluation says "Score: 1"
 on 92 of 96 greedy proofs (4 correct), so refinement stops at once and never
 repairs a proof; single pass, refinement and search all stay near 0.
 """
-"""
 import ml_collections
 
 from experiments.configs import grpo as grpo_config
