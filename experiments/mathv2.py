@@ -14,7 +14,9 @@ decoders; every text a role is measured on is sampled from it.
                     self-evaluation Z (rule-written), on its own pool of
                     ``generator.num_problems`` train problems for
                     ``generator.sft_steps`` steps (its own ``seq_len``,
-                    ``batch_size`` and ``lr``: its texts are shorter).
+                    ``batch_size`` and ``lr``), with refinement pairs
+                    (previous corrupted proof + the checker's analysis →
+                    the reference; share ``generator.refine_fraction``).
   verifier_sft      SFT from the base: problem + proof → the checker's analysis.
   meta_sft          SFT from the base: problem + proof + noisy analysis → the
                     rule meta-verification.
@@ -186,8 +188,10 @@ def _stage_generator_sft(ctx, workdir):
   pairs = train_lib.generator_pairs(items, corrupt_fraction=c.data.generator_corrupt_fraction,
                                     seed=c.seed)
   g = c.generator
-  return _sft(ctx, pairs, workdir, steps=g.sft_steps, seq_len=g.seq_len,
-              batch_size=g.batch_size, lr=g.lr)
+  refine = train_lib.refine_pairs(items, fraction=g.refine_fraction, seed=c.seed + 3)
+  out = _sft(ctx, pairs + refine, workdir, steps=g.sft_steps, seq_len=g.seq_len,
+             batch_size=g.batch_size, lr=g.lr)
+  return {**out, "refine_pairs": len(refine)}
 
 
 def _stage_verifier_sft(ctx, workdir):

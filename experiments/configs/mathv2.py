@@ -35,7 +35,7 @@ our models, every score the rule checker's; ± one SE):
   (always answering 0 scores 43.8%: 42 of the 96 test proofs score 0)
 
   auto-labelling agreement % (32 proofs; always 0 would agree on 40.6%)
-  n \ m        1       3
+  n (rows), m   1       3
   1          34.4    40.6
   2          43.8    46.9
   4          50.0    59.4
@@ -87,10 +87,12 @@ def get_config(arg=None):
                          end_lr_ratio=0.1)
   # The generator's SFT: more steps and its own (larger) pool of train problems,
   # each with the same corruptions; it must learn to copy and compute, not only grade.
-  # Its pairs are at most 255 tokens (the verifier's 291, the meta-verifier's 388), so
-  # it has its own row length; and its own lr (the schedule is sft_optim's).
-  c.generator = ml_collections.ConfigDict(dict(sft_steps=2400, num_problems=1024, seq_len=256,
-                                               batch_size=8, lr=1e-3))
+  # A refine_fraction share of the corrupted proofs also becomes a refinement pair
+  # (previous proof + the checker's analysis -> the reference), else the refinement
+  # prompt is unseen. Its pairs are at most 374 tokens (the verifier's 291, the
+  # meta-verifier's 388); its own lr (the schedule is sft_optim's).
+  c.generator = ml_collections.ConfigDict(dict(sft_steps=2400, num_problems=1024, seq_len=384,
+                                               batch_size=8, lr=1e-3, refine_fraction=0.5))
   # Every sampler call outside GRPO: fixed rows and prompt length (one compile).
   c.sample = ml_collections.ConfigDict(dict(
       batch_size=32, prompt_len=512, temperature=1.0, proof_tokens=160, analysis_tokens=64))

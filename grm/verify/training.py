@@ -14,6 +14,9 @@ assistant turn only, ``grm.training.judgement_pair``):
              Y the reference or (share ``corrupt_fraction``) a corrupted
              proof, Z the checker's analysis of Y (``write_analysis``): the
              generator learns to grade its own proof honestly.
+  refine     ``refine_prompt(problem, corrupted proof, its analysis)`` → the
+             reference + its honest Z (``refine_pairs``): the prompt of
+             sequential refinement, seen in training.
   verifier   ``verifier_prompt(problem, proof)`` → the checker's analysis.
   meta       ``meta_prompt(problem, proof, analysis)`` → ``write_meta``, the
              analysis written with ``noise`` (issues dropped, spurious ones
@@ -50,8 +53,8 @@ import numpy as np
 from grm.training import train_judgement_sft
 from grm.verify import rewards as rewards_lib
 from grm.verify.format import (generator_prompt, meta_prompt, parse_analysis, parse_generation,
-                               parse_meta, split_generation, verifier_prompt, write_analysis,
-                               write_generation, write_meta)
+                               parse_meta, refine_prompt, split_generation, verifier_prompt,
+                               write_analysis, write_generation, write_meta)
 from opd.models import ModelConfig
 from opd.rl import GRPOConfig, train_grpo
 from opd.tasks import DIFFICULTIES, Example, Reward, get_task
@@ -60,8 +63,8 @@ from opd.tasks.proof_task import (CORRUPTIONS, Issue, ProofCheck, check_proof, c
 
 __all__ = ["GENERATOR_DOMAIN", "VERIFIER_DOMAIN", "GeneratorRLReward", "ProofItem",
            "VerifierRLReward", "generator_examples", "generator_pairs", "meta_pairs",
-           "proof_items", "proof_problems", "train_role_rl", "train_role_sft", "verifier_examples",
-           "verifier_pairs"]
+           "proof_items", "proof_problems", "refine_pairs", "train_role_rl", "train_role_sft",
+           "verifier_examples", "verifier_pairs"]
 
 VERIFIER_DOMAIN = "proof_verifier"
 GENERATOR_DOMAIN = "proof_generator"
@@ -129,6 +132,25 @@ def generator_pairs(items: Sequence[ProofItem], *, corrupt_fraction: float, seed
   rng = random.Random(seed)
   return [(generator_prompt(it.problem), write_generation(it.proof, write_analysis(it.check)))
           for it in items if it.source == "reference" or rng.random() < corrupt_fraction]
+
+
+def refine_pairs(items: Sequence[ProofItem], *, fraction: float, seed: int
+                 ) -> list[tuple[str, str]]:
+  """Refinement SFT pairs for the generator: each corrupted item with probability
+  ``fraction``, as (``refine_prompt(problem, corrupted proof, the checker's
+  analysis of it)``, the reference proof + its honest self-evaluation). Without
+  them the refinement prompt is one the generator never saw."""
+  if not 0.0 <= fraction <= 1.0:
+    raise ValueError(f"fraction={fraction!r} must be in [0, 1]")
+  rng = random.Random(seed)
+  out = []
+  for it in items:
+    if it.source == "reference" or rng.random() >= fraction:
+      continue
+    ref = it.example.reference_text
+    out.append((refine_prompt(it.problem, it.proof, write_analysis(it.check)),
+                write_generation(ref, write_analysis(check_proof(it.example, ref)))))
+  return out
 
 
 def verifier_pairs(items: Sequence[ProofItem]) -> list[tuple[str, str]]:

@@ -67,6 +67,31 @@ def test_generator_pairs_grade_their_own_proof_honestly(fraction):
     assert g.analysis.score == check_proof(it.example, g.proof).score
 
 
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_refine_pairs_show_a_checked_corrupted_proof_and_target_the_reference(fraction):
+  pairs = T.refine_pairs(ITEMS, fraction=fraction, seed=2)
+  corrupted = [it for it in ITEMS if it.source != "reference"]
+  if fraction == 0.0:
+    assert pairs == []
+  elif fraction == 1.0:
+    assert len(pairs) == len(corrupted)
+  else:
+    assert 0 < len(pairs) < len(corrupted)
+  for prompt, target in pairs:
+    # The previous derivation is one of the corrupted proofs; its analysis is the checker's.
+    it = next(i for i in corrupted if prompt.startswith(i.problem + "\n") and
+              f"Previous derivation:\n{i.proof}\nVerification:\n" in prompt)
+    shown = parse_analysis(prompt.split("Verification:\n", 1)[1])
+    assert shown.valid and shown.score == it.check.score
+    assert [(i.line, i.kind) for i in shown.issues] == [(i.line, i.kind) for i in it.check.issues]
+    # The target: the reference proof, which the checker scores 1, graded 1.
+    g = parse_generation(target)
+    assert g.valid and g.proof == it.example.reference_text and g.analysis.score == 1.0
+    assert check_proof(it.example, g.proof).score == 1.0
+  with pytest.raises(ValueError, match="fraction"):
+    T.refine_pairs(ITEMS, fraction=1.5, seed=0)
+
+
 def test_meta_pairs_confirm_exactly_the_checkers_issues():
   pairs = T.meta_pairs(ITEMS, noise=0.5, seed=3)
   verdicts_seen = set()
