@@ -39,6 +39,7 @@ from experiments import baselines as baselines_job
 from experiments import common
 from experiments import diagnostics_plot
 from experiments import distill as distill_job
+from experiments import pretrain as pretrain_job
 from experiments import specialists as specialists_job
 from experiments import v4_report
 from opd.config.fields import from_group, to_group
@@ -79,7 +80,7 @@ def student_stage_config(config, stage: str, grpo_dirs, student_init: str,
   c.mesh = config.specialists.mesh
   c.sharding_rules = config.specialists.sharding_rules
   c.student = ml_collections.ConfigDict(dict(init=student_init,
-                                             model=_copy(config.specialists.model)))
+                                             model=_copy(student_model(config))))
   c.teachers = _teachers(config, grpo_dirs)
   c.data = _copy(config.data)
   # The teachers are the specialists: nothing is built (a fixed group, so no
@@ -106,6 +107,43 @@ def _ckpt(directory: pathlib.Path) -> str:
   return str(directory / "checkpoints")
 
 
+def student_model(config) -> ml_collections.ConfigDict:
+  """The student's model group: the specialists', or with ``config.student_width``
+  > 0 the same model at that width D (F scaled by the same factor, heads kept,
+  so the head dimension grows with D)."""
+  spec = config.specialists.model
+  width = config.get("student_width", 0)
+  if not isinstance(width, int) or width < 0:
+    raise ValueError(f"config.student_width={width!r}: expected an int >= 0 (0: the "
+                     "specialists' width)")
+  if width in (0, spec.d_model):
+    return spec
+  if spec.get("head_dim") is not None or width % spec.n_heads:
+    raise ValueError(f"config.student_width={width}: must be a multiple of n_heads="
+                     f"{spec.n_heads} (and the specialists' head_dim unset)")
+  out = _copy(spec)
+  out.d_model, out.d_ff = width, max(1, round(spec.d_ff * width / spec.d_model))
+  return out
+
+
+def student_has_own_base(config) -> bool:
+  """A student of another architecture than the specialists' (e.g. wider)
+  starts from its own base, pre-trained by the specialists' base recipe."""
+  return student_model(config).to_dict() != config.specialists.model.to_dict()
+
+
+def run_student_base(config, stages: common.Stages, base_dir: pathlib.Path) -> pathlib.Path:
+  """The base the student's cold start starts from (module docstring)."""
+  if not student_has_own_base(config):
+    return base_dir
+  spec = config.specialists
+  cfg = specialists_job._stage_config(spec, "pretrain", optim=spec.base.optim,
+                                      train=spec.base.train, data=spec.base.data)
+  cfg.model = _copy(student_model(config))
+  _, d = stages.run("student base pre-training", pretrain_job.run, cfg, "student_base")
+  return d
+
+
 def _stages(config, workdir) -> common.Stages:
   reuse = [r.strip() for r in str(config.get("reuse_from", "") or "").split(",") if r.strip()]
   return common.Stages.of(workdir, reuse)
@@ -127,19 +165,35 @@ def run_students(config, stages: common.Stages, grpo_dirs,
   return out
 
 
-def run_baselines(config, stages: common.Stages, grpo_dirs,
-                  base_dir: pathlib.Path, cold_start: pathlib.Path) -> dict[str, pathlib.Path]:
-  """The baselines in ``config.baselines.baselines``; ``{job: run dir}``."""
+# Baselines that train the student's own network (from the cold start, or
+# from the student's base for off-policy KD); merging works on the specialists.
+STUDENT_BASELINES = ("mixed_rl", "sequential_rl", "offpolicy_kd")
+
+
+def run_baselines(config, stages: common.Stages, grpo_dirs, base_dir: pathlib.Path,
+                  cold_start: pathlib.Path,
+                  student_base: pathlib.Path | None = None) -> dict[str, pathlib.Path]:
+  """The baselines in ``config.baselines.baselines``; ``{job: run dir}``.
+
+  With a student of its own architecture (``student_has_own_base``) the
+  student-side baselines train that network: its model, its base for
+  off-policy KD's start, the cold start for the RL baselines.
+  """
   bl = config.baselines
-  paths = {"base": _ckpt(base_dir), "student": _ckpt(cold_start),
-           "teachers": {d: _ckpt(grpo_dirs[d]) for d in config.specialists.domains}}
+  teachers = {d: _ckpt(grpo_dirs[d]) for d in config.specialists.domains}
+  own = student_has_own_base(config)
   out = {}
   for job in bl.baselines:
     if job not in baselines_job.RUNS:
       raise ValueError(f"config.baselines.baselines has {job!r}: expected some of "
                        f"{tuple(baselines_job.RUNS)}")
-    _, out[job] = stages.run(f"baseline {job}", baselines_job.RUNS[job],
-                             baselines_job.stage_config(bl, job, paths), f"baselines/{job}")
+    student_side = own and job in STUDENT_BASELINES
+    base = student_base if student_side and job == "offpolicy_kd" else base_dir
+    paths = {"base": _ckpt(base), "student": _ckpt(cold_start), "teachers": teachers}
+    cfg = baselines_job.stage_config(bl, job, paths)
+    if student_side:
+      cfg.model = _copy(student_model(config))
+    _, out[job] = stages.run(f"baseline {job}", baselines_job.RUNS[job], cfg, f"baselines/{job}")
   return out
 
 
@@ -168,9 +222,11 @@ def _evaluate_one(config):
   return fn
 
 
-def evaluate_models(config, stages: common.Stages, models: dict[str, pathlib.Path]) -> list:
+def evaluate_models(config, stages: common.Stages, models: dict[str, pathlib.Path],
+                    student_rows=()) -> list:
   """Every model on every test set, one reusable stage per model
-  (``eval/<name>``); the ``EvalResult`` list in ``models``' order."""
+  (``eval/<name>``); the ``EvalResult`` list in ``models``' order. Rows in
+  ``student_rows`` have the student's model, the others the specialists'."""
   print(f"[v4] evaluating {len(models)} models on {len(config.specialists.domains)} test sets "
         f"({config.eval.n_per_domain} examples each, greedy + mean@{config.eval.num_samples})",
         flush=True)
@@ -178,7 +234,8 @@ def evaluate_models(config, stages: common.Stages, models: dict[str, pathlib.Pat
   for name, run_dir in models.items():
     cfg = ml_collections.ConfigDict(dict(
         job="v4_eval", seed=config.seed, eval=_copy(config.eval),
-        domains=tuple(config.specialists.domains), model=_copy(config.specialists.model),
+        domains=tuple(config.specialists.domains),
+        model=_copy(student_model(config) if name in student_rows else config.specialists.model),
         model_dir=str(run_dir), name=name))
     _, d = stages.run(f"evaluation: {name}", _evaluate_one(config), cfg, f"eval/{_slug(name)}")
     results += ev.load_results(str(d / "results.json"))
@@ -192,16 +249,22 @@ def run(config, workdir: str) -> dict:
   spec = specialists_job.run(config.specialists, str(root), reuse=stages.reuse)
   base_dir = pathlib.Path(spec["dirs"]["base"])
   grpo_dirs = {d: pathlib.Path(spec["dirs"][f"{d}/grpo"]) for d in config.specialists.domains}
-  students = run_students(config, stages, grpo_dirs, base_dir)
+  student_base = run_student_base(config, stages, base_dir)
+  students = run_students(config, stages, grpo_dirs, student_base)
   first = students[config.student_seeds[0]]
-  base_rows = run_baselines(config, stages, grpo_dirs, base_dir, first["cold_start"])
+  base_rows = run_baselines(config, stages, grpo_dirs, base_dir, first["cold_start"],
+                            student_base)
   models = {"base": base_dir}
   models.update({f"{d}-specialist": grpo_dirs[d] for d in config.specialists.domains})
   for seed, dirs in students.items():
     for stage, d in dirs.items():
       models[f"{v4_report.STUDENT_ROWS[stage]}#{seed}"] = d
   models.update({v4_report.BASELINE_ROWS.get(job, job): d for job, d in base_rows.items()})
-  results = evaluate_models(config, stages, models)
+  student_rows = {n for n in models if n.startswith("student")}
+  if student_has_own_base(config):
+    student_rows |= {v4_report.BASELINE_ROWS.get(j, j) for j in base_rows
+                     if j in STUDENT_BASELINES}
+  results = evaluate_models(config, stages, models, student_rows)
   out_dir = root / "v4"
   out_dir.mkdir(parents=True, exist_ok=True)
   ev.save_results(results, str(out_dir))

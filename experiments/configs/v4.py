@@ -21,6 +21,12 @@ A lever in its own workdir reuses the finished stages of another:
   python -m experiments.launch --config=experiments/configs/v4.py --workdir=workdirs/v4_seqmean \
       --config.reuse_from=workdirs/demo --config.opd.aggregation=sequence_mean
 
+Levers (docs/RESULTS.md, "Levers"): ``opd.teacher_temperature``,
+``opd.temperature`` (the student's sampling temperature), ``opd_optim.lr``,
+``cold_start.num_prompts`` / ``samples_per_prompt`` / ``steps`` (cold-start
+length) and ``student_width`` (a wider student with its own base; the
+student-side baselines train the same wide network).
+
 Budget (the same for OPD and the RL baselines): OPD 80 steps + annealing 20
 steps of 8 prompts × 4 samples × ≤ 80 new tokens (100 updates, ≤ 256,000
 sampled tokens); mixed RL 100 GRPO steps of the same shape; merging trains
@@ -58,6 +64,9 @@ def get_config(arg=None):
   # Finished workdirs (comma-separated) whose stages are read, not rerun,
   # when their stage config matches (experiments.common.Stages).
   c.reuse_from = ""
+  # The student's width D (0: the specialists' model). Another width gets its
+  # own base, pre-trained by the specialists' base recipe (experiments/v4.py).
+  c.student_width = 0
   c.specialists = spec
   c.student_seeds = tuple(range(arg["seeds"]))
   c.report_metric = "reward@1"

@@ -97,3 +97,31 @@ def test_v4_tiny_runs_every_stage_and_reports_every_row(tmp_path):
   for name, r in results.items():
     if name not in changed:
       assert again[name].to_dict() == r.to_dict(), name
+
+  # Model width (--config.student_width): a wider student from its own base
+  # (the specialists' base recipe at that width), cold start and OPD to the
+  # narrower specialists, mixed RL on the same wide network; merging, the
+  # specialists and their base are still read from the first run.
+  wide = tmp_path / "wide"
+  proc = subprocess.run(cmd[:-1] + [f"--workdir={wide}", f"--config.reuse_from={workdir}",
+                                    "--config.student_width=48"],
+                        capture_output=True, text=True, env=env, timeout=1200, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert not any((wide / d).exists() for d in ("base", *domains))
+  assert not (wide / "baselines" / "merge").exists()
+  narrow = json.loads((workdir / "student" / "seed0" / "opd" / "config.json").read_text())
+  d_spec = narrow["student"]["model"]["d_model"]
+  for stage_dir in [wide / "student_base", wide / "baselines" / "mixed_rl"] + [
+      wide / "student" / "seed0" / s for s in v4.STUDENT_STAGES]:
+    saved = json.loads((stage_dir / "config.json").read_text())
+    model = saved.get("model") or saved["student"]["model"]
+    assert model["d_model"] == 48 != d_spec, stage_dir
+    assert model["d_ff"] == narrow["student"]["model"]["d_ff"] * 48 // d_spec
+  cold = json.loads((wide / "student" / "seed0" / "cold_start" / "config.json").read_text())
+  assert cold["student"]["init"] == str(wide / "student_base" / "checkpoints")
+  assert all(t["model"]["d_model"] == d_spec for t in cold["teachers"].values())
+  # (the evaluations load each checkpoint with the model of its row, so a
+  # student saved at the specialists' width would have failed the run)
+  evals = {p.name for p in (wide / "eval").iterdir()}
+  assert evals == {v4._slug(v4_report.STUDENT_ROWS[s] + "#0") for s in v4.STUDENT_STAGES} | {
+      v4._slug(v4_report.BASELINE_ROWS["mixed_rl"])}

@@ -1,0 +1,39 @@
+"""``experiments.v4.student_model``: the width lever's architecture and its errors."""
+import pytest
+
+from experiments import v4
+from experiments.configs import v4 as v4_config
+
+
+def _cfg(width):
+  c = v4_config.get_config("tiny")
+  c.student_width = width
+  return c
+
+
+def test_default_student_is_the_specialists_model():
+  c = _cfg(0)
+  assert v4.student_model(c).to_dict() == c.specialists.model.to_dict()
+  assert not v4.student_has_own_base(c)
+  same = _cfg(c.specialists.model.d_model)  # its own width is the same model
+  assert not v4.student_has_own_base(same)
+
+
+def test_a_wider_student_scales_d_model_and_d_ff_only():
+  c = _cfg(0)
+  spec = c.specialists.model.to_dict()
+  wide = v4.student_model(_cfg(2 * spec["d_model"])).to_dict()
+  assert wide["d_model"] == 2 * spec["d_model"] and wide["d_ff"] == 2 * spec["d_ff"]
+  assert {k: v for k, v in wide.items() if k not in ("d_model", "d_ff")} == {
+      k: v for k, v in spec.items() if k not in ("d_model", "d_ff")}
+  assert v4.student_has_own_base(_cfg(2 * spec["d_model"]))
+  assert v4.student_stage_config(_cfg(2 * spec["d_model"]), "opd", {
+      d: "x" for d in c.specialists.domains}, "init", 0).student.model.d_model == 2 * spec["d_model"]
+
+
+@pytest.mark.parametrize("width,match", [(-8, r"config.student_width=-8: expected an int >= 0"),
+                                         (50, r"config.student_width=50: must be a multiple of "
+                                              r"n_heads=4")])
+def test_bad_width_names_the_field(width, match):
+  with pytest.raises(ValueError, match=match):
+    v4.student_model(_cfg(width))
