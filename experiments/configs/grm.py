@@ -33,7 +33,8 @@ from opd.training.optim import OptimConfig
 DEMO = "workdirs/demo"  # what `make demo` writes
 # name -> checkpoint dir of the demo's models (base, per-domain SFT and GRPO specialists).
 DEMO_MODELS = {"base": f"{DEMO}/base/checkpoints",
-               **{f"sft_{d}": f"{DEMO}/{d}/sft/checkpoints" for d in ("math", "instruct")},
+               **{f"sft_{d}": f"{DEMO}/{d}/sft/checkpoints"
+                  for d in ("math", "code", "instruct", "writing", "agent")},
                **{f"rl_{d}": f"{DEMO}/{d}/grpo/checkpoints"
                   for d in ("math", "code", "instruct", "writing", "agent")}}
 
@@ -51,35 +52,65 @@ def get_config(arg=None):
   c.sharding_rules = pre.sharding_rules
   c.tiny_models = 0  # > 0: build this many random models instead of loading c.models
   c.models = ml_collections.ConfigDict(DEMO_MODELS)
+  # Difficulty 1 (what the specialists were trained and evaluated on): at 2-3
+  # math and code answers are almost all wrong, so no group has a unique best.
+  # Instruct spans 1-3 so that more of its prompts forbid a word (the
+  # constraint_safety subset: ~1/6 of difficulty-1 prompts, ~1/2 at 3).
   c.data = ml_collections.ConfigDict(dict(
-      domains=("math", "code", "instruct", "writing", "agent"), num_train=96, num_test=48,
-      difficulties=(1, 2, 3), temperatures=(0.7, 1.0), max_new_tokens=80, sizes=(1, 2, 3, 4),
-      include_reference=False, noise=0.2))
-  c.sft = ml_collections.ConfigDict(dict(steps=200, batch_size=8, seq_len=2048))
-  c.sft_optim = to_group(OptimConfig, lr=3e-4, warmup_steps=10, decay_steps=200,
-                         end_lr_ratio=0.1)
-  c.rft = ml_collections.ConfigDict(dict(n_rft=4, steps=100, max_new_tokens=320,
-                                         temperature=1.0))
+      domains=("math", "code", "instruct", "writing", "agent"), num_train=64, num_test=30,
+      difficulties=(1,), temperatures=(0.0, 0.5, 1.0), max_new_tokens=80, sizes=(1, 2, 3, 4),
+      include_reference=False, noise=0.2, max_draws=64,
+      per_domain=dict(math=dict(num_test=48), code=dict(num_test=48),
+                      instruct=dict(num_test=48, difficulties=(1, 2, 3)))))
+  # Lengths (byte tokens): GRM prompts ~300-700, judgements 150 + 25 n; every
+  # budget below holds the longest of them (the job prints a warning if not).
+  # copies: cold-start judgements per train group (own response order and principles).
+  # sft_optim: the cosine decays over each SFT stage's own steps. The base model sees
+  # this text as noise (loss 5.6 = ln 270): at lr 3e-4 constant, 80 steps of 8 rows, or
+  # at 1e-3 100 steps, the cold start wrote no valid judgement (loss 1.4, 0.9); at
+  # 2e-3, 240 steps of 4 rows, 19 of 32 greedy judgements of train groups are valid.
+  c.sft = ml_collections.ConfigDict(dict(steps=240, batch_size=4, seq_len=1024, copies=2))
+  c.sft_optim = to_group(OptimConfig, lr=2e-3, warmup_steps=10, decay_steps=230,
+                         schedule="cosine", end_lr_ratio=0.1)
+  # num_groups: train groups RFT samples from (0: all). T = 0.7 here, in rule RL and
+  # in the benchmark: at T = 1 that cold start wrote 8 of 32 valid judgements.
+  c.rft = ml_collections.ConfigDict(dict(n_rft=4, steps=60, max_new_tokens=320,
+                                         temperature=0.7, num_groups=160))
   # meta_weight: the shared-backbone stage's meta-BCE weight (grm.shared).
-  c.rl = ml_collections.ConfigDict(dict(steps=30, kl_multiplier=2.0, meta_weight=1.0))
+  c.rl = ml_collections.ConfigDict(dict(steps=20, kl_multiplier=2.0, meta_weight=1.0))
   c.grpo = grpo.grpo
-  c.grpo.update(max_new_tokens=320, seq_len=2048)
-  c.grpo_optim = to_group(OptimConfig, lr=5e-5, warmup_steps=2, end_lr_ratio=1.0, b2=0.99)
-  c.rm = ml_collections.ConfigDict(dict(steps=200, batch_size=8, seq_len=1536, meta_k=4))
+  c.grpo.update(group_size=4, prompts_per_step=4, max_new_tokens=320, seq_len=1024,
+                length_bucket=256, temperature=0.7)
+  c.grpo_optim = to_group(OptimConfig, lr=1e-4, warmup_steps=2, end_lr_ratio=1.0, b2=0.99)
+  # seq_len: the meta-RM's rows (GRM prompt + judgement); bt_seq_len: the BT
+  # RM's (query + response; longer ones keep their start); meta_groups: train
+  # groups the meta-RM's training judgements are sampled on (0: all).
+  c.rm = ml_collections.ConfigDict(dict(steps=80, batch_size=8, seq_len=1024, bt_seq_len=192,
+                                        meta_k=4, meta_groups=96, score_batch_size=32,
+                                        length_bucket=64))
   c.rm_optim = to_group(OptimConfig, lr=1e-4, warmup_steps=10, decay_steps=200)
-  c.benchmark = ml_collections.ConfigDict(dict(ks=(1, 2, 4, 8, 16, 32), temperature=1.0,
-                                               max_new_tokens=320, bootstrap_samples=1000,
-                                               batch_size=64))
+  c.pairwise = ml_collections.ConfigDict(dict(steps=120, seq_len=576, max_new_tokens=96))
+  # ks_by_stage: the early stages vote up to k=8 (their greedy, k=1 and k=8
+  # show each stage's effect); the final GRM and the shared backbone go to 32.
+  c.benchmark = ml_collections.ConfigDict(dict(
+      ks=(1, 2, 4, 8, 16, 32), ks_by_stage=dict(cold_start=(1, 2, 4, 8), rft=(1, 2, 4, 8)),
+      temperature=0.7, max_new_tokens=320, bootstrap_samples=1000, batch_size=32,
+      length_bucket=64))
   if arg["tiny"]:
     c.tiny_models = 2
     c.data.update(domains=("math", "instruct"), num_train=4, num_test=4, difficulties=(1, 2),
                   temperatures=(1.0,), max_new_tokens=8, include_reference=True)
-    c.sft.update(steps=2, batch_size=2, seq_len=1536)
+    c.data.per_domain = ml_collections.ConfigDict()
+    c.sft.update(steps=2, batch_size=2, seq_len=1536, copies=1)
     c.sft_optim.update(decay_steps=2, warmup_steps=0)
-    c.rft.update(n_rft=2, steps=2, max_new_tokens=8)
+    c.rft.update(n_rft=2, steps=2, max_new_tokens=8, num_groups=0)
     c.rl.update(steps=1)
-    c.grpo.update(group_size=2, prompts_per_step=1, max_new_tokens=8, seq_len=1536)
-    c.rm.update(steps=2, batch_size=2, meta_k=2)
+    c.grpo.update(group_size=2, prompts_per_step=1, max_new_tokens=8, seq_len=1536,
+                  length_bucket=32)
+    c.rm.update(steps=2, batch_size=2, meta_k=2, seq_len=1536, bt_seq_len=512, meta_groups=0,
+                score_batch_size=8)
     c.rm_optim.update(decay_steps=2, warmup_steps=0)
+    c.pairwise.update(steps=2, seq_len=1536, max_new_tokens=8)
     c.benchmark.update(ks=(1, 2), max_new_tokens=8, bootstrap_samples=20, batch_size=16)
+    c.benchmark.ks_by_stage = ml_collections.ConfigDict(dict(cold_start=(1,)))
   return c

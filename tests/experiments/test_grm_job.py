@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from experiments import grm as grm_job
+from experiments.configs import grm as grm_config
 from grm import pairwise as pairwise_lib
 from grm.benchmark_set import OVERALL, SUBSETS
 from grm.correctness import best_index
@@ -67,8 +68,12 @@ def test_benchmark_is_on_test_groups_only_and_consistent_with_invalid_rates(run)
   assert not {g["query"] for g in groups["test"]} & train_queries
   bench = json.loads((workdir / "benchmark" / "benchmark.json").read_text())
   assert bench["sizes"][OVERALL]["groups"] == len(test_ids)
+  config = grm_config.get_config("tiny")
+  # tiny: ks (1, 2), but cold start votes only at k = 1 (benchmark.ks_by_stage).
+  assert grm_job._stage_ks(config, "cold_start") == (1,)
+  assert "cold_start/vote@2" not in bench["accuracy"]
   for stage in grm_job.GRM_STAGES + (grm_job.SHARED,):
-    for k in (1, 2):
+    for k in grm_job._stage_ks(config, stage):
       for kind in ("vote", "meta"):
         row = bench["accuracy"][f"{stage}/{kind}@{k}"]
         assert 0.0 <= row[OVERALL]["value"] <= 100.0
@@ -78,6 +83,12 @@ def test_benchmark_is_on_test_groups_only_and_consistent_with_invalid_rates(run)
   assert "random" in bench["accuracy"] and bench["paper"] == {"1": 85.6, "32": 89.6}
   report = (workdir / "benchmark" / "report.md").read_text()
   assert all(f"| {name} |" in report for name in bench["accuracy"])
+  assert "RFT counts: groups" in report
+  for name in grm_job.GRM_STAGES + (grm_job.SHARED, "baselines"):  # per-model results, cached
+    assert (workdir / "benchmark" / f"results_{name}.json").is_file()
+  for name, _, _ in grm_job.STAGES:
+    stage = json.loads((workdir / name / "final_metrics.json").read_text())
+    assert stage["time/wall_s"] > 0 and stage["time/cpu_s"] > 0
   assert (workdir / "benchmark" / "k_curve.png").stat().st_size > 0
 
 

@@ -1,0 +1,82 @@
+"""Shared pieces of the ``grm`` job's stages (``experiments/grm.py``,
+``experiments/grm_benchmark.py``; docs/DESIGN.md §6): the run context, the
+stage directories' models and groups, and the batched GRM sampler."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import numpy as np
+
+from grm import training as training_lib
+from grm.data import PreferenceGroup
+from grm.format import user_prompt_ids
+from opd.models import init_params
+from opd.rollout.episodes import sampling_for_chat
+from opd.training.checkpoints import load_params
+
+GRM_STAGES = ("cold_start", "rft", "rule_rl")
+
+
+@dataclasses.dataclass
+class _Ctx:
+  config: object
+  root: pathlib.Path
+  model_cfg: object
+  tok: object
+  mesh: object
+  rules: tuple
+
+
+def _source_models(ctx: _Ctx) -> dict:
+  c = ctx.config
+  if c.tiny_models:
+    return {f"tiny{i}": init_params(ctx.model_cfg, jax.random.key(c.seed + i))
+            for i in range(c.tiny_models)}
+  return {name: load_params(path, ctx.model_cfg, mesh=ctx.mesh, rules=ctx.rules)
+          for name, path in c.models.items()}
+
+
+def _base_params(ctx: _Ctx):
+  return next(iter(_source_models(ctx).values())) if ctx.config.tiny_models else load_params(
+      ctx.config.models.base, ctx.model_cfg, mesh=ctx.mesh, rules=ctx.rules)
+
+
+def _load_groups(ctx: _Ctx) -> dict[str, list[PreferenceGroup]]:
+  raw = json.loads((ctx.root / "data" / "groups.json").read_text())
+  return {s: [PreferenceGroup(**{**g, "responses": tuple(g["responses"]),
+                                 "ratings": tuple(g["ratings"]), "reasons": tuple(g["reasons"])})
+              for g in gs] for s, gs in raw.items()}
+
+
+def _test_subsets(ctx: _Ctx) -> dict[str, list[PreferenceGroup]]:
+  ids = json.loads((ctx.root / "data" / "subsets.json").read_text())
+  by_id = {g.example_id: g for g in _load_groups(ctx).get("test", [])}
+  return {s: [by_id[i] for i in v] for s, v in ids.items()}
+
+
+def _params(ctx: _Ctx, stage: str, cfg=None):
+  return load_params(ctx.root / stage / "checkpoints", cfg or ctx.model_cfg, mesh=ctx.mesh,
+                     rules=ctx.rules)
+
+
+def _sampler(ctx, params, max_new_tokens, temperature, cfg=None):
+  sampling = sampling_for_chat(ctx.tok, max_new_tokens=max_new_tokens, temperature=temperature)
+  return training_lib.model_sampler(cfg or ctx.model_cfg, params, ctx.tok, sampling,
+                                    batch_size=ctx.config.benchmark.batch_size,
+                                    length_bucket=ctx.config.benchmark.length_bucket,
+                                    mesh=ctx.mesh, rules=ctx.rules)
+
+
+SHARED = "shared"
+
+
+def _shared_cfg(ctx):
+  return ctx.model_cfg.replace(scalar_head=True)
+
+
+def _response_ids(tok, query: str, response: str) -> np.ndarray:
+  """What the BT RM reads: the query's chat prompt, then the response."""
+  return np.concatenate([user_prompt_ids(tok, query), np.asarray(tok.encode(response), np.int32)])

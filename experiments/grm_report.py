@@ -1,0 +1,64 @@
+"""The ``grm`` job's report: the benchmark table and the k-curve (docs/DESIGN.md §6;
+the job is ``experiments/grm.py``)."""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from grm import benchmark_set as bench_lib
+
+PAPER = {1: 85.6, 32: 89.6}  # DeepSeek-GRM-27B on RewardBench, meta-RM voting (docs/DESIGN.md §6)
+
+
+def render_report(table: Mapping, invalid: Mapping, sizes: Mapping,
+                  extra: Sequence[str] = ()) -> str:
+  """Markdown: accuracy (± bootstrap SE) per subset and overall, sizes, invalid
+  rates, then ``extra`` lines (e.g. RFT counts)."""
+  cols = [s for s in bench_lib.SUBSETS if sizes.get(s, {}).get("groups")] + [bench_lib.OVERALL]
+  lines = ["# GRM benchmark (RewardBench-style test set, docs/DESIGN.md §6)", "",
+           "Accuracy in % ± bootstrap SE. BT RM and pairwise judge: n >= 2 groups only. "
+           f"Paper (DeepSeek-GRM-27B, RewardBench): {PAPER[1]} at k=1, {PAPER[32]} with "
+           "meta-RM voting at k=32.", "",
+           "| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+  for name, row in table.items():
+    cells = [f"{row[s]['value']:.1f} ± {row[s]['se']:.1f}" if s in row else "–" for s in cols]
+    lines.append(f"| {name} | " + " | ".join(cells) + " |")
+  lines += ["", "Groups per subset: " + ", ".join(
+      f"{s} {v['groups']}" for s, v in sizes.items()), "", "| model | invalid rate |",
+            "|---|---|"]
+  lines += [f"| {name} | {v['invalid_rate']:.3f} |" for name, v in invalid.items()]
+  if extra:
+    lines += [""] + list(extra)
+  return "\n".join(lines) + "\n"
+
+
+def plot_k_curve(table: Mapping, stages: Sequence[str], path) -> None:
+  """Overall accuracy against k for ``{stage}/vote@k`` and ``{stage}/meta@k``
+  (whichever k each stage has), bands of ± one bootstrap SE, the paper's points."""
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  fig, ax = plt.subplots(figsize=(6.5, 4.2))
+  for stage in stages:
+    for kind, style in (("vote", "-"), ("meta", "--")):
+      prefix = f"{stage}/{kind}@"
+      rows = sorted((int(name[len(prefix):]), row[bench_lib.OVERALL])
+                    for name, row in table.items()
+                    if name.startswith(prefix) and bench_lib.OVERALL in row)
+      if not rows:
+        continue
+      ks = np.array([k for k, _ in rows])
+      v = np.array([r["value"] for _, r in rows])
+      se = np.array([r["se"] for _, r in rows])
+      line, = ax.plot(ks, v, style, marker="o", label=f"{stage} {kind}")
+      ax.fill_between(ks, v - se, v + se, alpha=0.15, color=line.get_color())
+  ax.plot(sorted(PAPER), [PAPER[k] for k in sorted(PAPER)], "k:", marker="s",
+          label="paper (RewardBench, meta@k)")
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("k (samples)")
+  ax.set_ylabel("accuracy (%)")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
