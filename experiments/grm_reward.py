@@ -3,13 +3,22 @@
 For each reward in ``config.rewards`` the policy starts from the same params
 and trains with ``opd.rl.train_grpo`` (``grm``: ``grm.reward.GRMReward``;
 ``bt``: ``grm.reward.BTReward``; ``rubric``: the writing verifier, i.e. no
-``reward_fn``). Each trained policy is scored on ``config.data.num_test``
-test prompts with the hidden rubric (greedy). Final metrics:
-``rubric/<reward>`` (test rubric score), ``train_reward/<reward>`` (the last
-step's mean training reward) and, for the GRM, its invalid-sample counts.
+``reward_fn``). Each trained policy's greedy answers to ``config.data.num_test``
+test prompts are scored with the hidden rubric and with the GRM and the BT
+RM, as are the starting policy's (``init``). Final metrics:
+``rubric/<policy>`` (test rubric score of the policy trained on that reward,
+or ``init``), ``score_grm/<policy>`` and ``score_bt/<policy>`` (its test
+scores under the two learned rewards), ``train_reward_first/<reward>`` and
+``train_reward/<reward>`` (the first and last step's mean training reward)
+and, for the GRM-trained run, the GRM's sample counts (``grm/samples``,
+``grm/invalid_samples``, ...). A learned reward the policy games shows as a
+rise in its own score without one in the rubric's. Each reward's results are
+saved in ``<workdir>/<reward>/result.json`` as it finishes, so a rerun
+continues with the next reward.
 """
 from __future__ import annotations
 
+import json
 import pathlib
 
 import jax
@@ -69,21 +78,50 @@ def run(config, workdir: str) -> dict:
                              batch_size=config.bt.batch_size),
       "rubric": lambda: None}
   greedy = sampling_for_chat(tok, max_new_tokens=cfg.max_new_tokens, temperature=0.0)
+  # Every policy's greedy test answers are scored by all three rewards, so a
+  # learned reward the policy games shows: its own score rises, the rubric's not.
+  judges = {"grm": reward_fns["grm"](), "bt": reward_fns["bt"]()}
+
+  def test_scores(params) -> dict:
+    episodes = rollout_lib.rollout(model_cfg, params, tok, test, jax.random.key(config.seed),
+                                   greedy, mesh=mesh, rules=rules)
+    out = {"rubric": float(np.mean([ep.reward.reward for ep in episodes]))}
+    for judge, fn in judges.items():
+      out[f"score_{judge}"] = float(np.mean([r.reward for r in fn(episodes)]))
+    return out
+
+  root = pathlib.Path(workdir)
   out = {"steps": config.train.steps}
+  init = _cached(root / "init_scores.json", lambda: test_scores(policy))
+  out.update({f"{k}/init": v for k, v in init.items()})
   for name in config.rewards:
-    reward_fn = reward_fns[name]()
-    run_ = grpo_lib.train_grpo(
-        model_cfg, policy, policy if cfg.kl_coef > 0 else None, prompts, cfg,
-        common.optim_config(config.optim), tokenizer=tok, steps=config.train.steps, mesh=mesh,
-        rules=rules, seed=config.seed, reward_fn=reward_fn,
-        workdir=pathlib.Path(workdir) / name, progress=False)
-    episodes = rollout_lib.rollout(model_cfg, run_.state.params, tok, test,
-                                   jax.random.key(config.seed), greedy, mesh=mesh, rules=rules)
-    out[f"rubric/{name}"] = float(np.mean([ep.reward.reward for ep in episodes]))
-    out[f"train_reward/{name}"] = float(run_.history[-1]["reward/mean"])
-    if isinstance(reward_fn, GRMReward):
-      out.update({f"grm/{k}": v for k, v in reward_fn.totals.items()})
+
+    def train(name=name):
+      reward_fn = reward_fns[name]()
+      run_ = grpo_lib.train_grpo(
+          model_cfg, policy, policy if cfg.kl_coef > 0 else None, prompts, cfg,
+          common.optim_config(config.optim), tokenizer=tok, steps=config.train.steps,
+          mesh=mesh, rules=rules, seed=config.seed, reward_fn=reward_fn,
+          workdir=root / name, progress=False)
+      res = {f"{k}/{name}": v for k, v in test_scores(run_.state.params).items()}
+      rewards = [m["reward/mean"] for m in run_.history if "reward/mean" in m]
+      res[f"train_reward/{name}"] = float(rewards[-1])
+      res[f"train_reward_first/{name}"] = float(rewards[0])
+      if isinstance(reward_fn, GRMReward):
+        res.update({f"grm/{k}": v for k, v in reward_fn.totals.items()})
+      return res
+
+    out.update(_cached(root / name / "result.json", train))
   out["wall_s"] = timer.seconds
-  common.write_json(pathlib.Path(workdir) / "rubric_scores.json",
+  common.write_json(root / "rubric_scores.json",
                     {k: v for k, v in out.items() if k.startswith("rubric/")})
+  return out
+
+
+def _cached(path: pathlib.Path, make) -> dict:
+  """``make()``'s JSON result, saved once: a rerun skips the finished rewards."""
+  if path.exists():
+    return json.loads(path.read_text())
+  out = make()
+  common.write_json(path, out)
   return out

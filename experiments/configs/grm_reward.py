@@ -44,16 +44,20 @@ def get_config(arg=None):
   c.mesh = base.mesh
   c.sharding_rules = base.sharding_rules
   c.rewards = ("grm", "bt", "rubric")
+  # The GRM judges each episode alone (n = 1): k samples of <= 200 tokens, voted.
   c.grm = ml_collections.ConfigDict(dict(k=4, max_new_tokens=320, temperature=1.0,
-                                         fallback=0.0, batch_size=64))
-  c.bt = ml_collections.ConfigDict(dict(seq_len=1536, batch_size=32))
-  c.grpo = to_group(GRPOConfig, clip_eps_high=0.28, kl_coef=0.1, max_new_tokens=120)
+                                         fallback=0.0, batch_size=32))
+  c.bt = ml_collections.ConfigDict(dict(seq_len=256, batch_size=32))
+  # 24 rollouts a step (6 prompts x 4): the GRM-rewarded run samples 96 judgements a step.
+  c.grpo = to_group(GRPOConfig, clip_eps_high=0.28, kl_coef=0.1, max_new_tokens=120,
+                    group_size=4, prompts_per_step=6)
   c.optim = to_group(OptimConfig, lr=2e-4, warmup_steps=2, end_lr_ratio=1.0, b2=0.99)
-  c.train = ml_collections.ConfigDict(dict(steps=40))
-  c.data = ml_collections.ConfigDict(dict(num_prompts=256, num_test=32, difficulties=(1, 2)))
+  c.train = ml_collections.ConfigDict(dict(steps=30))
+  # Difficulty 1: the writing specialist's and the GRM's training distribution.
+  c.data = ml_collections.ConfigDict(dict(num_prompts=256, num_test=32, difficulties=(1,)))
   if arg["tiny"]:
     c.tiny_models = True
-    c.grm.update(k=2, max_new_tokens=8, batch_size=8)
+    c.grm.update(k=2, max_new_tokens=8, batch_size=4)  # 8 samples a step: two chunks
     c.bt.update(seq_len=512, batch_size=8)
     c.grpo.update(group_size=2, prompts_per_step=2, max_new_tokens=8, seq_len=512)
     c.train.update(steps=1)

@@ -22,8 +22,11 @@ def test_tiny_grm_reward_job_trains_under_each_reward_and_scores_the_rubric(tmp_
   assert proc.returncode == 0, proc.stderr[-3000:]
   metrics = json.loads((tmp_path / "final_metrics.json").read_text())
   cfg = config_utils.load_config(f"{CONFIG}:tiny")
+  for name in cfg.rewards + ("init",):  # every policy, and the one they start from
+    for judge in ("rubric", "score_grm", "score_bt"):
+      assert 0.0 <= metrics[f"{judge}/{name}"] <= 1.0, (judge, name)
   for name in cfg.rewards:
-    assert 0.0 <= metrics[f"rubric/{name}"] <= 1.0, name
+    assert (tmp_path / name / "result.json").is_file(), name
     assert math.isfinite(metrics[f"train_reward/{name}"]), name
     assert (tmp_path / name / "metrics.jsonl").is_file(), name
   # Every GRM sample of every step is counted: B·k per step, valid or invalid.
