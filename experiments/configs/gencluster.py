@@ -1,41 +1,51 @@
 """Job ``gencluster``: test-time clustering for code (docs/DESIGN.md §7, experiments/gencluster.py).
 
-  nice python -m experiments.launch --config=experiments/configs/gencluster.py \
+  nice -n 10 .venv/bin/python -m experiments.launch --config=experiments/configs/gencluster.py \
       --workdir=workdirs/gencluster
   python -m experiments.launch --config=experiments/configs/gencluster.py:tiny \
       --workdir=workdirs/gencluster_tiny      # CI smoke test: a random tiny policy
 
-The policy is the first existing directory of ``policy.checkpoints`` (the V4
-run's code specialist, GRPO then SFT), else an SFT of ``policy.base`` on the
-code domain (pre-training a base first when that is missing too);
-``--config.policy.checkpoints="('DIR',)"`` points it elsewhere. The judge is
-the policy unless ``judge.checkpoint`` names a pairwise judge (e.g. the grm
-job's ``WORKDIR/pairwise/checkpoints``). The tiny variant uses a random policy
-and plants two candidates per subtask that are not model-driven, the
-reference program and an off-by-one distractor, so that clusters, a
-tournament and solved subtasks exist.
+The policy is the first existing directory of ``policy.checkpoints`` (the
+code specialist of ``make demo``, GRPO then SFT; read only), else an SFT of
+``policy.base`` on the code domain (pre-training a base first when that is
+missing too); ``--config.policy.checkpoints="('DIR',)"`` points it
+elsewhere. The judge is ``judge.checkpoint`` when set, else (``judge.train_steps``
+> 0) the policy fine-tuned into a pairwise judge on rule-written train-split
+pairs, else the policy itself. The tiny variant uses a random policy, a
+2-step judge SFT, and plants two candidates per subtask that are not
+model-driven, the reference program and an off-by-one distractor, so that
+clusters, a tournament and solved subtasks exist.
 
-Reference machine (2 CPU cores shared with ~6 other jobs, load average ~12):
-tiny 16 s (tests/experiments/test_gencluster_job.py launch). Default, on the
-V4 run's code specialist (workdirs/v4_3seeds/code/grpo): 4 min 26 s wall,
-1 min 18 s user + 28 s sys CPU (sampling 5,472 policy responses and 1,012
-judge prompts; the sandbox ran 4,466 programs at 59 programs/s wall).
+Reference machine (2 CPU cores shared with other jobs, load average 5-6):
+default 13 min 12 s wall, 391 s user + 127 s sys CPU: policy samples 2 min
+45 s (5,472 responses), inputs 11 s, execute 84 s (the sandbox ran 3,601
+programs at 44 programs/s wall), judge SFT 7 min 40 s (100 steps), rank 59 s
+(818 judge prompts), report 3 s. Tiny: the job test (two launches) 3 min
+49 s under load ~7.
+
 Measured result (48 problems x 3 subtasks, K = 32; % of subtasks solved,
 mean ± SE over problems):
 
   budget                        1           2           5           10          50
-  GENCLUSTER                    9.0 ± 4.1   12.5 ± 4.8  15.3 ± 5.2  21.5 ± 5.9  25.0 ± 6.3
-  tournament, no validators     9.0 ± 4.1   12.5 ± 4.8  15.3 ± 5.2  21.5 ± 5.9  25.0 ± 6.3
-  majority cluster only         9.0 ± 4.1    9.0 ± 4.1   9.0 ± 4.1  11.8 ± 4.5  11.8 ± 4.5
-  random candidates             5.6 ± 3.0    5.6 ± 3.0   7.6 ± 3.6  15.3 ± 5.2  25.0 ± 6.3
+  GENCLUSTER                    4.2 ± 2.9   9.0 ± 4.1  14.6 ± 5.1  22.9 ± 6.1  25.0 ± 6.3
+  tournament, no validators     6.9 ± 3.6   6.9 ± 3.6  14.6 ± 5.1  22.9 ± 6.1  25.0 ± 6.3
+  majority cluster only         9.0 ± 4.1   9.0 ± 4.1   9.0 ± 4.1  11.8 ± 4.5  11.8 ± 4.5
+  random candidates             2.8 ± 2.2   5.6 ± 3.0  14.6 ± 5.1  16.7 ± 5.4  25.0 ± 6.3
   upper bound (any candidate passes): 27.1
 
-Expected reading: clustering beats random candidates at small budgets and
-the majority cluster at large ones; all stay below the upper bound. The
-policy wrote no valid judgement (0 of 1,012), so the "tournament" ranks by
-cluster size; its generators were used 21 of 288 times and its validators
-never (0 of 576: rule-based instead), so the 75% filter removed only 4.9% of
-inputs and "no validators" equals GENCLUSTER here.
+Reading: the tournament is now model-driven (818 of 818 judgements valid)
+but the judge is at chance: right on 55% of the 96 matches where exactly one
+side passes, 48% on held-out rule-written pairs, answering "B" 93% of the
+time (400 SFT steps at lr 1e-3 on 6,847 pairs: 60% held out, 56% in the
+tournament, no change in solve rate). With A/B randomised, its ranking is
+close to a random order of the clusters: below the majority cluster at
+budgets 1-2, above it from 10 on (the majority strategy has one cluster to
+submit), level with random candidates at 5 and 50 and above them at 10
+(clustering removes duplicates from the queue). Test inputs: the
+policy's generators were used 51 of 288 times (rest: seeded fallback) and
+its validators never (0 of 576: rule-based), so the 75% filter removed 280
+of 2,096 inputs (13.4%, in 37 of 144 subtasks), exactly the out-of-range
+ones the model's generators wrote; the upper bound is the policy's limit.
 """
 import ml_collections
 
