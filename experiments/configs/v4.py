@@ -123,4 +123,12 @@ def get_config(arg=None):
     c.baselines.grpo.update(prompts_per_step=5, group_size=2, max_new_tokens=8, seq_len=128)
     c.baselines.rl_train.update(steps=2, save_every=2)
     c.baselines.kd.update(steps=2, save_every=2, eval_every=2)
+  # Off-policy KD distils the same kind of text the cold start keeps: the
+  # specialists' answers at the cold start's temperature, length and reward
+  # filter (at the baselines' own 48 tokens and min_reward 1.0, every agent
+  # and writing answer was truncated or rejected: 180 of 2,560 kept, none
+  # for those two domains; docs/LOG.md).
+  c.baselines.offpolicy.update(max_new_tokens=c.cold_start.max_new_tokens,
+                               temperature=c.cold_start.temperature,
+                               min_reward=c.cold_start.min_reward, seq_len=c.cold_start.seq_len)
   return c
