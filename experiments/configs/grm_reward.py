@@ -45,7 +45,9 @@ def get_config(arg=None):
   c.sharding_rules = base.sharding_rules
   c.rewards = ("grm", "bt", "rubric")
   # The GRM judges each episode alone (n = 1): k samples of <= 200 tokens, voted.
-  c.grm = ml_collections.ConfigDict(dict(k=4, max_new_tokens=320, temperature=1.0,
+  # T = 0.7 as in the grm job's RFT, rule RL and benchmark: at T = 1 its cold
+  # start wrote 8 of 32 valid judgements (experiments/configs/grm.py).
+  c.grm = ml_collections.ConfigDict(dict(k=4, max_new_tokens=320, temperature=0.7,
                                          fallback=0.0, batch_size=32))
   c.bt = ml_collections.ConfigDict(dict(seq_len=256, batch_size=32))
   # 24 rollouts a step (6 prompts x 4): the GRM-rewarded run samples 96 judgements a step.
