@@ -146,7 +146,7 @@ FINAL = "final_metrics.json"  # a finished stage's metrics (as the launcher writ
 # Fields added to a stage config after stages were written, with the value
 # that reproduces what those stages did: a saved ``config.json`` without the
 # field matches a stage config holding exactly that value (and no other).
-ADDED_FIELDS = {"opd.teacher_temperature": 1.0}
+ADDED_FIELDS = {"opd.teacher_temperature": 1.0, "generator.refine_fraction": 0.0}
 
 
 def stage_mismatches(saved, cfg) -> list[tuple[str, Any, Any]]:
