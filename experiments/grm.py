@@ -46,6 +46,7 @@ import pathlib
 import time
 
 import jax
+import ml_collections
 import numpy as np
 
 from experiments import common
@@ -314,6 +315,11 @@ def _stage_meta_rm(ctx, workdir):
   return {"samples": len(flat), "positive_rate": float(np.mean([y for _, y in flat])), **out}
 
 
+# Fields of the benchmark group only the benchmark stage reads (the voting k's and
+# the bootstrap); RFT and the meta-RM read its sampling fields. They are left out
+# of those stages' configs and not compared with saved ones (earlier runs held them).
+BENCHMARK_ONLY = ("benchmark.ks", "benchmark.ks_by_stage", "benchmark.bootstrap_samples")
+
 STAGES = (("data", _stage_data, ("data", "models", "tiny_models")),
           ("cold_start", _stage_cold_start, ("sft", "sft_optim")),
           ("rft", _stage_rft, ("rft", "sft", "sft_optim", "benchmark")),
@@ -323,6 +329,16 @@ STAGES = (("data", _stage_data, ("data", "models", "tiny_models")),
           ("pairwise", _stage_pairwise, ("pairwise", "sft", "sft_optim")),
           ("meta_rm", _stage_meta_rm, ("rm", "rm_optim", "benchmark")),
           ("benchmark", _stage_benchmark, ("benchmark", "rm", "rl", "pairwise")))
+
+
+def _without(group, name: str, paths):
+  """A copy of config group ``name`` without the ``paths`` fields under it (or the
+  group itself when none are); RFT and the meta-RM sample with the benchmark's
+  settings only."""
+  drop = [p.split(".", 1)[1] for p in paths if p.split(".", 1)[0] == name]
+  if not drop or not isinstance(group, ml_collections.ConfigDict):
+    return group
+  return ml_collections.ConfigDict({k: v for k, v in group.to_dict().items() if k not in drop})
 
 
 def _timed(fn, ctx, workdir: pathlib.Path) -> dict:
@@ -344,9 +360,11 @@ def run(config, workdir: str) -> dict:
   ctx = _Ctx(config, root, model_cfg, common.tokenizer_for(model_cfg), mesh, rules)
   out = {}
   for name, fn, groups in STAGES:
-    cfg = _stage_config(config, f"grm_{name}", **{g: config[g] for g in groups})
+    unread = () if name == "benchmark" else BENCHMARK_ONLY
+    held = {g: _without(config[g], g, unread) for g in groups}
+    cfg = _stage_config(config, f"grm_{name}", **held)
     metrics = common.run_stage(name, lambda _c, w, fn=fn: _timed(fn, ctx, pathlib.Path(w)), cfg,
-                               root / name)
+                               root / name, unread=unread)
     out.update({f"{name}/{k}": v for k, v in metrics.items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool)})
   out["wall_s"] = timer.seconds

@@ -94,3 +94,27 @@ def test_a_field_added_later_matches_only_at_its_reproducing_value(tmp_path):
   with pytest.raises(ValueError, match=r"opd.other: was '<missing>', now 3"):
     common.run_stage("s", _counting_fn(calls), new, src / "a")
   assert len(calls) == 1
+
+
+def test_unread_fields_are_not_compared_but_everything_else_is(tmp_path):
+  """``run_stage(unread=...)``: a field the stage never reads (and everything
+  under it) may differ from, or be absent in, the saved config."""
+  calls = []
+  saved = _cfg(benchmark={"ks": [1, 2], "temperature": 0.7})
+  common.run_stage("s", _counting_fn(calls), saved, tmp_path / "a")
+  unread = ("benchmark.ks",)
+  new = _cfg(benchmark={"ks": [1, 2, 4], "temperature": 0.7})
+  common.run_stage("s", _counting_fn(calls), new, tmp_path / "a", unread=unread)  # reused
+  with pytest.raises(ValueError, match=r"benchmark.ks: was \[1, 2\], now \[1, 2, 4\]"):
+    common.run_stage("s", _counting_fn(calls), new, tmp_path / "a")
+  # left out of the new config (as the grm job leaves it out of RFT's): reused
+  common.run_stage("s", _counting_fn(calls), _cfg(benchmark={"temperature": 0.7}),
+                   tmp_path / "a", unread=unread)
+  new = _cfg(benchmark={"ks": [1, 2], "temperature": 1.0})
+  with pytest.raises(ValueError, match=r"benchmark.temperature: was 0.7, now 1.0"):
+    common.run_stage("s", _counting_fn(calls), new, tmp_path / "a", unread=unread)
+  # a path is a whole field name, not a prefix of another one
+  new = _cfg(benchmark={"ks": [1, 2], "temperature": 0.7, "ks_extra": 3})
+  with pytest.raises(ValueError, match=r"benchmark.ks_extra"):
+    common.run_stage("s", _counting_fn(calls), new, tmp_path / "a", unread=unread)
+  assert len(calls) == 1
