@@ -37,3 +37,28 @@ def test_a_wider_student_scales_d_model_and_d_ff_only():
 def test_bad_width_names_the_field(width, match):
   with pytest.raises(ValueError, match=match):
     v4.student_model(_cfg(width))
+
+
+def _stage_configs(c):
+  dirs = {d: f"/runs/{d}" for d in c.specialists.domains}
+  return {s: v4.student_stage_config(c, s, dirs, "/runs/init", 0).to_dict()
+          for s in v4.STUDENT_STAGES}
+
+
+@pytest.mark.parametrize("field,value,changed", [
+    ("opd.aggregation", "sequence_mean", {"opd", "anneal"}),
+    ("opd.teacher_temperature", 0.5, {"opd", "anneal"}),
+    ("opd_optim.lr", 1e-4, {"opd"}),
+    ("anneal.steps", 3, {"anneal"}),
+    ("cold_start.steps", 7, {"cold_start"}),
+    ("cold_start_optim.lr", 2e-3, {"cold_start"}),
+])
+def test_a_lever_changes_only_the_stage_configs_of_the_stages_it_reaches(field, value, changed):
+  """What ``--config.reuse_from`` reruns: a stage whose config a lever leaves
+  equal is read from the other run (experiments.common.Stages)."""
+  c = v4_config.get_config("tiny")
+  before = _stage_configs(c)
+  group, name = field.split(".")
+  c[group][name] = value
+  after = _stage_configs(c)
+  assert {s for s in v4.STUDENT_STAGES if before[s] != after[s]} == changed
