@@ -32,17 +32,18 @@ KL (student at step 0 against each teacher); the OPD gain (student after −
 before); the reverse KL by trajectory position (first 25% / middle 50% /
 last 25% of each response), first logged point and mean of the last three.
 
-Measured on the 2-core machine shared with ~6 jobs (load 11–15): the
-default took 34.5 min wall, 6.4 min user + 1.5 min sys CPU (the bases and
-teachers are most of it); ``opd_steps=120`` on top of it (teachers and
-student reused) 7.0 min wall, 2.2 min CPU. Tiny: 71 s CPU with a cold
-compilation cache, ~25 s warm. Result (seed 0, math, 100 test examples;
-docs/RESULTS.md, "Teacher compatibility"): the teachers are not of equal
-score (A 43.0 ± 5.0, B 65.0 ± 4.6 greedy reward@1); the same-base teacher
-starts at a higher top-8 overlap (0.75 vs 0.60) and OPD lowers the reverse
-KL to it faster; neither arm raises the student's greedy score in 40 or 120
-steps; the per-position KL is smallest in the first 25% and largest in the
-last 25% of these ~10-token answers, and falls most in the first 25%.
+Measured on the 2-core machine (2026-12-01, shared with one other job): the
+default took 16.3 min wall, 12.4 min user + 3.0 min sys CPU (the bases and
+teachers are most of it); an earlier run under load 11–15 took 34.5 min.
+Tiny: 71 s CPU with a cold compilation cache, ~25 s warm. Result (seed 0,
+math, 100 test examples; docs/RESULTS.md, "Teacher compatibility"): the
+teachers are not of equal score (A 44.0 ± 5.0, B 60.0 ± 4.9 greedy
+reward@1); the same-base teacher starts at a higher top-8 overlap (0.75 vs
+0.58) and lower reverse KL (0.32 vs 0.41); neither arm raises the student's
+greedy score in 40 steps (−3.0 ± 4.5, −2.0 ± 4.6); the per-position KL is
+smallest in the first 25% and largest in the last 25% of these short answers
+and falls most in the first 25% (−96% / −88%) and least in the last 25%
+(−17% / −15%).
 """
 import ml_collections
 
