@@ -146,6 +146,21 @@ def _baseline_results(ctx, subsets) -> dict:
                                    else 0.0}}}
 
 
+MULTI = "overall n>=2"  # the column of groups with two or more responses
+
+
+def multi_only(correct: dict, subsets: dict, *, already: bool) -> list[bool]:
+  """One method's per-group correctness pooled over the n >= 2 groups of every
+  subset (``already``: its lists hold only those groups, as the BT RM's do)."""
+  out = []
+  for s, values in correct.items():
+    if already:
+      out += list(values)
+    else:
+      out += [v for v, g in zip(values, subsets[s]) if g.n >= 2]
+  return out
+
+
 def _unique_argmax(x) -> int:
   x = np.asarray(x)
   return int(np.argmax(x)) if np.sum(x == x.max()) == 1 else -1
@@ -173,7 +188,16 @@ def _stage_benchmark(ctx, workdir):
   table = {name: {s: dataclasses.asdict(e) for s, e in bench_lib.accuracy(
       v, num_resamples=c.benchmark.bootstrap_samples, seed=c.seed).items()}
            for name, v in correct.items() if any(v.values())}
+  # The BT RM and the pairwise judge rank n >= 2 groups only; every method's
+  # accuracy on those same groups is the like-for-like column.
+  for name, row in table.items():
+    pooled = multi_only(correct[name], subsets, already=name in ("bt_rm", "pairwise"))
+    if pooled:
+      row[MULTI] = dataclasses.asdict(bench_lib.accuracy(
+          {MULTI: pooled}, num_resamples=c.benchmark.bootstrap_samples,
+          seed=c.seed)[bench_lib.OVERALL])
   sizes = bench_lib.subset_sizes(subsets)
+  sizes[MULTI] = {"groups": sum(g.n >= 2 for gs in subsets.values() for g in gs)}
   common.write_json(workdir / "benchmark.json", {"accuracy": table, "invalid": invalid,
                                                  "sizes": sizes, "paper": PAPER})
   rft = json.loads((ctx.root / "rft" / common.FINAL).read_text())

@@ -16,8 +16,10 @@ def render_report(table: Mapping, invalid: Mapping, sizes: Mapping,
   """Markdown: accuracy (± bootstrap SE) per subset and overall, sizes, invalid
   rates, then ``extra`` lines (e.g. RFT counts)."""
   cols = [s for s in bench_lib.SUBSETS if sizes.get(s, {}).get("groups")] + [bench_lib.OVERALL]
+  cols += sorted({k for row in table.values() for k in row} - set(cols))  # e.g. "overall n>=2"
   lines = ["# GRM benchmark (RewardBench-style test set, docs/DESIGN.md §6)", "",
-           "Accuracy in % ± bootstrap SE. BT RM and pairwise judge: n >= 2 groups only. "
+           "Accuracy in % ± bootstrap SE. BT RM and pairwise judge: n >= 2 groups only; "
+           "the 'overall n>=2' column holds every method on those groups. "
            f"Paper (DeepSeek-GRM-27B, RewardBench): {PAPER[1]} at k=1, {PAPER[32]} with "
            "meta-RM voting at k=32.", "",
            "| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from experiments import grm as grm_job
+from experiments.grm_benchmark import MULTI
 from experiments.configs import grm as grm_config
 from grm import pairwise as pairwise_lib
 from grm.benchmark_set import OVERALL, SUBSETS
@@ -81,6 +82,21 @@ def test_benchmark_is_on_test_groups_only_and_consistent_with_invalid_rates(run)
         if bench["invalid"][f"{stage}/sampled"]["invalid_rate"] == 1.0:
           assert row[OVERALL]["value"] == 0.0
   assert "random" in bench["accuracy"] and bench["paper"] == {"1": 85.6, "32": 89.6}
+  # The like-for-like column: every method on the n >= 2 groups, recomputed
+  # here from the cached per-group results and the groups' sizes.
+  n_of = {g["example_id"]: len(g["responses"]) for g in groups["test"]}
+  multi = [i for v in subsets.values() for i in v if n_of[i] >= 2]
+  assert bench["sizes"][MULTI]["groups"] == len(multi)
+  cached = json.loads((workdir / "benchmark" / "results_rule_rl.json").read_text())["correct"]
+  for name, per_subset in cached.items():
+    flags = [v for s, ids in subsets.items() for v, i in zip(per_subset.get(s, []), ids)
+             if n_of[i] >= 2]
+    row = bench["accuracy"].get(f"rule_rl/{name}")
+    if row is not None and flags:
+      assert row[MULTI]["value"] == pytest.approx(100 * sum(flags) / len(flags))
+  bt = bench["accuracy"].get("bt_rm")
+  if bt is not None:  # its lists hold only the n >= 2 groups already
+    assert bt[MULTI]["value"] == pytest.approx(bt[OVERALL]["value"])
   report = (workdir / "benchmark" / "report.md").read_text()
   assert all(f"| {name} |" in report for name in bench["accuracy"])
   assert "RFT counts: groups" in report
