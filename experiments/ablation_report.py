@@ -262,8 +262,11 @@ def report(sweep_dir: str | os.PathLike, out_dir: str | os.PathLike | None = Non
 
 
 def run_tiny_ablation(sweep_dir: str | os.PathLike, ablation: str = "estimator",
-                      config_file: str | os.PathLike | None = None) -> list:
-  """Runs ``distill.py:tiny,ablation=<ablation>`` in this process.
+                      config_file: str | os.PathLike | None = None,
+                      max_runs: int | None = None) -> list:
+  """Runs ``distill.py:tiny,ablation=<ablation>`` in this process (its first
+  ``max_runs`` entries when given: the sweep goes seed by seed, so a prefix
+  holds every arm at the first seeds).
 
   The two tiny teachers are built once (``sweep_dir/teachers``) and shared
   by every run; each run writes ``sweep_dir/<run_name>`` and the sweep's
@@ -272,6 +275,8 @@ def run_tiny_ablation(sweep_dir: str | os.PathLike, ablation: str = "estimator",
   Returns:
     The ``experiments.sweep.RunResult`` of every entry.
   """
+  if max_runs is not None and max_runs <= 0:
+    raise ValueError(f"max_runs={max_runs}: expected a positive number of runs")
   from experiments import common, launch, sweep
   from experiments import distill as distill_job
   from opd.config import overrides as config_utils
@@ -282,7 +287,8 @@ def run_tiny_ablation(sweep_dir: str | os.PathLike, ablation: str = "estimator",
   distill_job.load_teachers(config, sweep_dir, *common.mesh_and_rules(config))
   spec = f"{config_file}:tiny,ablation={ablation},teachers_dir={sweep_dir / 'teachers'}"
   results = []
-  for i, overrides in enumerate(config_utils.load_sweep(spec)):
+  entries = config_utils.load_sweep(spec)[:max_runs]
+  for i, overrides in enumerate(entries):
     name = sweep.run_name(i, overrides)
     run_dir = sweep_dir / name
     start = time.time()

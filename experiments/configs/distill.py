@@ -56,8 +56,10 @@ for "cold start off"), and the demo's OPD stage settings (experiments/configs/v4
 80 steps of 8 prompts × 4 samples × ≤ 80 tokens; ``steps=N`` shortens).
 ``config.run_label`` names a run's arm for the report and changes nothing else.
 Measured (2 shared cores, load ~10): tiny estimator sweep in one process
-(``experiments.ablation_report.run_tiny_ablation``, the notebook) ≈ 2.5 min;
-full size, steps=20, 5–8 min per run through experiments.sweep (mostly compiles).
+(``experiments.ablation_report.run_tiny_ablation``) ≈ 2.5 min for its 12 runs
+(the notebook runs the first 8, two seeds; 200 CPU-s for all 12 with a cold
+compilation cache); full size at the demo's 80 steps, 4–12 min per run
+through experiments.sweep on the shared machine (~4 min alone).
 """
 import ml_collections
 

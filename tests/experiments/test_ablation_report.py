@@ -188,3 +188,9 @@ def test_other_ablations_and_their_arguments():
     config_utils.load_config(f"{CONFIG}:ablation=optimizer")
   with pytest.raises(ValueError, match="get_sweep needs config arg ablation"):
     config_utils.load_sweep(f"{CONFIG}:tiny")
+
+
+def test_tiny_ablation_rejects_a_non_positive_run_count(tmp_path):
+  with pytest.raises(ValueError, match=r"max_runs=0: expected a positive number of runs"):
+    ar.run_tiny_ablation(tmp_path, "estimator", max_runs=0)
+  assert not any(tmp_path.iterdir())  # nothing was built

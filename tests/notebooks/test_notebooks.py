@@ -57,10 +57,10 @@ def _check_quickstart(summary, stdout):
 
 
 def _check_estimator_ablation(summary, stdout):
-  # The tiny sweep: four estimators, three seeds each, none failed, the
-  # reference (full vocabulary) first.
+  # The tiny sweep's first two seeds: four estimators, two seeds each, none
+  # failed, the reference (full vocabulary) first.
   assert summary["arms"] == ["full", "top-10", "top-32", "token"], summary
-  assert summary["seeds"] == {a: 3 for a in summary["arms"]} and summary["failed"] == []
+  assert summary["seeds"] == {a: 2 for a in summary["arms"]} and summary["failed"] == []
   for arm in summary["arms"]:
     # Losses and gradient norms move from step to step on sampled rollouts.
     assert summary["loss_fluctuation_pct"][arm] > 0 and summary["grad_norm_cv"][arm] > 0, arm
