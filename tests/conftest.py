@@ -13,24 +13,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Keep each xdist worker to one intra-op thread pool of reasonable size.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tempfile  # noqa: E402
-
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 
 jax.config.update("jax_default_matmul_precision", "highest")
-
-# One persistent compilation cache per test run, shared by its xdist workers
-# and the jobs the tests launch (they read OPD_JAX_CACHE): many tests jit the
-# same tiny programs from fresh closures, which otherwise recompile each
-# time. It starts empty every run (keyed by xdist's run id), as on CI; a
-# cache hit still counts in the in-memory compile counters the sampler tests read.
-_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
-os.environ.setdefault("OPD_JAX_CACHE",
-                      os.path.join(tempfile.gettempdir(), "opd_test_jax_cache", _RUN))
-if os.environ["OPD_JAX_CACHE"] != "off":  # OPD_JAX_CACHE=off: no cache anywhere
-  jax.config.update("jax_compilation_cache_dir", os.environ["OPD_JAX_CACHE"])
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # Property tests draw the same examples on every machine and every run, so a
 # CI result never depends on luck; HYPOTHESIS_PROFILE=explore draws fresh ones
