@@ -47,6 +47,27 @@ def tokenizer_for(model_cfg: ModelConfig) -> ByteTokenizer:
   return tok
 
 
+@dataclasses.dataclass
+class JobContext:
+  """What every stage of a single-model job reads (the grm, mathv2 and
+  gencluster jobs): the config, the run directory, the model config, the
+  tokenizer and the mesh with its rule table."""
+  config: Any
+  root: pathlib.Path
+  model_cfg: ModelConfig
+  tok: ByteTokenizer
+  mesh: Any
+  rules: tuple
+
+  @classmethod
+  def for_run(cls, config, workdir) -> "JobContext":
+    """``config.model``'s model config, its tokenizer and ``config.mesh``'s mesh."""
+    from opd.models import to_model_config  # noqa: PLC0415
+    model_cfg = to_model_config(config.model)
+    mesh, rules = mesh_and_rules(config)
+    return cls(config, pathlib.Path(workdir), model_cfg, tokenizer_for(model_cfg), mesh, rules)
+
+
 def per_process_batch(global_batch: int, what: str = "config.train.batch_size") -> int:
   n = jax.process_count()
   if global_batch % n:

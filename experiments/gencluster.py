@@ -30,7 +30,6 @@ holds ``config.json``, ``final_metrics.json`` and its JSON outputs):
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 
@@ -50,7 +49,7 @@ from grm.gencluster import tournament as tournament_lib
 from grm.gencluster.problems import Problem, generator_prompt, make_problem
 from grm.gencluster.problems import validator_prompt
 from opd import tasks as tasks_lib
-from opd.models import init_params, to_model_config
+from opd.models import init_params
 from opd.rollout.episodes import sampling_for_chat
 from opd.tasks.sandbox import Sandbox, SandboxLimits
 from opd.training import lm_trainer
@@ -60,14 +59,7 @@ from opd.training.metrics_writer import MetricWriter
 VARIANTS = ("validated", "unfiltered")  # the inputs clusters are built on
 
 
-@dataclasses.dataclass
-class _Ctx:
-  config: object
-  root: pathlib.Path
-  model_cfg: object
-  tok: object
-  mesh: object
-  rules: tuple
+_Ctx = common.JobContext
 
 
 def _read(ctx: _Ctx, stage: str, name: str):
@@ -436,9 +428,7 @@ UPSTREAM = {"samples": ("policy", "problems"), "inputs": ("problems", "samples")
 def run(config, workdir: str) -> dict:
   timer = common.Timer()
   root = pathlib.Path(workdir)
-  model_cfg = to_model_config(config.model)
-  mesh, rules = common.mesh_and_rules(config)
-  ctx = _Ctx(config, root, model_cfg, common.tokenizer_for(model_cfg), mesh, rules)
+  ctx = _Ctx.for_run(config, root)
   out = {}
   for name, fn, groups in STAGES:
     common.check_upstream(root, name, UPSTREAM.get(name, ()))

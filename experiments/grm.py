@@ -65,7 +65,6 @@ from grm import training as training_lib
 from grm.correctness import best_index, is_correct
 from grm.data import Candidate, build_groups, sample_candidates, split_groups
 from opd import tasks as tasks_lib
-from opd.models import to_model_config
 from opd.training import lm_trainer
 from opd.training.checkpoints import CheckpointManager
 from opd.training.metrics_writer import MetricWriter
@@ -355,9 +354,7 @@ def run(config, workdir: str) -> dict:
     raise ValueError(f"config.models={dict(config.models)} needs a 'base' entry (the GRM, "
                      "BT RM and pairwise judge start from it), or set config.tiny_models > 0")
   root = pathlib.Path(workdir)
-  model_cfg = to_model_config(config.model)
-  mesh, rules = common.mesh_and_rules(config)
-  ctx = _Ctx(config, root, model_cfg, common.tokenizer_for(model_cfg), mesh, rules)
+  ctx = _Ctx.for_run(config, root)
   out = {}
   for name, fn, groups in STAGES:
     unread = () if name == "benchmark" else BENCHMARK_ONLY

@@ -3,13 +3,12 @@
 stage directories' models and groups, and the batched GRM sampler."""
 from __future__ import annotations
 
-import dataclasses
 import json
-import pathlib
 
 import jax
 import numpy as np
 
+from experiments import common
 from grm import training as training_lib
 from grm.data import PreferenceGroup
 from grm.format import user_prompt_ids
@@ -20,14 +19,7 @@ from opd.training.checkpoints import load_params
 GRM_STAGES = ("cold_start", "rft", "rule_rl")
 
 
-@dataclasses.dataclass
-class _Ctx:
-  config: object
-  root: pathlib.Path
-  model_cfg: object
-  tok: object
-  mesh: object
-  rules: tuple
+_Ctx = common.JobContext
 
 
 def _source_models(ctx: _Ctx) -> dict:

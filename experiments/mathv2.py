@@ -56,7 +56,6 @@ from grm.verify import sampling as sampling_lib
 from grm.verify import search as search_lib
 from grm.verify import training as train_lib
 from opd import tasks as tasks_lib
-from opd.models import to_model_config
 from opd.rollout.episodes import sampling_for_chat
 from opd.tasks import Example
 from opd.tasks.proof_task import check_proof
@@ -68,14 +67,7 @@ VERIFIERS = ("verifier_sft", "verifier_rl", "verifier_rl_meta")
 GENERATORS = ("generator_sft", "generator_rl")
 
 
-@dataclasses.dataclass
-class _Ctx:
-  config: object
-  root: pathlib.Path
-  model_cfg: object
-  tok: object
-  mesh: object
-  rules: tuple
+_Ctx = common.JobContext
 
 
 # ----------------------------------------------------------------------------- data
@@ -438,9 +430,7 @@ UPSTREAM = {"base": ("data",), "generator_sft": ("base",), "verifier_sft": ("dat
 def run(config, workdir: str) -> dict:
   timer = common.Timer()
   root = pathlib.Path(workdir)
-  model_cfg = to_model_config(config.model)
-  mesh, rules = common.mesh_and_rules(config)
-  ctx = _Ctx(config, root, model_cfg, common.tokenizer_for(model_cfg), mesh, rules)
+  ctx = _Ctx.for_run(config, root)
   out = {}
   for name, fn, groups in STAGES:
     common.check_upstream(root, name, UPSTREAM.get(name, ()))
