@@ -170,18 +170,27 @@ FINAL = "final_metrics.json"  # a finished stage's metrics (as the launcher writ
 ADDED_FIELDS = {"opd.teacher_temperature": 1.0, "generator.refine_fraction": 0.0}
 
 
-def stage_mismatches(saved, cfg, unread=()) -> list[tuple[str, Any, Any]]:
+def stage_mismatches(saved, cfg) -> list[tuple[str, Any, Any]]:
   """``config_mismatches`` of a saved stage config against ``cfg``, except
-  :data:`ADDED_FIELDS` missing from the saved one at their reproducing value
-  and the ``unread`` fields (dotted paths, with everything under them): ones
-  the stage holds in its config, or held in an earlier version, but never reads."""
+  :data:`ADDED_FIELDS` missing from the saved one at their reproducing value.
+  A field only the saved config holds is not a mismatch (a stage config that
+  stops holding a field it never read still matches its old runs)."""
   bad = config_mismatches(saved, config_to_dict(cfg))
   return [(k, have, want) for k, have, want in bad
-          if not (have == "<missing>" and k in ADDED_FIELDS and ADDED_FIELDS[k] == want)
-          and not any(k == u or k.startswith(u + ".") for u in unread)]
+          if not (have == "<missing>" and k in ADDED_FIELDS and ADDED_FIELDS[k] == want)]
 
 
-def run_stage(name: str, fn, cfg, workdir: pathlib.Path, unread=()) -> dict:
+def cached_json(path: pathlib.Path, make) -> dict:
+  """``make()``'s JSON result, saved to ``path`` once; later calls read it (a
+  rerun of an interrupted stage skips the parts that finished)."""
+  if path.exists():
+    return json.loads(path.read_text())
+  out = make()
+  write_json(path, out)
+  return out
+
+
+def run_stage(name: str, fn, cfg, workdir: pathlib.Path) -> dict:
   """Runs one stage unless it already finished; returns its final metrics.
 
   A stage directory left by an earlier run (finished or interrupted) is
@@ -192,7 +201,7 @@ def run_stage(name: str, fn, cfg, workdir: pathlib.Path, unread=()) -> dict:
   """
   saved_path = workdir / "config.json"
   if saved_path.exists():
-    bad = stage_mismatches(json.loads(saved_path.read_text()), cfg, unread)
+    bad = stage_mismatches(json.loads(saved_path.read_text()), cfg)
     if bad:
       detail = "; ".join(f"{k}: was {have!r}, now {want!r}" for k, have, want in bad[:5])
       more = f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""

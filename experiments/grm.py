@@ -315,8 +315,8 @@ def _stage_meta_rm(ctx, workdir):
 
 
 # Fields of the benchmark group only the benchmark stage reads (the voting k's and
-# the bootstrap); RFT and the meta-RM read its sampling fields. They are left out
-# of those stages' configs and not compared with saved ones (earlier runs held them).
+# the bootstrap); RFT and the meta-RM read its sampling fields, so these are left
+# out of their stage configs (a saved config that still holds them matches).
 BENCHMARK_ONLY = ("benchmark.ks", "benchmark.ks_by_stage", "benchmark.bootstrap_samples")
 
 STAGES = (("data", _stage_data, ("data", "models", "tiny_models")),
@@ -361,7 +361,7 @@ def run(config, workdir: str) -> dict:
     held = {g: _without(config[g], g, unread) for g in groups}
     cfg = _stage_config(config, f"grm_{name}", **held)
     metrics = common.run_stage(name, lambda _c, w, fn=fn: _timed(fn, ctx, pathlib.Path(w)), cfg,
-                               root / name, unread=unread)
+                               root / name)
     out.update({f"{name}/{k}": v for k, v in metrics.items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool)})
   out["wall_s"] = timer.seconds

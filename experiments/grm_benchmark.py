@@ -79,16 +79,6 @@ def _grm_results(ctx, stage: str, subsets, meta, cfg=None) -> dict:
                                       "sampled": _rates(flat)}}
 
 
-def _cached(path: pathlib.Path, make) -> dict:
-  """``make()``'s JSON result, saved to ``path`` once: a rerun of an interrupted
-  benchmark stage (same stage config, ``common.run_stage``) skips finished models."""
-  if path.exists():
-    return json.loads(path.read_text())
-  out = make()
-  common.write_json(path, out)
-  return out
-
-
 def _by_subset(names, values) -> dict[str, list[bool]]:
   out: dict[str, list[bool]] = {}
   for s, v in zip(names, values):
@@ -171,18 +161,18 @@ def _stage_benchmark(ctx, workdir):
   subsets = _test_subsets(ctx)
   meta_cfg = ctx.model_cfg.replace(scalar_head=True)
   meta = (meta_cfg, _params(ctx, "meta_rm", meta_cfg))
-  parts = {stage: _cached(workdir / f"results_{stage}.json",
+  parts = {stage: common.cached_json(workdir / f"results_{stage}.json",
                           lambda stage=stage: _grm_results(ctx, stage, subsets, meta))
            for stage in GRM_STAGES}
   # The shared backbone judges with its own value head as the meta-RM.
   shared_cfg = _shared_cfg(ctx)
-  parts[SHARED] = _cached(workdir / f"results_{SHARED}.json", lambda: _grm_results(
+  parts[SHARED] = common.cached_json(workdir / f"results_{SHARED}.json", lambda: _grm_results(
       ctx, SHARED, subsets, (shared_cfg, _params(ctx, SHARED, shared_cfg)), cfg=shared_cfg))
   correct, invalid = {}, {}
   for stage, res in parts.items():
     correct.update({f"{stage}/{k}": v for k, v in res["correct"].items()})
     invalid.update({f"{stage}/{k}": v for k, v in res["invalid"].items()})
-  base = _cached(workdir / "results_baselines.json", lambda: _baseline_results(ctx, subsets))
+  base = common.cached_json(workdir / "results_baselines.json", lambda: _baseline_results(ctx, subsets))
   correct.update(base["correct"])
   invalid.update(base["invalid"])
   table = {name: {s: dataclasses.asdict(e) for s, e in bench_lib.accuracy(

@@ -18,7 +18,6 @@ continues with the next reward.
 """
 from __future__ import annotations
 
-import json
 import pathlib
 
 import jax
@@ -92,7 +91,7 @@ def run(config, workdir: str) -> dict:
 
   root = pathlib.Path(workdir)
   out = {"steps": config.train.steps}
-  init = _cached(root / "init_scores.json", lambda: test_scores(policy))
+  init = common.cached_json(root / "init_scores.json", lambda: test_scores(policy))
   out.update({f"{k}/init": v for k, v in init.items()})
   for name in config.rewards:
 
@@ -111,17 +110,8 @@ def run(config, workdir: str) -> dict:
         res.update({f"grm/{k}": v for k, v in reward_fn.totals.items()})
       return res
 
-    out.update(_cached(root / name / "result.json", train))
+    out.update(common.cached_json(root / name / "result.json", train))
   out["wall_s"] = timer.seconds
   common.write_json(root / "rubric_scores.json",
                     {k: v for k, v in out.items() if k.startswith("rubric/")})
-  return out
-
-
-def _cached(path: pathlib.Path, make) -> dict:
-  """``make()``'s JSON result, saved once: a rerun skips the finished rewards."""
-  if path.exists():
-    return json.loads(path.read_text())
-  out = make()
-  common.write_json(path, out)
   return out

@@ -96,25 +96,31 @@ def test_a_field_added_later_matches_only_at_its_reproducing_value(tmp_path):
   assert len(calls) == 1
 
 
-def test_unread_fields_are_not_compared_but_everything_else_is(tmp_path):
-  """``run_stage(unread=...)``: a field the stage never reads (and everything
-  under it) may differ from, or be absent in, the saved config."""
+
+def test_a_field_left_out_of_the_new_stage_config_still_matches(tmp_path):
+  """What the grm job relies on when RFT's stage config stops holding the
+  benchmark's voting k's: a saved config may hold more fields; every field
+  the new config holds is still compared."""
   calls = []
-  saved = _cfg(benchmark={"ks": [1, 2], "temperature": 0.7})
-  common.run_stage("s", _counting_fn(calls), saved, tmp_path / "a")
-  unread = ("benchmark.ks",)
-  new = _cfg(benchmark={"ks": [1, 2, 4], "temperature": 0.7})
-  common.run_stage("s", _counting_fn(calls), new, tmp_path / "a", unread=unread)  # reused
-  with pytest.raises(ValueError, match=r"benchmark.ks: was \[1, 2\], now \[1, 2, 4\]"):
-    common.run_stage("s", _counting_fn(calls), new, tmp_path / "a")
-  # left out of the new config (as the grm job leaves it out of RFT's): reused
+  common.run_stage("s", _counting_fn(calls), _cfg(benchmark={"ks": [1, 2], "temperature": 0.7}),
+                   tmp_path / "a")
   common.run_stage("s", _counting_fn(calls), _cfg(benchmark={"temperature": 0.7}),
-                   tmp_path / "a", unread=unread)
-  new = _cfg(benchmark={"ks": [1, 2], "temperature": 1.0})
+                   tmp_path / "a")  # reused
   with pytest.raises(ValueError, match=r"benchmark.temperature: was 0.7, now 1.0"):
-    common.run_stage("s", _counting_fn(calls), new, tmp_path / "a", unread=unread)
-  # a path is a whole field name, not a prefix of another one
-  new = _cfg(benchmark={"ks": [1, 2], "temperature": 0.7, "ks_extra": 3})
-  with pytest.raises(ValueError, match=r"benchmark.ks_extra"):
-    common.run_stage("s", _counting_fn(calls), new, tmp_path / "a", unread=unread)
+    common.run_stage("s", _counting_fn(calls), _cfg(benchmark={"temperature": 1.0}),
+                     tmp_path / "a")
+  with pytest.raises(ValueError, match=r"benchmark.ks: was \[1, 2\], now \[1, 2, 4\]"):
+    common.run_stage("s", _counting_fn(calls),
+                     _cfg(benchmark={"ks": [1, 2, 4], "temperature": 0.7}), tmp_path / "a")
   assert len(calls) == 1
+
+
+def test_grm_stage_configs_hold_the_benchmark_sampling_fields_only():
+  from experiments import grm as grm_job
+  from experiments.configs import grm as grm_config
+  c = grm_config.get_config("tiny")
+  kept = grm_job._without(c.benchmark, "benchmark", grm_job.BENCHMARK_ONLY)
+  assert set(kept) == set(c.benchmark) - {"ks", "ks_by_stage", "bootstrap_samples"}
+  assert all(kept[k] == c.benchmark[k] for k in kept)
+  assert "ks" in c.benchmark  # the job's own config is left whole
+  assert grm_job._without(c.rft, "rft", grm_job.BENCHMARK_ONLY) is c.rft
