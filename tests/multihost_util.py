@@ -19,10 +19,13 @@ import numpy as np
 
 def _env(devices):
   env = os.environ.copy()
-  # Level 0: compile time dominates these tiny models, and all three
-  # processes use the same setting.
-  env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices} "
-                      "--xla_backend_optimization_level=0")
+  # The caller's flags (conftest's optimisation level 0, perturbed-tests'
+  # ISA) minus its device count; all three processes use the same setting.
+  from subprocess_env import xla_flags_without_device_count
+  keep = xla_flags_without_device_count(env.get("XLA_FLAGS", ""))
+  if "--xla_backend_optimization_level" not in keep:
+    keep += " --xla_backend_optimization_level=0"
+  env["XLA_FLAGS"] = f"{keep} --xla_force_host_platform_device_count={devices}".strip()
   env["JAX_PLATFORMS"] = "cpu"
   return env
 

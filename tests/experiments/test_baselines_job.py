@@ -19,6 +19,7 @@ import pytest
 from opd.config import overrides as config_utils
 from opd.models import to_model_config
 from opd.training.checkpoints import load_params
+from subprocess_env import one_device_env  # tests/ (on sys.path via conftest.py)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "experiments" / "configs" / "baselines.py"
@@ -27,7 +28,7 @@ EPS32 = float(np.finfo(np.float32).eps)
 
 
 def _launch(workdir, arg, *overrides, check=True):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+  env = one_device_env()
   cmd = [sys.executable, "-m", "experiments.launch", "--jobs_module=experiments.baselines",
          f"--config={CONFIG}:{arg}", f"--workdir={workdir}", *overrides]
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)

@@ -21,6 +21,7 @@ from experiments import compat
 from opd.config.overrides import config_mismatches
 from opd.eval.report import load_results
 from opd.training.metrics_writer import read_metrics
+from subprocess_env import one_device_env  # tests/ (on sys.path via conftest.py)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 METRICS = ("reward@1", "mean@4")
@@ -92,7 +93,7 @@ def test_config_checks():
 
 def test_compat_tiny_through_the_cli(tmp_path):
   workdir = tmp_path / "compat"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = one_device_env()
   cmd = [sys.executable, "-m", "experiments.launch",
          "--config=experiments/configs/compat.py:tiny", f"--workdir={workdir}"]
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)

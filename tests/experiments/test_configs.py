@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from opd.config import overrides as config_utils
+from subprocess_env import one_device_env  # tests/ (on sys.path via conftest.py)
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "configs"
 # distill: tests/experiments/test_distill_job.py runs its tiny variant through the CLI.
@@ -30,7 +31,7 @@ def _load(name, arg="tiny"):
 
 
 def _launch(name, workdir, *overrides, arg="tiny"):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = one_device_env()
   cmd = [sys.executable, "-m", "experiments.launch", f"--config={CONFIG_DIR / name}.py:{arg}",
          f"--workdir={workdir}", *overrides]
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900,

@@ -15,13 +15,14 @@ import sys
 import pytest
 
 from opd.config import overrides as config_utils
+from subprocess_env import one_device_env  # tests/ (on sys.path via conftest.py)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "experiments" / "configs" / "distill.py"
 
 
 def _launch(workdir, arg, *overrides):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+  env = one_device_env()
   cmd = [sys.executable, "-m", "experiments.launch", f"--config={CONFIG}:{arg}",
          f"--workdir={workdir}", *overrides]
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)

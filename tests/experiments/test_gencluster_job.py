@@ -16,13 +16,14 @@ import sys
 import pytest
 
 from experiments import gencluster as job
+from subprocess_env import one_device_env  # tests/ (on sys.path via conftest.py)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "experiments" / "configs" / "gencluster.py"
 
 
 def _launch(workdir):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+  env = one_device_env()
   cmd = [sys.executable, "-m", "experiments.launch", f"--config={CONFIG}:tiny",
          f"--workdir={workdir}"]
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)

@@ -18,13 +18,14 @@ import numpy as np
 
 from experiments import diagnostics_plot, v4, v4_report
 from opd.eval.report import load_results
+from subprocess_env import one_device_env  # tests/ (on sys.path via conftest.py)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_v4_tiny_runs_every_stage_and_reports_every_row(tmp_path):
   workdir = tmp_path / "v4"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = one_device_env()
   cmd = [sys.executable, "-m", "experiments.launch", "--config=experiments/configs/v4.py:tiny",
          f"--workdir={workdir}"]
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200, cwd=ROOT)

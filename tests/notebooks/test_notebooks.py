@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from subprocess_env import one_device_env  # tests/ (on sys.path via conftest.py)
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
 
@@ -33,7 +34,7 @@ def test_notebook_is_clean_and_runs(path, tmp_path):
   # script prints it so the test can check the claims, not just a header.
   script.write_text("\n\n".join(_code(nb)) + "\n\nimport json as _json\n"
                     "print('SUMMARY ' + _json.dumps(summary))\n")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = one_device_env()
   proc = subprocess.run([sys.executable, str(script)], cwd=path.parent, env=env,
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
