@@ -10,14 +10,14 @@ os.environ.setdefault("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 # The tests' models are tiny, so compiling dominates their time: XLA's CPU
-# backend at optimisation level 0 compiles a training step in about half the
-# time (measured: the tiny V4 pipeline 230 -> 146 CPU s with an empty
-# compilation cache; docs/LOG.md) and runs these sizes no slower. Numerics
-# are the same float32 operations in possibly another order, which every
-# tolerance here must absorb anyway. Subprocesses inherit it
-# (tests/subprocess_env.py); set a level in XLA_FLAGS to override.
-if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+# backend at optimisation level 0 with the loop emitters compiles them ~2.5x
+# faster and runs these sizes no slower (tests/subprocess_env.py,
+# docs/LOG.md). Numerics are the same float32 operations in possibly another
+# order, which every tolerance here must absorb anyway. Subprocesses inherit
+# the flags; set a level in XLA_FLAGS to override both.
+from subprocess_env import with_fast_compile  # noqa: E402  (tests/, no jax import)
+
+os.environ["XLA_FLAGS"] = with_fast_compile(os.environ["XLA_FLAGS"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Keep each xdist worker to one intra-op thread pool of reasonable size.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -21,10 +21,8 @@ def _env(devices):
   env = os.environ.copy()
   # The caller's flags (conftest's optimisation level 0, perturbed-tests'
   # ISA) minus its device count; all three processes use the same setting.
-  from subprocess_env import xla_flags_without_device_count
-  keep = xla_flags_without_device_count(env.get("XLA_FLAGS", ""))
-  if "--xla_backend_optimization_level" not in keep:
-    keep += " --xla_backend_optimization_level=0"
+  from subprocess_env import with_fast_compile, xla_flags_without_device_count
+  keep = with_fast_compile(xla_flags_without_device_count(env.get("XLA_FLAGS", "")))
   env["XLA_FLAGS"] = f"{keep} --xla_force_host_platform_device_count={devices}".strip()
   env["JAX_PLATFORMS"] = "cpu"
   return env
