@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import pathlib
 
 import numpy as np
 
@@ -162,7 +161,7 @@ def _stage_benchmark(ctx, workdir):
   meta_cfg = ctx.model_cfg.replace(scalar_head=True)
   meta = (meta_cfg, _params(ctx, "meta_rm", meta_cfg))
   parts = {stage: common.cached_json(workdir / f"results_{stage}.json",
-                          lambda stage=stage: _grm_results(ctx, stage, subsets, meta))
+                                     lambda stage=stage: _grm_results(ctx, stage, subsets, meta))
            for stage in GRM_STAGES}
   # The shared backbone judges with its own value head as the meta-RM.
   shared_cfg = _shared_cfg(ctx)
@@ -172,7 +171,8 @@ def _stage_benchmark(ctx, workdir):
   for stage, res in parts.items():
     correct.update({f"{stage}/{k}": v for k, v in res["correct"].items()})
     invalid.update({f"{stage}/{k}": v for k, v in res["invalid"].items()})
-  base = common.cached_json(workdir / "results_baselines.json", lambda: _baseline_results(ctx, subsets))
+  base = common.cached_json(workdir / "results_baselines.json",
+                            lambda: _baseline_results(ctx, subsets))
   correct.update(base["correct"])
   invalid.update(base["invalid"])
   table = {name: {s: dataclasses.asdict(e) for s, e in bench_lib.accuracy(

@@ -10,7 +10,6 @@ tests/opd/distill/test_distill_multihost.py.
 """
 import argparse
 import math
-import os
 import subprocess
 import sys
 
@@ -18,14 +17,10 @@ import numpy as np
 
 
 def _env(devices):
-  env = os.environ.copy()
-  # The caller's flags (conftest's optimisation level 0, perturbed-tests'
-  # ISA) minus its device count; all three processes use the same setting.
-  from subprocess_env import with_fast_compile, xla_flags_without_device_count
-  keep = with_fast_compile(xla_flags_without_device_count(env.get("XLA_FLAGS", "")))
-  env["XLA_FLAGS"] = f"{keep} --xla_force_host_platform_device_count={devices}".strip()
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
+  # The caller's XLA flags (conftest's fast-compile flags, perturbed-tests'
+  # ISA) with this device count; all three processes use the same setting.
+  from subprocess_env import device_env
+  return device_env(devices, JAX_PLATFORMS="cpu")
 
 
 def read_log(path) -> str:

@@ -1,10 +1,11 @@
-"""The environment for the tests' subprocesses (not a test module).
+"""XLA flags for the tests and the environment of their subprocesses (not a test module).
 
-``one_device_env()``: the test process's environment without the eight fake
-devices that tests/conftest.py asks for (a job launched through the CLI runs
-on one CPU device, as a user's would), keeping every other XLA flag: the
-optimisation level conftest sets and, under ``../shared/tools/perturbed-tests``,
-its ``--xla_cpu_max_isa``.
+``FAST_COMPILE_FLAGS`` are what tests/conftest.py adds to ``XLA_FLAGS``.
+``device_env(n)`` is the test process's environment with ``n`` fake CPU
+devices instead of conftest's eight (None: XLA's one), keeping every other
+XLA flag: the fast-compile flags and, under ``../shared/tools/perturbed-tests``,
+its ``--xla_cpu_max_isa``. ``one_device_env()`` is what a job launched through
+the CLI gets: one CPU device, as a user's run would.
 """
 import os
 
@@ -26,16 +27,18 @@ def with_fast_compile(flags: str) -> str:
   return f"{flags} {FAST_COMPILE_FLAGS}".strip()
 
 
-def xla_flags_without_device_count(flags: str) -> str:
-  return " ".join(f for f in flags.split() if not f.startswith(_DEVICE_FLAG))
-
-
-def one_device_env(**extra: str) -> dict[str, str]:
+def device_env(devices: int | None = None, **extra: str) -> dict[str, str]:
   env = dict(os.environ)
-  flags = xla_flags_without_device_count(env.get("XLA_FLAGS", ""))
+  flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_FLAG)]
+  if devices is not None:
+    flags.append(f"{_DEVICE_FLAG}={devices}")
   if flags:
-    env["XLA_FLAGS"] = flags
+    env["XLA_FLAGS"] = " ".join(flags)
   else:
     env.pop("XLA_FLAGS", None)
   env.update(extra)
   return env
+
+
+def one_device_env(**extra: str) -> dict[str, str]:
+  return device_env(None, **extra)

@@ -7,7 +7,6 @@ refuses the one whose directory was written under the old config.
 """
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys

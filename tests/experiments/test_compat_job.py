@@ -9,7 +9,6 @@ metrics.jsonl.
 """
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys

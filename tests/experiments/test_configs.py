@@ -7,7 +7,6 @@ what a user looks at: final metrics, checkpoints, metrics.jsonl and plots.
 """
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys

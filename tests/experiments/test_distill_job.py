@@ -7,7 +7,6 @@ checkpoints through ``--config.teachers.<name>.init`` overrides.
 """
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys

@@ -8,7 +8,6 @@ the report; a second launch reuses every finished stage.
 import itertools
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys

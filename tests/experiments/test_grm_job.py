@@ -5,7 +5,6 @@ GRM stages, the shared-backbone GRM, the BT RM, the pairwise judge, the meta-RM 
 second launch reuses every finished stage.
 """
 import json
-import os
 import pathlib
 import subprocess
 import sys

@@ -1,7 +1,6 @@
 """experiments/configs/grm_reward.py: the ``tiny`` three-reward writing GRPO through the real CLI."""
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys

@@ -6,7 +6,6 @@ and evaluates; a second launch reuses every finished stage.
 """
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys

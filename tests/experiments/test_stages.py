@@ -96,7 +96,6 @@ def test_a_field_added_later_matches_only_at_its_reproducing_value(tmp_path):
   assert len(calls) == 1
 
 
-
 def test_a_field_left_out_of_the_new_stage_config_still_matches(tmp_path):
   """What the grm job relies on when RFT's stage config stops holding the
   benchmark's voting k's: a saved config may hold more fields; every field

@@ -9,7 +9,6 @@ the domains', and retention is the ratio it claims to be. A second run in a new 
 """
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys

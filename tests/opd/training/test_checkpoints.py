@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from opd.parallel import sharding
-from subprocess_env import with_fast_compile, xla_flags_without_device_count  # tests/
 from opd.training.checkpoints import CheckpointCorruptError, CheckpointManager, abstract_like
 from opd.models import ModelConfig
 from opd.training.train_step import OptimConfig, abstract_train_state, make_optimizer
+from subprocess_env import device_env  # tests/ (on sys.path via conftest.py)
 
 HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "checkpoint_worker.py")
@@ -27,13 +27,9 @@ CFG = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=
 
 
 def _env():
-  env = os.environ.copy()
-  # Keep the caller's flags (e.g. perturbed-tests' --xla_cpu_max_isa) so the
-  # workers run under them too (and a level set there overrides the fast-compile flags).
-  flags = with_fast_compile(xla_flags_without_device_count(env.get("XLA_FLAGS", "")))
-  env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8"
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
+  # The caller's XLA flags (conftest's, perturbed-tests' --xla_cpu_max_isa) reach
+  # the workers too.
+  return device_env(8, JAX_PLATFORMS="cpu")
 
 
 def _worker(*args):
