@@ -101,7 +101,7 @@ def run(config, workdir: str) -> dict:
           model_cfg, policy, policy if cfg.kl_coef > 0 else None, prompts, cfg,
           common.optim_config(config.optim), tokenizer=tok, steps=config.train.steps,
           mesh=mesh, rules=rules, seed=config.seed, reward_fn=reward_fn,
-          workdir=root / name, progress=False)
+          workdir=root / name)
       res = {f"{k}/{name}": v for k, v in test_scores(run_.state.params).items()}
       rewards = [m["reward/mean"] for m in run_.history if "reward/mean" in m]
       res[f"train_reward/{name}"] = float(rewards[-1])
