@@ -5,16 +5,21 @@ and trains with ``opd.rl.train_grpo`` (``grm``: ``grm.reward.GRMReward``;
 ``bt``: ``grm.reward.BTReward``; ``rubric``: the writing verifier, i.e. no
 ``reward_fn``). Each trained policy's greedy answers to ``config.data.num_test``
 test prompts are scored with the hidden rubric and with the GRM and the BT
-RM, as are the starting policy's (``init``). Final metrics:
+RM, as are the starting policy's (``init``); so are ``config.eval.num_samples``
+sampled answers per test prompt at the GRPO temperature by the rubric (GRPO at
+this size moves the sampled answers more than the greedy one). Final metrics:
 ``rubric/<policy>`` (test rubric score of the policy trained on that reward,
-or ``init``), ``score_grm/<policy>`` and ``score_bt/<policy>`` (its test
+or ``init``), ``rubric_mean@<n>/<policy>`` (the rubric's mean over the n
+samples), ``score_grm/<policy>`` and ``score_bt/<policy>`` (its greedy test
 scores under the two learned rewards), ``train_reward_first/<reward>`` and
 ``train_reward/<reward>`` (the first and last step's mean training reward)
 and, for the GRM-trained run, the GRM's sample counts (``grm/samples``,
 ``grm/invalid_samples``, ...). A learned reward the policy games shows as a
 rise in its own score without one in the rubric's. Each reward's results are
 saved in ``<workdir>/<reward>/result.json`` as it finishes, so a rerun
-continues with the next reward.
+continues with the next reward; a stopped reward's GRPO resumes from its last
+checkpoint (``<workdir>/<reward>/checkpoints``, every ``config.train.save_every``
+steps), which also keeps each trained policy.
 """
 from __future__ import annotations
 
@@ -77,6 +82,11 @@ def run(config, workdir: str) -> dict:
                              batch_size=config.bt.batch_size),
       "rubric": lambda: None}
   greedy = sampling_for_chat(tok, max_new_tokens=cfg.max_new_tokens, temperature=0.0)
+  n_samples = int(config.eval.num_samples)
+  if n_samples < 1:
+    raise ValueError(f"config.eval.num_samples={n_samples} must be >= 1")
+  sampled = sampling_for_chat(tok, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                              top_k=cfg.top_k, top_p=cfg.top_p)
   # Every policy's greedy test answers are scored by all three rewards, so a
   # learned reward the policy games shows: its own score rises, the rubric's not.
   judges = {"grm": reward_fns["grm"](), "bt": reward_fns["bt"]()}
@@ -85,6 +95,9 @@ def run(config, workdir: str) -> dict:
     episodes = rollout_lib.rollout(model_cfg, params, tok, test, jax.random.key(config.seed),
                                    greedy, mesh=mesh, rules=rules)
     out = {"rubric": float(np.mean([ep.reward.reward for ep in episodes]))}
+    many = rollout_lib.rollout(model_cfg, params, tok, list(test) * n_samples,
+                               jax.random.key(config.seed + 1), sampled, mesh=mesh, rules=rules)
+    out[f"rubric_mean@{n_samples}"] = float(np.mean([ep.reward.reward for ep in many]))
     for judge, fn in judges.items():
       out[f"score_{judge}"] = float(np.mean([r.reward for r in fn(episodes)]))
     return out
@@ -101,7 +114,9 @@ def run(config, workdir: str) -> dict:
           model_cfg, policy, policy if cfg.kl_coef > 0 else None, prompts, cfg,
           common.optim_config(config.optim), tokenizer=tok, steps=config.train.steps,
           mesh=mesh, rules=rules, seed=config.seed, reward_fn=reward_fn,
-          workdir=root / name)
+          workdir=root / name, checkpoint_dir=root / name / "checkpoints",
+          save_every=int(config.train.save_every), keep_checkpoints=1,
+          run_config={"reward": name, "init": config.get("init"), "optim": config.optim.to_dict()})
       res = {f"{k}/{name}": v for k, v in test_scores(run_.state.params).items()}
       rewards = [m["reward/mean"] for m in run_.history if "reward/mean" in m]
       res[f"train_reward/{name}"] = float(rewards[-1])
@@ -113,5 +128,5 @@ def run(config, workdir: str) -> dict:
     out.update(common.cached_json(root / name / "result.json", train))
   out["wall_s"] = timer.seconds
   common.write_json(root / "rubric_scores.json",
-                    {k: v for k, v in out.items() if k.startswith("rubric/")})
+                    {k: v for k, v in out.items() if k.startswith("rubric")})
   return out

@@ -23,18 +23,21 @@ def test_tiny_grm_reward_job_trains_under_each_reward_and_scores_the_rubric(tmp_
   metrics = json.loads((tmp_path / "final_metrics.json").read_text())
   cfg = config_utils.load_config(f"{CONFIG}:tiny")
   for name in cfg.rewards + ("init",):  # every policy, and the one they start from
-    for judge in ("rubric", "score_grm", "score_bt"):
+    for judge in ("rubric", f"rubric_mean@{cfg.eval.num_samples}", "score_grm", "score_bt"):
       assert 0.0 <= metrics[f"{judge}/{name}"] <= 1.0, (judge, name)
   for name in cfg.rewards:
     assert (tmp_path / name / "result.json").is_file(), name
     assert math.isfinite(metrics[f"train_reward/{name}"]), name
     assert (tmp_path / name / "metrics.jsonl").is_file(), name
+    # Each trained policy is kept (and a stopped GRPO resumes from it).
+    assert list((tmp_path / name / "checkpoints").iterdir()), name
   # Every GRM sample of every step is counted: B·k per step, valid or invalid.
   B = cfg.grpo.group_size * cfg.grpo.prompts_per_step
   assert metrics["grm/samples"] == cfg.train.steps * B * cfg.grm.k
   assert 0 <= metrics["grm/invalid_samples"] <= metrics["grm/samples"]
   saved = json.loads((tmp_path / "rubric_scores.json").read_text())
-  assert saved == {k: v for k, v in metrics.items() if k.startswith("rubric/")}
+  assert saved == {k: v for k, v in metrics.items() if k.startswith("rubric")}
+  assert len(saved) == 2 * (len(cfg.rewards) + 1)  # greedy and mean@n for each policy
 
 
 def test_grm_reward_config_rejects_an_unknown_reward(tmp_path):
