@@ -174,7 +174,7 @@ def _stage_rft(ctx, workdir):
   params = _params(ctx, "cold_start")
   kept, counts = training_lib.rejective_sample(
       _subset(_load_groups(ctx)["train"], c.rft.num_groups, c.seed + 5),
-      _sampler(ctx, params, c.rft.max_new_tokens, c.rft.temperature),
+      _sampler(ctx, params, c.rft.max_new_tokens, c.rft.temperature, progress="rft samples"),
       n_rft=c.rft.n_rft, seed=c.seed)
   print(f"[grm] RFT counts: {counts}", flush=True)
   out = dict(counts)
@@ -298,7 +298,8 @@ def _stage_meta_rm(ctx, workdir):
   final = GRM_STAGES[-1]
   params = _params(ctx, final)
   groups = _subset(_load_groups(ctx)["train"], c.rm.meta_groups, c.seed + 6)
-  samples = _sampler(ctx, params, c.benchmark.max_new_tokens, c.benchmark.temperature)(
+  samples = _sampler(ctx, params, c.benchmark.max_new_tokens, c.benchmark.temperature,
+                     progress="meta-RM training judgements")(
       [(g.query, g.responses) for g in groups], c.rm.meta_k, c.seed + 3, None)
   flat = [(s, float(is_correct(s.scores, g.ratings))) for g, row in zip(groups, samples)
           for s in row]

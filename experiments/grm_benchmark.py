@@ -54,12 +54,12 @@ def _grm_results(ctx, stage: str, subsets, meta, cfg=None) -> dict:
   names = [s for s, gs in subsets.items() for _ in gs]
   groups = [g for gs in subsets.values() for g in gs]
   pairs = [(g.query, g.responses) for g in groups]
-  greedy = _sampler(ctx, params, c.benchmark.max_new_tokens, 0.0, cfg)(pairs, 1, c.seed + 11,
-                                                                        None)
+  greedy = _sampler(ctx, params, c.benchmark.max_new_tokens, 0.0, cfg,
+                    progress=f"{stage} greedy")(pairs, 1, c.seed + 11, None)
   ks = _stage_ks(c, stage)
   k_max = max(ks)
-  many = _sampler(ctx, params, c.benchmark.max_new_tokens, c.benchmark.temperature, cfg)(
-      pairs, k_max, c.seed + 13, None)
+  many = _sampler(ctx, params, c.benchmark.max_new_tokens, c.benchmark.temperature, cfg,
+                  progress=f"{stage} k={k_max}")(pairs, k_max, c.seed + 13, None)
   meta_cfg, meta_params = meta
   flat = [s for row in many for s in row]
   m = meta_lib.meta_scores(meta_cfg, meta_params, ctx.tok, flat, seq_len=c.rm.seq_len,

@@ -54,12 +54,13 @@ def _params(ctx: _Ctx, stage: str, cfg=None):
                      rules=ctx.rules)
 
 
-def _sampler(ctx, params, max_new_tokens, temperature, cfg=None):
+def _sampler(ctx, params, max_new_tokens, temperature, cfg=None, progress=None):
+  """Batched GRM sampling with the benchmark's chunking (``progress``: a bar label)."""
   sampling = sampling_for_chat(ctx.tok, max_new_tokens=max_new_tokens, temperature=temperature)
   return training_lib.model_sampler(cfg or ctx.model_cfg, params, ctx.tok, sampling,
                                     batch_size=ctx.config.benchmark.batch_size,
                                     length_bucket=ctx.config.benchmark.length_bucket,
-                                    mesh=ctx.mesh, rules=ctx.rules)
+                                    mesh=ctx.mesh, rules=ctx.rules, progress=progress)
 
 
 SHARED = "shared"

@@ -23,6 +23,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
+import tqdm
 
 from grm.format import GRMPrompt, build_prompt, prompt_ids, unshuffle
 from grm.parse import REASONS as PARSE_REASONS
@@ -94,8 +95,8 @@ def build_prompts(groups, k: int, seed: int, *, hints: Sequence[int | None] | No
 def sample_judgements(model_cfg: ModelConfig, params, tokenizer, groups, *, k: int, seed: int,
                       sampling: SamplingConfig, hints: Sequence[int | None] | None = None,
                       prompt_bucket: int = 32, batch_size: int | None = None,
-                      length_bucket: int | None = None, mesh=None,
-                      rules=None) -> list[list[SampledJudgement]]:
+                      length_bucket: int | None = None, mesh=None, rules=None,
+                      progress: str | None = None) -> list[list[SampledJudgement]]:
   """k judgements per example, all E·k prompts in one batched sampler call.
 
   Args:
@@ -106,8 +107,9 @@ def sample_judgements(model_cfg: ModelConfig, params, tokenizer, groups, *, k: i
     seed: seeds both the shuffles (``build_prompts``) and the sampler.
     sampling: e.g. ``opd.rollout.episodes.sampling_for_chat(tok, ...)``.
     hints: optional per-example best index for hinted sampling.
-    prompt_bucket, batch_size, length_bucket, mesh, rules: as ``sample_rows``
-      (``batch_size`` bounds the rows sampled at once; None: all in one call).
+    prompt_bucket, batch_size, length_bucket, mesh, rules, progress: as
+      ``sample_rows`` (``batch_size`` bounds the rows sampled at once; None:
+      all in one call).
 
   Returns:
     ``[E][k]`` ``SampledJudgement``s.
@@ -117,7 +119,8 @@ def sample_judgements(model_cfg: ModelConfig, params, tokenizer, groups, *, k: i
   ids = [prompt_ids(tokenizer, p) for p in flat]
   completions = sample_rows(model_cfg, params, tokenizer, ids, seed, sampling,
                             batch_size=batch_size, prompt_bucket=prompt_bucket,
-                            length_bucket=length_bucket, mesh=mesh, rules=rules)
+                            length_bucket=length_bucket, mesh=mesh, rules=rules,
+                            progress=progress)
   out = [judge_completion(p, c.text, c.finished) for p, c in zip(flat, completions)]
   return [out[e * k:(e + 1) * k] for e in range(len(prompts))]
 
@@ -125,7 +128,7 @@ def sample_judgements(model_cfg: ModelConfig, params, tokenizer, groups, *, k: i
 def sample_rows(model_cfg: ModelConfig, params, tokenizer, prompts: Sequence[np.ndarray],
                 seed: int, sampling: SamplingConfig, *, batch_size: int | None = None,
                 prompt_bucket: int = 32, length_bucket: int | None = None, mesh=None,
-                rules=None) -> list[Completion]:
+                rules=None, progress: str | None = None) -> list[Completion]:
   """One completion per prompt (id arrays), in sampler calls of at most ``batch_size`` rows.
 
   ``batch_size`` None, or at least ``len(prompts)``: one call of
@@ -142,6 +145,8 @@ def sample_rows(model_cfg: ModelConfig, params, tokenizer, prompts: Sequence[np.
     rows keep their order) and each chunk is padded to its own longest
     rounded up to a multiple of L: fewer pad tokens, at most
     ``span / L + 1`` shapes. Completions come back in the given order.
+
+  ``progress``: a label for a progress bar over the chunks (None: no bar).
   """
   if not prompts:
     return []
@@ -162,7 +167,10 @@ def sample_rows(model_cfg: ModelConfig, params, tokenizer, prompts: Sequence[np.
     order = np.argsort(lengths, kind="stable")
   key = jax.random.key(int(seed))
   out: list[Completion | None] = [None] * n
-  for c, start in enumerate(range(0, n, int(batch_size))):
+  starts = range(0, n, int(batch_size))
+  if progress is not None:
+    starts = tqdm.tqdm(starts, desc=str(progress), unit="chunk", dynamic_ncols=True)
+  for c, start in enumerate(starts):
     idx = order[start:start + int(batch_size)]
     longest = int(lengths.max() if length_bucket is None else lengths[idx].max())
     step = prompt_bucket if length_bucket is None else int(length_bucket)

@@ -123,7 +123,8 @@ def train_judgement_sft(model_cfg: ModelConfig, params, tokenizer,
 
 
 def model_sampler(model_cfg: ModelConfig, params, tokenizer, sampling, **kwargs) -> SampleFn:
-  """A ``SampleFn`` backed by ``grm.judge.sample_judgements`` (one batched call)."""
+  """A ``SampleFn`` backed by ``grm.judge.sample_judgements`` (one batched call;
+  ``kwargs`` go to it, e.g. ``batch_size`` or a ``progress`` label)."""
 
   def sample_fn(groups, k, seed, hints):
     return judge_lib.sample_judgements(model_cfg, params, tokenizer, groups, k=k, seed=seed,

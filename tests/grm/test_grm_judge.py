@@ -163,7 +163,7 @@ def _echo_sampler(calls):
   return sample
 
 
-def test_sample_rows_chunks_keep_the_order_and_fix_the_prompt_width(monkeypatch):
+def test_sample_rows_chunks_keep_the_order_and_fix_the_prompt_width(monkeypatch, capsys):
   calls = []
   monkeypatch.setattr(judge_lib, "sample", _echo_sampler(calls))
   rng = np.random.default_rng(0)
@@ -188,6 +188,14 @@ def test_sample_rows_chunks_keep_the_order_and_fix_the_prompt_width(monkeypatch)
   ranked = sorted(len(p) for p in prompts)
   expected = [100 * -(-max(ranked[c:c + 8]) // 100) for c in range(0, 23, 8)]
   assert [w for _, _, w in calls] == expected and [b for _, b, _ in calls] == [8, 8, 8]
+  # A progress label draws a bar over the chunks (stderr) and changes nothing else.
+  calls.clear()
+  out = judge_lib.sample_rows(None, None, TOK, prompts, 0, sampling, batch_size=8,
+                              length_bucket=100, progress="judging")
+  assert [c.text for c in out] == texts
+  assert [w for _, _, w in calls] == expected
+  bar = capsys.readouterr().err
+  assert "judging" in bar and "3/3" in bar, bar
 
 
 def test_sample_rows_chunks_give_each_prompt_its_own_completion_on_a_tiny_model():
