@@ -29,6 +29,7 @@ from typing import Mapping
 
 import jax
 import ml_collections
+import numpy as np
 
 from experiments import common
 from experiments import diagnostics_plot
@@ -38,6 +39,7 @@ from experiments import pretrain as pretrain_job
 from experiments import sft as sft_job
 from opd.config.fields import from_group
 from opd.eval import evaluation as ev
+from opd.eval import stats as stats_lib
 from opd.models import to_model_config
 from opd.training.checkpoints import load_params
 from opd.training.metrics_writer import read_metrics
@@ -143,6 +145,30 @@ def _diff(a, b) -> tuple[float, float]:
   return a[0] - b[0], math.hypot(a[1], b[1])
 
 
+def paired_diff(a, b, domain: str, metric: str, num_resamples: int,
+                seed: int) -> tuple[float, float]:
+  """``a − b`` of two models' ``metric`` on the same test examples, with the
+  bootstrap SE of the per-example differences (``opd.eval.stats.bootstrap_se``;
+  tighter than the two SEs in quadrature when the examples' difficulty is
+  shared). ``metric``: ``reward@1`` (greedy) or ``mean@N`` (sampled)."""
+  da, db = a.domains[domain], b.domains[domain]
+  if da.example_ids != db.example_ids:
+    raise ValueError(f"paired_diff: {a.name!r} and {b.name!r} were evaluated on different "
+                     f"{domain} examples")
+  if metric == "reward@1":
+    x, y = da.greedy_rewards, db.greedy_rewards
+  elif metric.startswith("mean@"):
+    x, y = da.sampled_rewards, db.sampled_rewards
+  else:
+    raise ValueError(f"paired_diff: metric={metric!r}, expected 'reward@1' or 'mean@N'")
+  if x is None or y is None:
+    raise ValueError(f"paired_diff: {metric} has no per-example rewards in {a.name!r} or {b.name!r}")
+  d = 100.0 * (np.asarray(x, np.float64) - np.asarray(y, np.float64))
+  if d.ndim == 2:
+    d = d.mean(axis=1)
+  return float(d.mean()), float(stats_lib.bootstrap_se(d, num_resamples, seed))
+
+
 def _heldout_rkl(run_dir: pathlib.Path, teacher: str) -> dict[str, float]:
   """The held-out reverse KL at step 0 (before OPD) and at the last step, from
   ``metrics.jsonl`` (an OPD stage that was resumed keeps its step-0 row there)."""
@@ -154,7 +180,8 @@ def _heldout_rkl(run_dir: pathlib.Path, teacher: str) -> dict[str, float]:
 
 def summarize(scores: Mapping[str, Mapping[str, tuple[float, float]]],
               series: Mapping[str, diagnostics_plot.Series],
-              heldout: Mapping[str, Mapping[str, float]], metrics: tuple[str, str]) -> dict:
+              heldout: Mapping[str, Mapping[str, float]], metrics: tuple[str, str],
+              after_gap: Mapping[str, tuple[float, float]] | None = None) -> dict:
   """The report's numbers.
 
   Args:
@@ -162,6 +189,8 @@ def summarize(scores: Mapping[str, Mapping[str, tuple[float, float]]],
     series: ``{arm: diagnostics series of that arm's OPD run}`` (one teacher).
     heldout: ``{arm: {"initial", "final"}}`` held-out reverse KL of the OPD run.
     metrics: the greedy and the sampled metric names.
+    after_gap: ``{metric: (value, se)}`` of student-after-A − student-after-B,
+      paired over test examples (``paired_diff``); kept as ``after_gap``.
 
   Returns:
     A JSON-ready dict: each teacher's scores and their gap (A − B); per arm
@@ -171,7 +200,8 @@ def summarize(scores: Mapping[str, Mapping[str, tuple[float, float]]],
     the gain, and the reverse KL per position bucket, first point and mean of
     the last ``TAIL``, with the change in %.
   """
-  out = {"metrics": list(metrics), "teachers": {}, "teacher_gap": {}, "arms": {}}
+  out = {"metrics": list(metrics), "teachers": {}, "teacher_gap": {}, "arms": {},
+         "after_gap": {m: tuple(v) for m, v in (after_gap or {}).items()}}
   for m in metrics:
     out["teacher_gap"][m] = _diff(scores["teacher_A"][m], scores["teacher_B"][m])
   for arm in ARMS:
@@ -223,7 +253,12 @@ def render(summary: Mapping, domain: str, timer_s: float | None = None) -> str:
         f"{a['after'][greedy][0]:.1f} | {_pm(a['gain'][greedy])} | {_pm(a['gain'][sampled])} |")
   gap = summary["teacher_gap"]
   lines += ["", f"Teacher A − teacher B: {greedy} {_pm(gap[greedy])}, {sampled} "
-            f"{_pm(gap[sampled])}.", "",
+            f"{_pm(gap[sampled])}."]
+  if summary.get("after_gap"):
+    ag = summary["after_gap"]
+    lines.append(f"Student after OPD from A − after OPD from B (paired over test examples): "
+                 + ", ".join(f"{m} {_pm(ag[m])}" for m in (greedy, sampled) if m in ag) + ".")
+  lines += ["",
             f"## Reverse KL by trajectory position (first logged point → mean of the last {TAIL})",
             "", "| arm | first 25% | middle 50% | last 25% |", "|---|---|---|---|"]
   for arm in ARMS:
@@ -265,7 +300,9 @@ def run(config, workdir: str) -> dict:
             for key, row in ROWS.items()}
   series = {arm: diagnostics_plot.read_diagnostics(root / f"opd_{arm.lower()}") for arm in ARMS}
   heldout = {arm: _heldout_rkl(root / f"opd_{arm.lower()}", TEACHER[arm]) for arm in ARMS}
-  summary = summarize(scores, series, heldout, metrics)
+  after_gap = {m: paired_diff(results[ROWS["opd_A"]], results[ROWS["opd_B"]], config.domain, m,
+                             config.eval.bootstrap_samples, config.seed) for m in metrics}
+  summary = summarize(scores, series, heldout, metrics, after_gap)
   report = render(summary, config.domain, timer_s=timer.seconds)
   (out_dir / "report.md").write_text(report)
   common.write_json(out_dir / "summary.json", summary)
@@ -278,6 +315,7 @@ def run(config, workdir: str) -> dict:
   flat = {"wall_s": timer.seconds, "report": str(out_dir / "report.md"), "plot": plot}
   for m in metrics:
     flat[f"teacher_gap/{m}"] = summary["teacher_gap"][m][0]
+    flat[f"after_gap/{m}"] = summary["after_gap"][m][0]
   for arm, a in summary["arms"].items():
     flat[f"{arm}/overlap@8_initial"] = a["overlap@8_initial"]
     flat.update({f"{arm}/gain/{m}": a["gain"][m][0] for m in metrics})

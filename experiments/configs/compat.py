@@ -43,7 +43,11 @@ reward@1); the same-base teacher starts at a higher top-8 overlap (0.75 vs
 greedy score in 40 steps (−3.0 ± 4.5, −2.0 ± 4.6); the per-position KL is
 smallest in the first 25% and largest in the last 25% of these short answers
 and falls most in the first 25% (−96% / −88%) and least in the last 25%
-(−17% / −15%).
+(−17% / −15%). On code and instruct the two teachers tie (20.2 vs 19.2;
+42.7 vs 42.7); with ``opd_steps=160`` the same-base teacher's student ends
+2.3 ± 1.0 (code) and 2.7 ± 1.4 (instruct) mean@4 points above the other's,
+paired over test examples, the greedy difference within one SE
+(docs/RESULTS.md, "Teacher compatibility").
 """
 import ml_collections
 

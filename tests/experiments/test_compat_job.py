@@ -68,6 +68,35 @@ def test_summarize_gains_gaps_and_positions():
                      heldout, METRICS)
 
 
+def _result(name, ids, greedy, sampled):
+  from opd.eval.results import DomainResult, EvalConfig, EvalResult
+  d = DomainResult("math", {}, list(ids), list(greedy), None, [list(r) for r in sampled], None,
+                   {}, [])
+  return EvalResult(name, EvalConfig(domains=("math",)), {"math": d}, {})
+
+
+def test_paired_diff_is_the_mean_difference_with_the_bootstrap_se_of_differences():
+  rng = np.random.default_rng(3)
+  n = 40
+  hard = rng.uniform(0.0, 1.0, n)  # shared difficulty: the paired SE removes it
+  ga = (rng.uniform(size=n) < hard).astype(float)
+  gb = (rng.uniform(size=n) < hard * 0.8).astype(float)
+  sa, sb = rng.uniform(size=(n, 4)) * hard[:, None], rng.uniform(size=(n, 4)) * hard[:, None]
+  ids = [f"e{i}" for i in range(n)]
+  a, b = _result("a", ids, ga, sa), _result("b", ids, gb, sb)
+  B = 500
+  for metric, d in (("reward@1", 100 * (ga - gb)), ("mean@4", 100 * (sa - sb).mean(axis=1))):
+    value, se = compat.paired_diff(a, b, "math", metric, B, 7)
+    assert value == pytest.approx(d.mean(), rel=1e-12, abs=1e-9)
+    # Reference: resample examples with the same stream (rng.integers(0, n, (B, n))).
+    idx = np.random.default_rng(7).integers(0, n, size=(B, n))
+    assert se == pytest.approx(d[idx].mean(axis=1).std(ddof=1), rel=1e-9)
+  with pytest.raises(ValueError, match="different math examples"):
+    compat.paired_diff(a, _result("c", ids[::-1], gb, sb), "math", "reward@1", B, 7)
+  with pytest.raises(ValueError, match="metric='pass@1'"):
+    compat.paired_diff(a, b, "math", "pass@1", B, 7)
+
+
 def test_config_checks():
   from experiments.configs import compat as compat_config
   with pytest.raises(ValueError, match="domain='poetry'"):
@@ -124,6 +153,10 @@ def test_compat_tiny_through_the_cli(tmp_path):
     ta, tb = score("teacher_A", m), score("teacher_B", m)
     assert summary["teacher_gap"][m] == pytest.approx([ta.value - tb.value,
                                                        math.hypot(ta.se, tb.se)])
+    # After OPD, A − B paired over the same test examples.
+    pa, pb = results[compat.ROWS["opd_A"]], results[compat.ROWS["opd_B"]]
+    assert summary["after_gap"][m][0] == pytest.approx(
+        pa.score("math", m).value - pb.score("math", m).value, abs=1e-6)
   for arm, teacher in compat.TEACHER.items():
     run = workdir / f"opd_{arm.lower()}"
     rows = read_metrics(run)
