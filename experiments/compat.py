@@ -256,7 +256,7 @@ def render(summary: Mapping, domain: str, timer_s: float | None = None) -> str:
             f"{_pm(gap[sampled])}."]
   if summary.get("after_gap"):
     ag = summary["after_gap"]
-    lines.append(f"Student after OPD from A − after OPD from B (paired over test examples): "
+    lines.append("Student after OPD from A − after OPD from B (paired over test examples): "
                  + ", ".join(f"{m} {_pm(ag[m])}" for m in (greedy, sampled) if m in ag) + ".")
   lines += ["",
             f"## Reverse KL by trajectory position (first logged point → mean of the last {TAIL})",
@@ -281,9 +281,9 @@ def run(config, workdir: str) -> dict:
   teachers = run_teachers(config, root)
   common.run_stage("student: short SFT of base A", sft_job.run, student_config(config, root),
                    root / "student")
-  opd = {arm: common.run_stage(f"OPD from teacher {arm}", distill_job.run_opd,
-                               opd_config(config, root, arm), root / f"opd_{arm.lower()}")
-         for arm in ARMS}
+  for arm in ARMS:
+    common.run_stage(f"OPD from teacher {arm}", distill_job.run_opd, opd_config(config, root, arm),
+                     root / f"opd_{arm.lower()}")
   models = {ROWS["teacher_A"]: teachers["A"], ROWS["teacher_B"]: teachers["B"],
             ROWS["student"]: root / "student", ROWS["opd_A"]: root / "opd_a",
             ROWS["opd_B"]: root / "opd_b"}
