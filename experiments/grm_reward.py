@@ -7,19 +7,22 @@ and trains with ``opd.rl.train_grpo`` (``grm``: ``grm.reward.GRMReward``;
 test prompts are scored with the hidden rubric and with the GRM and the BT
 RM, as are the starting policy's (``init``); so are ``config.eval.num_samples``
 sampled answers per test prompt at the GRPO temperature by the rubric (GRPO at
-this size moves the sampled answers more than the greedy one). Final metrics:
-``rubric/<policy>`` (test rubric score of the policy trained on that reward,
-or ``init``), ``rubric_mean@<n>/<policy>`` (the rubric's mean over the n
-samples), ``score_grm/<policy>`` and ``score_bt/<policy>`` (its greedy test
-scores under the two learned rewards), ``train_reward_first/<reward>`` and
-``train_reward/<reward>`` (the first and last step's mean training reward)
-and, for the GRM-trained run, the GRM's sample counts (``grm/samples``,
-``grm/invalid_samples``, ...). A learned reward the policy games shows as a
-rise in its own score without one in the rubric's. Each reward's results are
-saved in ``<workdir>/<reward>/result.json`` as it finishes, so a rerun
-continues with the next reward; a stopped reward's GRPO resumes from its last
-checkpoint (``<workdir>/<reward>/checkpoints``, every ``config.train.save_every``
-steps), which also keeps each trained policy.
+this size moves the sampled answers more than the greedy one). Final metrics,
+all on the rewards' 0-1 scale: ``rubric/<policy>`` (test rubric score of the
+policy trained on that reward, or ``init``), ``rubric_mean@<n>/<policy>`` (the
+rubric's mean over the n samples), ``score_grm/<policy>`` and
+``score_bt/<policy>`` (its greedy test scores under the two learned rewards),
+each with ``<score>_se/<policy>`` (bootstrap SE over test prompts) and, for
+the trained policies, ``<score>_gain/<policy>`` and ``<score>_gain_se/<policy>``
+(minus the initial policy's, paired over test prompts);
+``train_reward_first/<reward>`` and ``train_reward/<reward>`` (the first and
+last step's mean training reward) and, for the GRM-trained run, the GRM's
+sample counts (``grm/samples``, ``grm/invalid_samples``, ...). A learned
+reward the policy games shows as a rise in its own score without one in the
+rubric's. Per reward, ``<workdir>/<reward>/`` keeps the GRPO run (metrics,
+``checkpoints/``, resumed when stopped), ``train.json`` (its training
+figures) and ``scores.json`` (the test scores of its final checkpoint, with
+the per-prompt values); each is reused on a rerun, as is ``init_scores.json``.
 """
 from __future__ import annotations
 
@@ -34,11 +37,14 @@ from experiments.sft import domain_examples
 from grm.reward import BTReward, GRMReward
 from opd import rollout as rollout_lib
 from opd.models import init_params, to_model_config
+from opd.eval import stats as stats_lib
 from opd.rl import grpo as grpo_lib
 from opd.rollout.episodes import sampling_for_chat
 from opd.training.checkpoints import load_params
+from opd.training.metrics_writer import read_metrics
 
 REWARDS = ("grm", "bt", "rubric")
+BOOTSTRAP = 1000  # resamples of the test prompts for every SE
 
 
 def _models(config, model_cfg, mesh, rules):
@@ -92,40 +98,66 @@ def run(config, workdir: str) -> dict:
   judges = {"grm": reward_fns["grm"](), "bt": reward_fns["bt"]()}
 
   def test_scores(params) -> dict:
+    """Means, bootstrap SEs (``<key>_se``, 0-1 scale) and the per-test-prompt
+    values (``per_example``) of the greedy and sampled scores."""
     episodes = rollout_lib.rollout(model_cfg, params, tok, test, jax.random.key(config.seed),
                                    greedy, mesh=mesh, rules=rules)
-    out = {"rubric": float(np.mean([ep.reward.reward for ep in episodes]))}
     many = rollout_lib.rollout(model_cfg, params, tok, list(test) * n_samples,
                                jax.random.key(config.seed + 1), sampled, mesh=mesh, rules=rules)
-    out[f"rubric_mean@{n_samples}"] = float(np.mean([ep.reward.reward for ep in many]))
+    # list(test) * n: sample j of prompt i is row j * len(test) + i.
+    per = {"rubric": [ep.reward.reward for ep in episodes],
+           f"rubric_mean@{n_samples}": np.asarray(
+               [ep.reward.reward for ep in many]).reshape(n_samples, len(test)).T.tolist()}
     for judge, fn in judges.items():
-      out[f"score_{judge}"] = float(np.mean([r.reward for r in fn(episodes)]))
+      per[f"score_{judge}"] = [r.reward for r in fn(episodes)]
+    out = {}
+    for key, values in per.items():
+      out[key] = float(np.mean(values))
+      out[f"{key}_se"] = stats_lib.bootstrap_se(values, BOOTSTRAP, config.seed)
+    out["per_example"] = per
     return out
+
+  def gains(scores: dict, name: str) -> dict:
+    """Each score of policy ``name`` minus the initial policy's, paired over the
+    test prompts (bootstrap SE of the per-prompt differences)."""
+    res = {}
+    for key, values in scores["per_example"].items():
+      d = np.asarray(values, np.float64) - np.asarray(init["per_example"][key], np.float64)
+      d = d.mean(axis=1) if d.ndim == 2 else d
+      res[f"{key}_gain/{name}"] = float(d.mean())
+      res[f"{key}_gain_se/{name}"] = stats_lib.bootstrap_se(d, BOOTSTRAP, config.seed)
+    return res
 
   root = pathlib.Path(workdir)
   out = {"steps": config.train.steps}
   init = common.cached_json(root / "init_scores.json", lambda: test_scores(policy))
-  out.update({f"{k}/init": v for k, v in init.items()})
+  out.update({f"{k}/init": v for k, v in init.items() if k != "per_example"})
   for name in config.rewards:
+    arm = root / name
 
-    def train(name=name):
+    def train(name=name, arm=arm):
       reward_fn = reward_fns[name]()
-      run_ = grpo_lib.train_grpo(
+      grpo_lib.train_grpo(
           model_cfg, policy, policy if cfg.kl_coef > 0 else None, prompts, cfg,
           common.optim_config(config.optim), tokenizer=tok, steps=config.train.steps,
           mesh=mesh, rules=rules, seed=config.seed, reward_fn=reward_fn,
-          workdir=root / name, checkpoint_dir=root / name / "checkpoints",
+          workdir=arm, checkpoint_dir=arm / "checkpoints",
           save_every=int(config.train.save_every), keep_checkpoints=1,
           run_config={"reward": name, "init": config.get("init"), "optim": config.optim.to_dict()})
-      res = {f"{k}/{name}": v for k, v in test_scores(run_.state.params).items()}
-      rewards = [m["reward/mean"] for m in run_.history if "reward/mean" in m]
-      res[f"train_reward/{name}"] = float(rewards[-1])
-      res[f"train_reward_first/{name}"] = float(rewards[0])
-      if isinstance(reward_fn, GRMReward):
+      # From metrics.jsonl, not the returned history: a resumed run's history
+      # holds only the steps it ran.
+      rewards = [m["reward/mean"] for m in read_metrics(arm) if "reward/mean" in m]
+      res = {f"train_reward/{name}": float(rewards[-1]),
+             f"train_reward_first/{name}": float(rewards[0])}
+      if isinstance(reward_fn, GRMReward):  # this process's samples (all, unless resumed)
         res.update({f"grm/{k}": v for k, v in reward_fn.totals.items()})
       return res
 
-    out.update(common.cached_json(root / name / "result.json", train))
+    out.update(common.cached_json(arm / "train.json", train))
+    scores = common.cached_json(arm / "scores.json", lambda arm=arm: test_scores(
+        load_params(str(arm / "checkpoints"), model_cfg, mesh=mesh, rules=rules)))
+    out.update({f"{k}/{name}": v for k, v in scores.items() if k != "per_example"})
+    out.update(gains(scores, name))
   out["wall_s"] = timer.seconds
   common.write_json(root / "rubric_scores.json",
                     {k: v for k, v in out.items() if k.startswith("rubric")})

@@ -17,9 +17,12 @@ shows as a rise in its own reward without a rise in the rubric score.
 ``grm_init`` / ``bt_init`` are checkpoints of the ``grm`` job (same
 architecture as ``model``; the BT RM with its scalar head). The tiny variant
 ignores ``init``/``grm_init``/``bt_init`` and builds random tiny models.
-Reference machine (2 CPU cores): tiny about 2-3 min (compiles). Default: not
-measured. Expected result: ``rubric/<reward>`` per reward in final metrics;
-the rubric-trained policy is the reference for the two learned rewards.
+Reference machine (2 CPU cores): tiny about 2-3 min (compiles). Default: 41
+min on the machine shared with one other job (the GRM-rewarded run 34 min).
+Result (docs/RESULTS.md, "The GRM as a GRPO reward"; rubric, sampled mean@4,
+change from the start paired over 64 test prompts): rubric-trained +7.3 ± 1.5,
+BT-trained +1.3 ± 1.3 while its own BT score rises +5.0 ± 0.7 (gamed),
+GRM-trained +2.6 ± 1.3 (the GRM scores almost every answer 1/10: no signal).
 """
 import ml_collections
 

@@ -5,6 +5,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from opd.config import overrides as config_utils
@@ -26,7 +27,8 @@ def test_tiny_grm_reward_job_trains_under_each_reward_and_scores_the_rubric(tmp_
     for judge in ("rubric", f"rubric_mean@{cfg.eval.num_samples}", "score_grm", "score_bt"):
       assert 0.0 <= metrics[f"{judge}/{name}"] <= 1.0, (judge, name)
   for name in cfg.rewards:
-    assert (tmp_path / name / "result.json").is_file(), name
+    for f in ("train.json", "scores.json"):
+      assert (tmp_path / name / f).is_file(), (name, f)
     assert math.isfinite(metrics[f"train_reward/{name}"]), name
     assert (tmp_path / name / "metrics.jsonl").is_file(), name
     # Each trained policy is kept (and a stopped GRPO resumes from it).
@@ -37,7 +39,19 @@ def test_tiny_grm_reward_job_trains_under_each_reward_and_scores_the_rubric(tmp_
   assert 0 <= metrics["grm/invalid_samples"] <= metrics["grm/samples"]
   saved = json.loads((tmp_path / "rubric_scores.json").read_text())
   assert saved == {k: v for k, v in metrics.items() if k.startswith("rubric")}
-  assert len(saved) == 2 * (len(cfg.rewards) + 1)  # greedy and mean@n for each policy
+  # The paired gains are the per-prompt differences from the initial policy.
+  init = json.loads((tmp_path / "init_scores.json").read_text())["per_example"]
+  mean_n = f"rubric_mean@{cfg.eval.num_samples}"
+  for name in cfg.rewards:
+    per = json.loads((tmp_path / name / "scores.json").read_text())["per_example"]
+    assert len(per["rubric"]) == cfg.data.num_test
+    assert np.asarray(per[mean_n]).shape == (cfg.data.num_test, cfg.eval.num_samples)
+    for key in ("rubric", mean_n, "score_grm", "score_bt"):
+      d = np.asarray(per[key], float) - np.asarray(init[key], float)
+      d = d.mean(axis=1) if d.ndim == 2 else d
+      assert metrics[f"{key}_gain/{name}"] == pytest.approx(d.mean(), abs=1e-12)
+      assert metrics[f"{key}/{name}"] == pytest.approx(np.mean(per[key]), abs=1e-12)
+      assert metrics[f"{key}_se/{name}"] >= 0.0 and metrics[f"{key}_gain_se/{name}"] >= 0.0
 
 
 def test_grm_reward_config_rejects_an_unknown_reward(tmp_path):
