@@ -100,7 +100,7 @@ def get_config(arg=None):
   # override e.g. --config.benchmark.ks_by_stage.rule_rl="(1,2,4,8,16)").
   c.benchmark = ml_collections.ConfigDict(dict(
       ks=(1, 2, 4, 8, 16, 32),
-      ks_by_stage=dict(cold_start=(1, 2, 4, 8), rft=(1, 2, 4, 8, 16, 32),
+      ks_by_stage=dict(cold_start=(1, 2, 4, 8, 16, 32), rft=(1, 2, 4, 8, 16, 32),
                        rule_rl=(1, 2, 4, 8, 16, 32),
                        shared=(1, 2, 4, 8)),
       temperature=0.7, max_new_tokens=320, bootstrap_samples=1000, batch_size=32,
