@@ -29,7 +29,6 @@ from typing import Mapping
 
 import jax
 import ml_collections
-import numpy as np
 
 from experiments import common
 from experiments import diagnostics_plot
@@ -148,9 +147,8 @@ def _diff(a, b) -> tuple[float, float]:
 def paired_diff(a, b, domain: str, metric: str, num_resamples: int,
                 seed: int) -> tuple[float, float]:
   """``a − b`` of two models' ``metric`` on the same test examples, with the
-  bootstrap SE of the per-example differences (``opd.eval.stats.bootstrap_se``;
-  tighter than the two SEs in quadrature when the examples' difficulty is
-  shared). ``metric``: ``reward@1`` (greedy) or ``mean@N`` (sampled)."""
+  bootstrap SE of the per-example differences (``opd.eval.stats.paired_difference``),
+  on the 0-100 scale. ``metric``: ``reward@1`` (greedy) or ``mean@N`` (sampled)."""
   da, db = a.domains[domain], b.domains[domain]
   if da.example_ids != db.example_ids:
     raise ValueError(f"paired_diff: {a.name!r} and {b.name!r} were evaluated on different "
@@ -163,10 +161,8 @@ def paired_diff(a, b, domain: str, metric: str, num_resamples: int,
     raise ValueError(f"paired_diff: metric={metric!r}, expected 'reward@1' or 'mean@N'")
   if x is None or y is None:
     raise ValueError(f"paired_diff: {metric} has no per-example rewards in {a.name!r} or {b.name!r}")
-  d = 100.0 * (np.asarray(x, np.float64) - np.asarray(y, np.float64))
-  if d.ndim == 2:
-    d = d.mean(axis=1)
-  return float(d.mean()), float(stats_lib.bootstrap_se(d, num_resamples, seed))
+  value, se = stats_lib.paired_difference(x, y, num_resamples, seed)
+  return 100.0 * value, 100.0 * se
 
 
 def _heldout_rkl(run_dir: pathlib.Path, teacher: str) -> dict[str, float]:

@@ -122,10 +122,8 @@ def run(config, workdir: str) -> dict:
     test prompts (bootstrap SE of the per-prompt differences)."""
     res = {}
     for key, values in scores["per_example"].items():
-      d = np.asarray(values, np.float64) - np.asarray(init["per_example"][key], np.float64)
-      d = d.mean(axis=1) if d.ndim == 2 else d
-      res[f"{key}_gain/{name}"] = float(d.mean())
-      res[f"{key}_gain_se/{name}"] = stats_lib.bootstrap_se(d, BOOTSTRAP, config.seed)
+      res[f"{key}_gain/{name}"], res[f"{key}_gain_se/{name}"] = stats_lib.paired_difference(
+          values, init["per_example"][key], BOOTSTRAP, config.seed)
     return res
 
   root = pathlib.Path(workdir)

@@ -66,6 +66,24 @@ def test_bootstrap_se_rejects_bad_input():
 
 
 
+@pytest.mark.parametrize("shape", [(31,), (19, 4)], ids=str)
+def test_paired_difference_is_the_bootstrap_of_per_example_differences(shape):
+  """Reference: the per-example differences of row means, resampled one at a
+  time by ``_loop_bootstrap``. With a shared per-example difficulty the paired
+  SE is below the two unpaired SEs in quadrature."""
+  rng = np.random.default_rng(4)
+  hard = rng.random(shape[0]).reshape(-1, *([1] * (len(shape) - 1)))
+  a = np.clip(hard + 0.1 * rng.standard_normal(shape), 0, 1)
+  b = np.clip(hard - 0.05 + 0.1 * rng.standard_normal(shape), 0, 1)
+  d = (a - b).reshape(shape[0], -1).mean(axis=1)
+  value, se = stats.paired_difference(a, b, 400, 9)
+  assert value == pytest.approx(d.mean(), rel=1e-12)
+  assert se == pytest.approx(_loop_bootstrap(d, 400, 9), rel=1e-12)
+  assert se < math.hypot(stats.bootstrap_se(a, 400, 9), stats.bootstrap_se(b, 400, 9))
+  with pytest.raises(ValueError, match="shapes"):
+    stats.paired_difference(a, b[:-1], 400, 9)
+
+
 def test_estimate_scales_mean_and_se_to_percent():
   x = np.random.default_rng(0).random((7, 3))
   e = stats.estimate(x, 30, (1, 2))
