@@ -47,6 +47,28 @@ def tokenizer_for(model_cfg: ModelConfig) -> ByteTokenizer:
   return tok
 
 
+def model_at_width(model, width, field: str):
+  """``model`` (a config group) at residual width ``width`` D: F scaled by the
+  same factor, heads kept (so the head dimension grows with D); ``width`` 0 or
+  the model's own D gives ``model`` itself. ``field`` names the config field in
+  errors (e.g. ``config.student_width``)."""
+  import ml_collections  # noqa: PLC0415
+  if not isinstance(width, int) or isinstance(width, bool) or width < 0:
+    raise ValueError(f"{field}={width!r}: expected an int >= 0 (0: the model's own width "
+                     f"{model.d_model})")
+  if width in (0, model.d_model):
+    return model
+  if model.get("head_dim") is not None or width % model.n_heads:
+    raise ValueError(f"{field}={width}: must be a multiple of n_heads={model.n_heads} "
+                     "(and the model's head_dim unset)")
+  if (width // model.n_heads) % 2:
+    raise ValueError(f"{field}={width}: the head dimension {width // model.n_heads} "
+                     f"(= {width} / n_heads {model.n_heads}) must be even for RoPE")
+  out = ml_collections.ConfigDict(model.to_dict())
+  out.d_model, out.d_ff = width, max(1, round(model.d_ff * width / model.d_model))
+  return out
+
+
 @dataclasses.dataclass
 class JobContext:
   """What every stage of a single-model job reads (the grm, mathv2 and

@@ -1,7 +1,8 @@
 """Job ``grm``: train a pointwise GRM (SPCT) and benchmark it (docs/DESIGN.md §6).
 
 Stages (each resumable, ``experiments.common.run_stage``; a stage
-directory holds ``config.json`` and ``final_metrics.json``):
+directory holds ``config.json`` and ``final_metrics.json``; ``config.skip_stages``
+leaves some out, an error when a stage it does run reads one that has not finished):
 
   data        candidates from the source models (``config.models``; the tiny
               variant builds random ones) at each temperature, verified, then
@@ -9,6 +10,9 @@ directory holds ``config.json`` and ``final_metrics.json``):
               up to ``data.max_draws`` times for a unique best); train and test
               examples by the tasks' prompt-hash split. ``groups.json``; its
               metrics hold the counts and the sampling / verifying seconds.
+  grm_base    only with ``config.grm_width`` set to another width than the source
+              models': that model pre-trained by ``config.base`` (the specialists'
+              base recipe); the GRM, BT RM and pairwise judge start from it.
   cold_start  SFT of the base model on the rule-based judge's judgements of
               the train groups (``grm.training`` a).
   rft         rejective sampling from the cold-start GRM on ``rft.num_groups``
@@ -21,7 +25,8 @@ directory holds ``config.json`` and ``final_metrics.json``):
               x meta BCE on its own judgements (``grm.shared``); its value
               head guides its own voting. Each of its networks is the size
               of one separate GRM or meta-RM (the separate pair holds twice
-              the parameters).
+              the parameters; for a pair of half the size set
+              ``config.grm_width``, and compare with ``experiments/grm_compare.py``).
   bt_rm       Bradley–Terry scalar RM from the base (pairs: best vs each other).
   pairwise    the "A or B" judge, SFT from the base on rule-written
               ``Better: A/B`` texts (not zero-shot from the GRM).
@@ -50,9 +55,11 @@ import ml_collections
 import numpy as np
 
 from experiments import common
+from experiments import pretrain as pretrain_job
 from experiments.grm_benchmark import _stage_benchmark, _stage_ks  # noqa: F401 (tests)
 from experiments.grm_common import (GRM_STAGES, SHARED, _base_params, _Ctx, _load_groups,
-                                    _params, _response_ids, _sampler, _source_models)
+                                    _params, _response_ids, _sampler, _source_cfg,
+                                    _source_models)
 from experiments.grpo import grpo_config
 from experiments.sft import domain_examples
 from experiments.specialists import _stage_config
@@ -65,6 +72,7 @@ from grm import training as training_lib
 from grm.correctness import best_index, is_correct
 from grm.data import Candidate, build_groups, sample_candidates, split_groups
 from opd import tasks as tasks_lib
+from opd.models import to_model_config
 from opd.training import lm_trainer
 from opd.training.checkpoints import CheckpointManager
 from opd.training.metrics_writer import MetricWriter
@@ -92,7 +100,7 @@ def _stage_data(ctx: _Ctx, workdir: pathlib.Path) -> dict:
   c = ctx.config
   examples = _examples(c, "train", c.data.num_train, c.seed) + _examples(
       c, "test", c.data.num_test, c.seed + 1)
-  models = [(ctx.model_cfg, p) for p in _source_models(ctx).values()]
+  models = [(_source_cfg(ctx), p) for p in _source_models(ctx).values()]
   timings: dict[str, float] = {}
   cands = sample_candidates(models, ctx.tok, examples, temperatures=tuple(c.data.temperatures),
                             max_new_tokens=c.data.max_new_tokens, seed=c.seed, mesh=ctx.mesh,
@@ -349,17 +357,69 @@ def _timed(fn, ctx, workdir: pathlib.Path) -> dict:
   return {**out, "time/wall_s": time.perf_counter() - wall, "time/cpu_s": time.process_time() - cpu}
 
 
+# What each stage reads (besides the GRM's own base): a stage that runs while one
+# of these is skipped (config.skip_stages) and unfinished is an error.
+NEEDS = {"data": (), "cold_start": ("data",), "rft": ("cold_start",), "rule_rl": ("rft",),
+         SHARED: ("rft",), "bt_rm": ("data",), "pairwise": ("data",), "meta_rm": ("rule_rl",),
+         "benchmark": ("cold_start", "rft", "rule_rl", SHARED, "bt_rm", "pairwise", "meta_rm")}
+GRM_BASE = "grm_base"
+
+
+def grm_model(config) -> ml_collections.ConfigDict:
+  """The GRM's model group: ``config.model`` (the source models') or, with
+  ``config.grm_width``, that model at another width (``common.model_at_width``)."""
+  return common.model_at_width(config.model, config.get("grm_width", 0), "config.grm_width")
+
+
+def _skipped(config, root: pathlib.Path) -> set[str]:
+  skip = tuple(config.get("skip_stages", ()) or ())
+  names = [n for n, _, _ in STAGES]
+  bad = sorted(set(skip) - set(names))
+  if bad:
+    raise ValueError(f"config.skip_stages={tuple(skip)}: unknown stages {bad}; stages: {names}")
+  for name in names:
+    if name in skip:
+      continue
+    missing = [d for d in NEEDS[name] if d in skip and not (root / d / common.FINAL).exists()]
+    if missing:
+      raise ValueError(f"config.skip_stages={tuple(skip)}: stage {name!r} reads {missing}, "
+                       f"which {'is' if len(missing) == 1 else 'are'} skipped and not finished "
+                       f"in {root}; skip {name!r} too or run them")
+  return set(skip)
+
+
+def _grm_base_stage(config, model) -> ml_collections.ConfigDict:
+  cfg = _stage_config(config, "pretrain", optim=config.base.optim, train=config.base.train,
+                      data=config.base.data)
+  cfg.model = ml_collections.ConfigDict(model.to_dict())
+  return cfg
+
+
 def run(config, workdir: str) -> dict:
   timer = common.Timer()
-  if not config.tiny_models and "base" not in config.models:
+  model = grm_model(config)
+  own_base = model.to_dict() != config.model.to_dict()
+  if not config.tiny_models and not own_base and "base" not in config.models:
     raise ValueError(f"config.models={dict(config.models)} needs a 'base' entry (the GRM, "
                      "BT RM and pairwise judge start from it), or set config.tiny_models > 0")
   root = pathlib.Path(workdir)
+  skip = _skipped(config, root)
   ctx = _Ctx.for_run(config, root)
+  ctx = dataclasses.replace(ctx, model_cfg=to_model_config(model))
   out = {}
+  if own_base:
+    metrics = common.run_stage(GRM_BASE, pretrain_job.run, _grm_base_stage(config, model),
+                               root / GRM_BASE)
+    out.update({f"{GRM_BASE}/{k}": v for k, v in metrics.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)})
   for name, fn, groups in STAGES:
+    if name in skip:
+      print(f"[grm] {name}: skipped (config.skip_stages)", flush=True)
+      continue
     unread = () if name == "benchmark" else BENCHMARK_ONLY
     held = {g: _without(config[g], g, unread) for g in groups}
+    if name != "data":  # the data stage samples the source models (config.model)
+      held["model"] = model
     cfg = _stage_config(config, f"grm_{name}", **held)
     metrics = common.run_stage(name, lambda _c, w, fn=fn: _timed(fn, ctx, pathlib.Path(w)), cfg,
                                root / name)

@@ -12,7 +12,7 @@ from experiments import common
 from grm import training as training_lib
 from grm.data import PreferenceGroup
 from grm.format import user_prompt_ids
-from opd.models import init_params
+from opd.models import init_params, to_model_config
 from opd.rollout.episodes import sampling_for_chat
 from opd.training.checkpoints import load_params
 
@@ -22,18 +22,31 @@ GRM_STAGES = ("cold_start", "rft", "rule_rl")
 _Ctx = common.JobContext
 
 
+def _source_cfg(ctx: _Ctx):
+  """The source models' architecture (``config.model``; the GRM's is ``ctx.model_cfg``)."""
+  return to_model_config(ctx.config.model)
+
+
 def _source_models(ctx: _Ctx) -> dict:
   c = ctx.config
+  cfg = _source_cfg(ctx)
   if c.tiny_models:
-    return {f"tiny{i}": init_params(ctx.model_cfg, jax.random.key(c.seed + i))
+    return {f"tiny{i}": init_params(cfg, jax.random.key(c.seed + i))
             for i in range(c.tiny_models)}
-  return {name: load_params(path, ctx.model_cfg, mesh=ctx.mesh, rules=ctx.rules)
+  return {name: load_params(path, cfg, mesh=ctx.mesh, rules=ctx.rules)
           for name, path in c.models.items()}
 
 
 def _base_params(ctx: _Ctx):
-  return next(iter(_source_models(ctx).values())) if ctx.config.tiny_models else load_params(
-      ctx.config.models.base, ctx.model_cfg, mesh=ctx.mesh, rules=ctx.rules)
+  """What the GRM, BT RM and pairwise judge start from: their own pre-trained base
+  (stage ``grm_base``) when ``config.grm_width`` changes the architecture, else
+  ``models.base`` (the tiny variant: its first random model)."""
+  if ctx.model_cfg != _source_cfg(ctx):
+    return load_params(ctx.root / "grm_base" / "checkpoints", ctx.model_cfg, mesh=ctx.mesh,
+                       rules=ctx.rules)
+  if ctx.config.tiny_models:
+    return init_params(ctx.model_cfg, jax.random.key(ctx.config.seed))
+  return load_params(ctx.config.models.base, ctx.model_cfg, mesh=ctx.mesh, rules=ctx.rules)
 
 
 def _load_groups(ctx: _Ctx) -> dict[str, list[PreferenceGroup]]:

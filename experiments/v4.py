@@ -109,21 +109,10 @@ def _ckpt(directory: pathlib.Path) -> str:
 
 def student_model(config) -> ml_collections.ConfigDict:
   """The student's model group: the specialists', or with ``config.student_width``
-  > 0 the same model at that width D (F scaled by the same factor, heads kept,
-  so the head dimension grows with D)."""
-  spec = config.specialists.model
-  width = config.get("student_width", 0)
-  if not isinstance(width, int) or width < 0:
-    raise ValueError(f"config.student_width={width!r}: expected an int >= 0 (0: the "
-                     "specialists' width)")
-  if width in (0, spec.d_model):
-    return spec
-  if spec.get("head_dim") is not None or width % spec.n_heads:
-    raise ValueError(f"config.student_width={width}: must be a multiple of n_heads="
-                     f"{spec.n_heads} (and the specialists' head_dim unset)")
-  out = _copy(spec)
-  out.d_model, out.d_ff = width, max(1, round(spec.d_ff * width / spec.d_model))
-  return out
+  > 0 the same model at that width D (``experiments.common.model_at_width``: F
+  scaled by the same factor, heads kept, so the head dimension grows with D)."""
+  return common.model_at_width(config.specialists.model, config.get("student_width", 0),
+                               "config.student_width")
 
 
 def student_has_own_base(config) -> bool:

@@ -7,6 +7,17 @@ See docs/DESIGN.md §6 and ``experiments/grm.py``.
   python -m experiments.launch --config=experiments/configs/grm.py:tiny \
       --workdir=workdirs/grm_tiny             # CI smoke test: tiny random models
 
+Shared backbone against a separate GRM + meta-RM pair of the same parameter
+count (docs/RESULTS.md, "Shared backbone vs separate"): the pair at width 88
+on the same data stage (copied), then the comparison:
+
+  mkdir -p workdirs/grm_d88 && cp -r workdirs/grm/data workdirs/grm_d88/
+  python -m experiments.launch --config=experiments/configs/grm.py \
+      --workdir=workdirs/grm_d88 --config.grm_width=88 \
+      "--config.skip_stages=('shared','bt_rm','pairwise','benchmark')"
+  python -m experiments.grm_compare --shared=workdirs/grm --separate=workdirs/grm_d88 \
+      --out=workdirs/grm_compare --ks=1,2,4,8
+
 ``models`` maps a name to a checkpoint directory (read only); override them
 with ``--config.models.base=...``. The tiny variant ignores them and builds
 two random tiny models itself (``tiny_models``), and adds each single-turn
@@ -54,7 +65,21 @@ def get_config(arg=None):
   c.mesh = pre.mesh
   c.sharding_rules = pre.sharding_rules
   c.tiny_models = 0  # > 0: build this many random models instead of loading c.models
+  # c.model is the source models' architecture (the data stage samples them).
   c.models = ml_collections.ConfigDict(DEMO_MODELS)
+  # grm_width: the width D of the GRM and of every model trained from its base
+  # (meta-RM, shared backbone, BT RM, pairwise judge); 0: c.model's, starting from
+  # models.base. Another width (F scaled, heads kept; experiments.common.model_at_width)
+  # starts from its own base, pre-trained first in stage `grm_base` by `base`, the
+  # specialists' base recipe. 88 holds 210,144 parameters, so a separate GRM +
+  # meta-RM pair at 88 (420,288) matches one shared backbone at 128 (428,544 + its
+  # 129-parameter value head) within 2%: docs/RESULTS.md, "Shared backbone vs separate".
+  c.grm_width = 0
+  c.base = ml_collections.ConfigDict(dict(optim=pre.optim, train=pre.train, data=pre.data))
+  # skip_stages: stages this launch does not run (e.g. ("shared", "bt_rm", "pairwise",
+  # "benchmark") for the separate pair of the equal-parameter comparison); a stage
+  # whose input is skipped and not already finished is an error.
+  c.skip_stages = ()
   # Difficulty 1 (what the specialists were trained and evaluated on): at 2-3
   # math and code answers are almost all wrong, so no group has a unique best.
   # Instruct spans 1-3 so that more of its prompts forbid a word (the

@@ -128,3 +128,115 @@ def test_pairwise_sft_targets_name_the_best_response():
     swaps.add(p.swapped)
     assert pairwise_lib.preferred_index(pairwise_lib.parse_pairwise(target), p.swapped) == 0
   assert swaps == {True, False}  # both orders occur, so the letter is not constant
+
+
+def test_skip_stages_and_grm_width_errors_name_the_field(tmp_path):
+  c = grm_config.get_config("tiny")
+  c.skip_stages = ("nope",)
+  with pytest.raises(ValueError, match=r"config.skip_stages=\('nope',\): unknown stages"):
+    grm_job._skipped(c, tmp_path)
+  c.skip_stages = ("rft", "shared", "benchmark")  # rule_rl reads rft, which never finished
+  with pytest.raises(ValueError, match=r"stage 'rule_rl' reads \['rft'\], which is skipped"):
+    grm_job._skipped(c, tmp_path)
+  (tmp_path / "rft").mkdir()
+  (tmp_path / "rft" / "final_metrics.json").write_text("{}")  # finished earlier: fine
+  assert grm_job._skipped(c, tmp_path) == {"rft", "shared", "benchmark"}
+  for width, match in ((-1, r"config.grm_width=-1: expected an int >= 0"),
+                       (30, r"config.grm_width=30: must be a multiple of n_heads=4"),
+                       (36, r"config.grm_width=36: the head dimension 9")):
+    c.grm_width = width
+    with pytest.raises(ValueError, match=match):
+      grm_job.grm_model(c)
+
+
+def test_a_grm_of_another_width_has_its_own_base_and_compares_with_the_shared_one(run, tmp_path):
+  """grm_width = 16 (the tiny source models are 32 wide): the GRM and its meta-RM
+  pre-train their own base; the data stage, copied from the fixture run, is read
+  as done; then experiments.grm_compare scores the fixture's shared backbone
+  against this run's GRM + meta-RM on the same groups."""
+  import shutil
+
+  import jax
+  import numpy as np
+
+  from experiments import grm_compare
+  from opd.models import init_params, to_model_config
+  shared_dir, _ = run
+  workdir = tmp_path / "narrow"
+  shutil.copytree(shared_dir / "data", workdir / "data")
+  env = one_device_env()
+  cmd = [sys.executable, "-m", "experiments.launch", f"--config={CONFIG}:tiny",
+         f"--workdir={workdir}", "--config.grm_width=16",
+         "--config.skip_stages=('shared','bt_rm','pairwise','benchmark')"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "[stage] data: done earlier" in proc.stdout
+  for name in ("shared", "bt_rm", "pairwise", "benchmark"):
+    assert f"[grm] {name}: skipped" in proc.stdout and not (workdir / name).exists()
+  width = {}
+  for name in ("grm_base", "data", "cold_start", "rft", "rule_rl", "meta_rm"):
+    assert (workdir / name / "final_metrics.json").exists(), name
+    width[name] = json.loads((workdir / name / "config.json").read_text())["model"]["d_model"]
+  assert width == {"grm_base": 16, "data": 32, "cold_start": 16, "rft": 16, "rule_rl": 16,
+                   "meta_rm": 16}
+  out = tmp_path / "compare"
+  cmd = [sys.executable, "-m", "experiments.grm_compare", f"--shared={shared_dir}",
+         f"--separate={workdir}", f"--out={out}", "--ks=1,2", "--bootstrap_samples=50"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads((out / "compare.json").read_text())
+  assert set(result["accuracy"]) == {"greedy", "vote@1", "meta@1", "vote@2", "meta@2"}
+  n = result["test_groups"]
+  for arm in grm_compare.ARMS:
+    arm_dir = shared_dir if arm == "shared" else workdir
+    raw = json.loads((out / grm_compare._cache_name(arm, arm_dir, (1, 2))).read_text())["correct"]
+    for name, row in result["accuracy"].items():
+      flat = np.concatenate([np.asarray(v, float) for v in raw[name].values()])
+      assert flat.size == n
+      assert row[arm]["value"] == pytest.approx(100 * flat.mean(), abs=1e-9)
+  for row in result["accuracy"].values():  # the paired mean is the difference of the means
+    assert row["shared_minus_separate"]["value"] == pytest.approx(
+        row["shared"]["value"] - row["separate"]["value"], abs=1e-9)
+  # Parameter counts against the arrays themselves.
+  c = grm_config.get_config("tiny")
+  wide = to_model_config(c.model)
+  c.grm_width = 16
+  narrow = to_model_config(grm_job.grm_model(c))
+
+  def count(cfg):
+    return sum(x.size for x in jax.tree_util.tree_leaves(init_params(cfg, jax.random.key(0))))
+
+  assert result["params"]["shared"] == count(wide.replace(scalar_head=True))
+  assert result["params"]["separate"] == count(narrow) + count(narrow.replace(scalar_head=True))
+  assert (out / "compare.md").read_text().count("\n| ") == len(result["accuracy"])
+  assert (out / "compare.png").stat().st_size > 0
+
+
+def test_compare_summary_against_numpy():
+  """grm_compare.summarize on constructed results: accuracy is 100 x the mean over
+  every subset's groups, the paired difference is the mean of per-group
+  differences, and its SE is below the unpaired one when the arms agree often."""
+  import numpy as np
+
+  from experiments import grm_compare
+  rng = np.random.default_rng(0)
+  sizes = {"chat": 40, "code": 25}
+  names = ["greedy", "vote@1", "meta@1", "vote@4", "meta@4"]
+  base = {s: rng.random(n) < 0.5 for s, n in sizes.items()}
+  parts = {}
+  for arm, flip in (("shared", 0.1), ("separate", 0.3)):
+    parts[arm] = {"correct": {name: {s: [bool(b) != (rng.random() < flip) for b in base[s]]
+                                     for s in sizes} for name in names}}
+  table = grm_compare.summarize(parts, (1, 4), num_resamples=400, seed=0)
+  for name in names:
+    a, b = (np.concatenate([np.asarray(parts[arm]["correct"][name][s], float) for s in sizes])
+            for arm in grm_compare.ARMS)
+    assert table[name]["shared"]["value"] == pytest.approx(100 * a.mean(), abs=1e-9)
+    assert table[name]["separate"]["value"] == pytest.approx(100 * b.mean(), abs=1e-9)
+    d = table[name]["shared_minus_separate"]
+    assert d["value"] == pytest.approx(100 * (a - b).mean(), abs=1e-9)
+    # bootstrap SE of a mean: within 25% of the analytic std / sqrt(n) at 400 resamples
+    analytic = 100 * (a - b).std() / np.sqrt(a.size)
+    assert d["se"] == pytest.approx(analytic, rel=0.25)
+    unpaired = np.hypot(table[name]["shared"]["se"], table[name]["separate"]["se"])
+    assert d["se"] < unpaired
