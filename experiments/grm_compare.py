@@ -137,7 +137,7 @@ def render(table: dict, counts: dict, invalid: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
-def plot(table: dict, ks, path: pathlib.Path) -> None:
+def plot(table: dict, ks, counts: dict, path: pathlib.Path) -> None:
   import matplotlib  # noqa: PLC0415
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
@@ -152,7 +152,9 @@ def plot(table: dict, ks, path: pathlib.Path) -> None:
   ax.set_xticks(list(ks), [str(k) for k in ks])
   ax.set_xlabel("k (judgements sampled)")
   ax.set_ylabel("accuracy (%), ± 1 bootstrap SE")
-  ax.set_title("Shared backbone vs separate GRM + meta-RM (equal parameters)", fontsize=9)
+  ax.set_title(f"Shared backbone (D = {counts['shared_d_model']}, {counts['shared']:,} params) vs "
+               f"separate\nGRM + meta-RM (D = {counts['separate_d_model']}, "
+               f"{counts['separate']:,} params)", fontsize=8)
   ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -186,7 +188,7 @@ def compare(shared_dir, separate_dir, out_dir, ks=(1, 2, 4, 8),
             "shared_dir": str(shared_dir), "separate_dir": str(separate_dir)}
   common.write_json(out / "compare.json", result)
   (out / "compare.md").write_text(render(table, counts, invalid))
-  plot(table, ks, out / "compare.png")
+  plot(table, ks, counts, out / "compare.png")
   return result
 
 

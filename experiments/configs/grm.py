@@ -29,7 +29,10 @@ shared with other jobs (stages resume): data 6.3 min, cold start 19 min,
 RFT 9 min, rule RL 11 min, shared backbone 12 min, BT RM 1.6 min, pairwise
 judge 2.6 min, meta-RM 13 min, benchmark ~1.5 h (k = 32: cold start 18.2 and
 RFT 17.8 min alone, the final GRM 34.5 min beside two jobs; each model's
-results cached as it finishes). 461 of 524 examples kept a group (289
+results cached as it finishes); on 2026-12-02, beside one other job: data
+2.6, cold start 6.2, RFT 4.4, rule RL 3.0, shared 6.3, BT RM 0.4, pairwise
+0.5, meta-RM 5.3 min, cold start's benchmark at k = 32 15.5 min (the same
+figures to the last digit as the earlier run). 461 of 524 examples kept a group (289
 train, 172 test). Result (docs/RESULTS.md, "Generative reward model"):
 final GRM 23.8% with one sample, 42.4% voting and 42.4% meta-RM voting at
 k=32 (the paper: 85.6 -> 89.6 at k=32, RewardBench); half its judgements
