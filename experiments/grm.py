@@ -57,9 +57,9 @@ import numpy as np
 from experiments import common
 from experiments import pretrain as pretrain_job
 from experiments.grm_benchmark import _stage_benchmark, _stage_ks  # noqa: F401 (tests)
-from experiments.grm_common import (GRM_STAGES, SHARED, _base_params, _Ctx, _load_groups,
-                                    _params, _response_ids, _sampler, _source_cfg,
-                                    _source_models)
+from experiments.grm_common import (GRM_BASE, GRM_STAGES, SHARED, _base_params, _Ctx,
+                                    _load_groups, _params, _response_ids, _sampler,
+                                    _source_cfg, _source_models)
 from experiments.grpo import grpo_config
 from experiments.sft import domain_examples
 from experiments.specialists import _stage_config
@@ -362,7 +362,6 @@ def _timed(fn, ctx, workdir: pathlib.Path) -> dict:
 NEEDS = {"data": (), "cold_start": ("data",), "rft": ("cold_start",), "rule_rl": ("rft",),
          SHARED: ("rft",), "bt_rm": ("data",), "pairwise": ("data",), "meta_rm": ("rule_rl",),
          "benchmark": ("cold_start", "rft", "rule_rl", SHARED, "bt_rm", "pairwise", "meta_rm")}
-GRM_BASE = "grm_base"
 
 
 def grm_model(config) -> ml_collections.ConfigDict:

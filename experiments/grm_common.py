@@ -17,6 +17,7 @@ from opd.rollout.episodes import sampling_for_chat
 from opd.training.checkpoints import load_params
 
 GRM_STAGES = ("cold_start", "rft", "rule_rl")
+GRM_BASE = "grm_base"  # the stage pre-training a GRM of its own width (config.grm_width)
 
 
 _Ctx = common.JobContext
@@ -42,7 +43,7 @@ def _base_params(ctx: _Ctx):
   (stage ``grm_base``) when ``config.grm_width`` changes the architecture, else
   ``models.base`` (the tiny variant: its first random model)."""
   if ctx.model_cfg != _source_cfg(ctx):
-    return load_params(ctx.root / "grm_base" / "checkpoints", ctx.model_cfg, mesh=ctx.mesh,
+    return load_params(ctx.root / GRM_BASE / "checkpoints", ctx.model_cfg, mesh=ctx.mesh,
                        rules=ctx.rules)
   if ctx.config.tiny_models:
     return init_params(ctx.model_cfg, jax.random.key(ctx.config.seed))

@@ -7,7 +7,8 @@
 heads: the LM head judges, the value head guides its own voting).
 ``--separate``: a ``grm`` run whose ``rule_rl`` and ``meta_rm`` stages
 finished (two decoders). With ``--config.grm_width=88`` the separate pair
-holds 420,288 parameters against the 128-wide shared backbone's 428,673:
+holds 420,377 parameters against the 128-wide shared backbone's 428,673
+(value heads included):
 the equal-parameter comparison. Both runs must hold the same data stage
 (``data/groups.json`` byte-identical: copy it, the stage then reads as done).
 
@@ -41,7 +42,6 @@ flags.DEFINE_integer("bootstrap_samples", 1000, "bootstrap resamples for the SEs
 FLAGS = flags.FLAGS
 
 ARMS = ("shared", "separate")
-KINDS = ("greedy", "vote", "meta")
 
 
 def _context(run_dir: pathlib.Path, ks: tuple[int, ...]):
@@ -91,8 +91,8 @@ def arm_results(arm: str, ctx, subsets) -> dict:
 
 
 def param_counts(shared_ctx, separate_ctx) -> dict[str, int]:
-  """Parameters each arm holds (the separate arm: GRM + meta-RM, each with the
-  value head's D + 1 on the meta-RM only)."""
+  """Parameters each arm holds: the shared decoder plus its value head (D + 1);
+  the separate GRM plus the meta-RM, which alone carries a value head."""
   s, p = shared_ctx.model_cfg, separate_ctx.model_cfg
   return {"shared": s.num_params() + s.d_model + 1,
           "separate": 2 * p.num_params() + p.d_model + 1,
