@@ -3,9 +3,12 @@
 Parameters carry logical axis names (see ``opd.models.decoder``); a short rule
 table, kept in the experiment config, maps them to mesh axes. The helpers
 here fail loudly: a mesh that does not match the device count raises, a rule
-table that names an unknown mesh axis raises, a dimension that the mesh does
-not divide is replicated *and logged*, and ``check_sharded`` raises when a
-large parameter is left fully replicated on a multi-device mesh.
+table that names an unknown mesh axis or an unknown logical axis (a typo such
+as ``"vocabb"``) raises, an array whose logical axis has no rule raises, a
+batch the mesh's batch shards do not divide raises naming the config field
+(``check_batch_divisible``), a parameter dimension that the mesh does not
+divide is replicated *and logged*, and ``check_sharded`` raises when a large
+parameter is left fully replicated on a multi-device mesh.
 """
 from __future__ import annotations
 
@@ -36,6 +39,9 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("norm", None),
     ("scalar", None),
 )
+# Every logical axis name the decoder, sampler and prefill use: a rule for any
+# other name can only be a typo, which would leave the intended axis replicated.
+LOGICAL_AXES: tuple[str, ...] = tuple(name for name, _ in DEFAULT_RULES)
 
 
 def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -74,13 +80,21 @@ def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None)
 
 
 def validate_rules(rules: Iterable[tuple[str, Any]]) -> tuple[tuple[str, Any], ...]:
-  """Checks a rule table: every target is None, a mesh axis, or a tuple of them."""
+  """Checks a rule table and returns it as a tuple of pairs.
+
+  Every logical name must be one of ``LOGICAL_AXES`` (named once) and every
+  target None, a mesh axis, or a tuple of them. Raises ValueError naming the
+  offending rule and the known names.
+  """
   out = []
   seen = set()
   for item in rules:
-    if len(item) != 2:
+    if isinstance(item, str) or len(item) != 2:
       raise ValueError(f"sharding rule {item!r} must be (logical_name, mesh_axes)")
     name, target = item
+    if name not in LOGICAL_AXES:
+      raise ValueError(f"sharding rule names logical axis {name!r}, which nothing uses "
+                       f"(a typo?); known logical axes: {LOGICAL_AXES}")
     if name in seen:
       raise ValueError(f"sharding rules name logical axis {name!r} twice")
     seen.add(name)
@@ -99,10 +113,28 @@ def _axis_size(mesh: Mesh, entry) -> int:
   return math.prod(mesh.shape[n] for n in names)
 
 
+def _mesh_spec(logical_spec, rules, what: str) -> P:
+  """``nn.logical_to_mesh_axes``, but a logical axis without a rule raises.
+
+  Flax replicates such an axis silently; a table that lost a rule (or a
+  misspelt one, already refused by ``validate_rules``) must not.
+  """
+  names = {name for name, _ in rules}
+  for axis in logical_spec:
+    for a in (() if axis is None else (axis,) if isinstance(axis, str) else axis):
+      if a not in names:
+        raise ValueError(f"{what}: logical axis {a!r} has no sharding rule; the rules name "
+                         f"{tuple(sorted(names))} (add ({a!r}, None) to replicate it)")
+  return nn.logical_to_mesh_axes(logical_spec, rules)
+
+
 def logical_to_sharding(logical_spec: P, shape: Sequence[int], mesh: Mesh, rules,
                         name: str = "") -> NamedSharding:
-  """One array's NamedSharding; dimensions the mesh does not divide are replicated (logged)."""
-  mesh_spec = nn.logical_to_mesh_axes(logical_spec, rules)
+  """One array's NamedSharding; dimensions the mesh does not divide are replicated (logged).
+
+  Raises ValueError when a logical axis of ``logical_spec`` has no rule.
+  """
+  mesh_spec = _mesh_spec(logical_spec, rules, name or "array")
   entries = list(mesh_spec) + [None] * (len(shape) - len(mesh_spec))
   for i, (dim, entry) in enumerate(zip(shape, entries)):
     size = _axis_size(mesh, entry)
@@ -132,8 +164,42 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def batch_sharding(mesh: Mesh, rules=DEFAULT_RULES, ndim: int = 2) -> NamedSharding:
   """Shards the leading (batch) dim over the mesh axes the rules give ``batch``."""
-  spec = nn.logical_to_mesh_axes(("batch",) + (None,) * (ndim - 1), validate_rules(rules))
+  spec = _mesh_spec(("batch",) + (None,) * (ndim - 1), validate_rules(rules), "batch")
   return NamedSharding(mesh, spec)
+
+
+def batch_shards(mesh: Mesh, rules=DEFAULT_RULES) -> int:
+  """How many ways the mesh splits a batch: the product of the axes ``batch`` maps to."""
+  return _axis_size(mesh, batch_sharding(mesh, rules, 1).spec[0])
+
+
+def check_batch_divisible(batch_size: int, mesh: Mesh, rules=DEFAULT_RULES, *,
+                          field: str = "batch_size") -> int:
+  """Raises unless ``batch_size`` rows split evenly over the mesh's batch shards.
+
+  Call it where the value enters (a job's start), so that a bad config fails
+  before any work instead of at the first step or the first sampling call.
+
+  Args:
+    batch_size: the global batch (rows per step, or prompts per sampler call).
+    mesh, rules: the mesh and logical rules the batch will be sharded with.
+    field: the config field that set ``batch_size``, for the message
+      (e.g. ``"config.train.batch_size"``).
+
+  Returns:
+    The number of batch shards.
+
+  Raises:
+    ValueError: naming ``field``, its value, the shard count and the mesh.
+  """
+  if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+    raise ValueError(f"{field}={batch_size!r} must be a positive int")
+  shards = batch_shards(mesh, rules)
+  if batch_size % shards:
+    raise ValueError(f"{field}={batch_size} is not divisible by the {shards} batch shards of "
+                     f"mesh {dict(mesh.shape)} (rule 'batch' -> "
+                     f"{dict(validate_rules(rules))['batch']!r}); use a multiple of {shards}")
+  return shards
 
 
 def check_sharded(tree, *, min_size: int = 2 ** 14, what: str = "params") -> list[str]:

@@ -39,6 +39,7 @@ import numpy as np
 
 from opd import tasks as tasks_lib
 from opd.models import ModelConfig
+from opd.parallel import sharding as shd
 from opd.rollout.sampler import SamplingConfig, generate
 from opd.tasks import AgentRewardConfig, AgentTask, Example, Reward, RewardStats, Task
 from opd.text.tokenizers import END, EOS
@@ -89,8 +90,10 @@ def sample(model_cfg: ModelConfig, params, tokenizer, prompts: Sequence[np.ndarr
   """Samples one completion per prompt (lists of ids of any lengths).
 
   Prompts are left-padded to a multiple of ``prompt_bucket`` and the batch
-  is padded to ``batch_size`` rows (default ``len(prompts)``) by repeating
-  the first prompt, so repeated calls reuse one compiled sampler.
+  is padded to ``batch_size`` rows by repeating the first prompt, so repeated
+  calls reuse one compiled sampler. ``batch_size`` defaults to
+  ``len(prompts)`` rounded up to a multiple of the mesh's batch shards; an
+  explicit one must be such a multiple (ValueError naming it otherwise).
   """
   if not prompts:
     return []
@@ -101,7 +104,14 @@ def sample(model_cfg: ModelConfig, params, tokenizer, prompts: Sequence[np.ndarr
         "decode; use vocab_size equal to the tokenizer's")
   if prompt_bucket < 1:
     raise ValueError(f"prompt_bucket must be >= 1, got {prompt_bucket!r}")
-  B = batch_size or len(prompts)
+  if mesh is None:
+    B = batch_size or len(prompts)
+  elif batch_size:
+    B = batch_size
+    shd.check_batch_divisible(B, mesh, rules or shd.DEFAULT_RULES, field="batch_size")
+  else:
+    shards = shd.batch_shards(mesh, rules or shd.DEFAULT_RULES)
+    B = shards * math.ceil(len(prompts) / shards)
   if len(prompts) > B:
     raise ValueError(f"got {len(prompts)} prompts for batch_size={B}")
   longest = max(len(p) for p in prompts)

@@ -151,3 +151,23 @@ def test_rollout_rejects_bad_chunking_and_double_agent_config():
     rl.rollout(CFG, None, TOK, AGENT, 0, sampling, agent_config=AgentRewardConfig(),
                task_kwargs={"agent": {"config": AgentRewardConfig()}})
 
+
+
+def test_sample_pads_the_batch_to_the_mesh_batch_shards(params):
+  """Three prompts on an 8-way batch mesh (the default ``pretrain.py:tiny``'s
+  ``sample_text`` with four prompts on 8 devices): the batch is padded to 8
+  rows instead of dying in the sampler, and the completions equal the
+  unsharded ones (data parallelism only: each row's arithmetic is unchanged)."""
+  from opd.parallel import sharding
+  examples = get_task("math").examples("test", 3, seed=0)
+  prompts = [rl.prompt_ids(TOK, e) for e in examples]
+  sampling = rl.sampling_for_chat(TOK, max_new_tokens=6, temperature=0.0)
+  mesh = sharding.make_mesh((8, 1, 1))
+  sharded = rl.sample(CFG, params, TOK, prompts, 0, sampling, mesh=mesh)
+  single = rl.sample(CFG, params, TOK, prompts, 0, sampling)
+  assert len(sharded) == len(single) == 3
+  for a, b in zip(sharded, single):
+    np.testing.assert_array_equal(a.ids, b.ids)
+    assert a.text == b.text
+  with pytest.raises(ValueError, match=r"batch_size=6 is not divisible by the 8 batch shards"):
+    rl.sample(CFG, params, TOK, prompts, 0, sampling, mesh=mesh, batch_size=6)
