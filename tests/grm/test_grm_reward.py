@@ -136,3 +136,25 @@ def test_bt_reward_is_sigmoid_of_the_scalar_head_at_the_last_token():
   # 2 layers, ~sqrt(64)·eps·|r| ≈ 1e-6 (1 + |r|); sigmoid' <= 1/4. 10x margin.
   np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * (1 + np.abs(raw)).max())
   assert len(set(np.round(got, 6))) == 3  # distinct inputs, distinct rewards
+
+
+def test_each_grm_reward_call_samples_with_a_fresh_seed(monkeypatch):
+  """Call c uses seed ``seed + c`` (GRMReward's docstring): the same episodes
+  judged twice get two different sampler seeds, so a GRPO run does not
+  replay the same shuffles and draws every step."""
+  seeds = []
+
+  def sample(model_cfg, params, tokenizer, prompts, rng, sampling, **kwargs):
+    seeds.append(rng)
+    body = format_judgement(["Be short."], "Fine.", [5])
+    return [Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), True, body)
+            for _ in prompts]
+
+  monkeypatch.setattr(judge_lib, "sample", sample)
+  reward = GRMReward(None, None, TOK, sampling=sampling_for_chat(TOK, max_new_tokens=8), k=2,
+                     seed=7)
+  eps = [_Ep("Write a haiku.", "leaves fall softly"), _Ep("Write a poem.", "roses")]
+  first, second = reward(eps), reward(eps)
+  assert seeds == [7, 8]
+  # The voted rewards are what the stub wrote: (5 - 1) / 9 on every episode, both calls.
+  assert [r.reward for r in first + second] == [4 / 9] * 4
