@@ -1,5 +1,6 @@
 """grm.gencluster in the sandbox: problems, generated inputs and the filter, hidden
 tests, and a run mixing hostile candidates with good ones (docs/DESIGN.md §7)."""
+import itertools
 import pathlib
 import random
 import shutil
@@ -73,6 +74,34 @@ def test_build_inputs_model_generator_fallback_and_75_percent_filter(sandbox, pr
   capped = inputs.build_inputs(sandbox, problem, sub, gens, vals, per_generator=8, n_probe=6,
                                seed=0, max_inputs=3)
   assert capped.kept == got.kept[:3] and capped.removed == 4  # the cap removes nothing
+
+
+def test_a_validator_accepting_exactly_half_of_the_probe_is_used(sandbox, problem):
+  """The usability rule is "at least half" of the probe accepted: exactly half is
+  usable, one input fewer is not (the rule-based validator replaces it)."""
+  sub = problem.subtasks[0]
+  n_probe = 6
+  probe = problems.fallback_inputs(sub, n_probe, (0, "probe"))  # what build_inputs probes with
+  values = sorted({a[0] for a in probe})
+
+  def accepting(count):
+    """Some set of probe values accepted on exactly ``count`` of the probe inputs."""
+    for r in range(len(values) + 1):
+      for chosen in itertools.combinations(values, r):
+        if sum(a[0] in chosen for a in probe) == count:
+          return chosen
+    raise AssertionError(f"no set of {values} covers exactly {count} of {probe}")
+
+  half, below = accepting(n_probe // 2), accepting(n_probe // 2 - 1)
+  vals = [f"def f(x): return x in {half!r}", f"def f(x): return x in {below!r}"]
+  got = inputs.build_inputs(sandbox, problem, sub, ["no code"], vals, per_generator=8,
+                            n_probe=n_probe, seed=0, max_inputs=100)
+  assert got.validator_sources == ["model", "fallback"]
+  # Two validators: 75% is both. The rule accepts every fallback input (all in range), so the
+  # kept inputs are exactly those the half validator accepts: it is really used.
+  assert all(problems.rule_accepts(sub, a) for a in got.inputs)
+  assert got.kept == [a for a in got.inputs if a[0] in half]
+  assert 0 < len(got.kept) < len(got.inputs)
 
 
 def test_hidden_passes_per_subtask_and_reference_check(sandbox, problem):
