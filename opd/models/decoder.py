@@ -373,21 +373,77 @@ def head_matrix(cfg: ModelConfig, params) -> Array:
   return params["lm_head"]
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("return_logits", "return_hidden"))
-def forward(cfg: ModelConfig, params, tokens, positions=None, mask=None, cache=None, *,
-            segment_ids=None, return_logits=True, return_hidden=False) -> DecoderOutput:
-  """``Decoder(cfg).apply`` with the params dict; the usual entry point.
+@jax.jit
+def _id_range(ids: Array) -> tuple[Array, Array]:
+  return jnp.min(ids), jnp.max(ids)
 
-  Jitted with ``cfg`` static (one compile per config and shape); calling it
-  inside another jitted function simply inlines it.
+
+def check_token_ids(ids, vocab_size: int, name: str = "tokens") -> None:
+  """Raises ValueError unless concrete ``ids`` are integers in ``[0, vocab_size)``.
+
+  Every position counts, padding included: an embedding row of NaN at a pad
+  key still reaches the real queries through ``0 * NaN`` in attention.
+
+  Inside ``jit`` the ids are tracers and are not checked (checking them would
+  cost a device round trip per step): there an id >= V reads a NaN embedding
+  row or logit (``jnp.take``'s fill mode) and a negative id wraps around to
+  another token. The contract is that ids are checked where they enter from
+  the host: ``forward`` and ``token_logprobs`` on concrete arrays (this
+  function), the sampler's prompts (``opd.rollout.sampler.generate``) and the
+  data pipeline (``opd.training.data.lm_dataset(vocab_size=...)``).
+
+  Args:
+    ids: token ids of any shape (numpy, list or a concrete ``jax.Array``;
+      a tracer is let through).
+    vocab_size: V.
+    name: the argument's name, for the message.
   """
+  if isinstance(ids, jax.core.Tracer):
+    return
+  if not isinstance(ids, jax.Array):
+    ids = np.asarray(ids)
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+  if ids.size == 0:
+    return
+  if isinstance(ids, jax.Array):
+    lo, hi = (int(v) for v in jax.device_get(_id_range(ids)))  # one small fused reduction
+  else:
+    lo, hi = int(ids.min()), int(ids.max())
+  if lo < 0 or hi >= vocab_size:
+    raise ValueError(f"{name} ids must lie in [0, vocab_size={vocab_size}); got "
+                     f"{'max ' + str(hi) if hi >= vocab_size else 'min ' + str(lo)} "
+                     f"(min {lo}, max {hi}, shape {tuple(ids.shape)})")
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("return_logits", "return_hidden"))
+def _forward_jit(cfg: ModelConfig, params, tokens, positions=None, mask=None, cache=None, *,
+                 segment_ids=None, return_logits=True, return_hidden=False) -> DecoderOutput:
   return Decoder(cfg).apply({"params": params}, tokens, positions, mask, cache,
                             segment_ids=segment_ids, return_logits=return_logits,
                             return_hidden=return_hidden)
 
 
+def forward(cfg: ModelConfig, params, tokens, positions=None, mask=None, cache=None, *,
+            segment_ids=None, return_logits=True, return_hidden=False) -> DecoderOutput:
+  """``Decoder(cfg).apply`` with the params dict; the usual entry point.
+
+  Jitted with ``cfg`` static (one compile per config and shape); calling it
+  inside another jitted function simply inlines it. Concrete ``tokens`` are
+  checked first (``check_token_ids``: ValueError naming the offending id and
+  V); traced ones are the caller's contract, as documented there.
+  """
+  check_token_ids(tokens, cfg.vocab_size, "tokens")
+  return _forward_jit(cfg, params, tokens, positions, mask, cache, segment_ids=segment_ids,
+                      return_logits=return_logits, return_hidden=return_hidden)
+
+
 def token_logprobs(logits: Array, targets: Array, temperature: float = 1.0) -> Array:
-  """``log softmax(logits / temperature)[targets]``: [B, T, V], [B, T] -> [B, T] fp32."""
+  """``log softmax(logits / temperature)[targets]``: [B, T, V], [B, T] -> [B, T] fp32.
+
+  Concrete ``targets`` outside ``[0, V)`` raise (``check_token_ids``).
+  """
+  check_token_ids(targets, logits.shape[-1], "targets")
   logits = logits.astype(jnp.float32) / temperature
   lse = jax.nn.logsumexp(logits, axis=-1)
   picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]

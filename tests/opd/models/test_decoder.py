@@ -318,3 +318,45 @@ def test_bf16_compute_matches_numpy_reference(ref_case):
   # on these params (dropping the MLP changes them by ~3x their RMS), far
   # above 6 sigma ~ 0.1 RMS.
   assert 6 * sigma < 0.2 * _rms(want)
+
+
+# ---------------------------------------------------------------------------
+# Token ids at the boundary. Before: an id >= V read jnp.take's NaN fill row
+# (NaN logits everywhere, through attention even from a pad position) and a
+# negative id wrapped to another token, without an error.
+
+
+@pytest.mark.parametrize("bad,needle", [
+    (CFG.vocab_size, f"max {CFG.vocab_size}"), (CFG.vocab_size + 40, f"max {CFG.vocab_size + 40}"),
+    (-1, "min -1")])
+@pytest.mark.parametrize("as_jax", [False, True], ids=["numpy", "jax"])
+def test_forward_refuses_out_of_range_token_ids(params, bad, needle, as_jax):
+  toks = np.stack([_seq(6, 11), _seq(6, 12)]).astype(np.int32)
+  mask = np.ones_like(toks, bool)
+  mask[1, -2:] = False
+  toks[1, -1] = bad  # at a pad position: it would still poison row 1 through 0 * NaN
+  toks = jnp.asarray(toks) if as_jax else toks
+  with pytest.raises(ValueError, match=rf"tokens ids must lie in \[0, vocab_size={CFG.vocab_size}\)"
+                                       rf"; got {needle}"):
+    forward(CFG, params, toks, mask=mask)
+
+
+def test_forward_refuses_non_integer_tokens(params):
+  with pytest.raises(ValueError, match="tokens must hold integer token ids, got dtype float32"):
+    forward(CFG, params, np.zeros((1, 3), np.float32))
+
+
+def test_token_logprobs_refuses_out_of_range_targets():
+  logits = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 7)), jnp.float32)
+  ok = np.array([[0, 6, 3], [1, 2, 5]])
+  assert np.isfinite(np.asarray(token_logprobs(logits, ok))).all()
+  with pytest.raises(ValueError, match=r"targets ids must lie in \[0, vocab_size=7\); got max 7"):
+    token_logprobs(logits, np.where(ok == 6, 7, ok))
+
+
+def test_traced_token_ids_are_the_callers_contract(params):
+  # Inside jit the check does not run (no per-step device round trip); valid
+  # ids give the same logits as the checked entry.
+  toks = jnp.asarray(np.stack([_seq(5, 13)]).astype(np.int32))
+  jitted = jax.jit(lambda t: forward(CFG, params, t).logits)(toks)
+  np.testing.assert_array_equal(np.asarray(jitted), np.asarray(forward(CFG, params, toks).logits))
