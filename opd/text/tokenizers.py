@@ -192,8 +192,14 @@ def _special_tokens_from_config(file: str) -> dict[str, str]:
   """``{"bos"|"eos"|"pad": token}`` from a HF ``tokenizer_config.json`` (if any)."""
   if not os.path.isfile(file):
     return {}
-  with open(file) as f:
-    config = json.load(f)
+  try:
+    with open(file, encoding="utf-8") as f:
+      config = json.load(f)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"cannot read tokenizer config {file!r}: {e}") from e
+  if not isinstance(config, dict):
+    raise ValueError(f"tokenizer config {file!r} must hold a JSON object, got a "
+                     f"{type(config).__name__}")
   out = {}
   for kind in ("bos", "eos", "pad"):
     token = config.get(f"{kind}_token")
@@ -236,7 +242,11 @@ class HFTokenizer(_TokenizerBase):
       path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
       raise ValueError(f"tokenizer file {path!r} does not exist")
-    self._tok = Tokenizer.from_file(path)
+    try:
+      self._tok = Tokenizer.from_file(path)
+    except Exception as e:  # `tokenizers` raises a bare Exception naming no file
+      raise ValueError(f"cannot read tokenizer file {path!r}: {e} (truncated or not a "
+                       "tokenizers tokenizer.json?)") from e
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     self.bos_id = self._find("bos", bos_token)
     self.eos_id = self._find("eos", eos_token)

@@ -192,3 +192,31 @@ def test_hf_tokenizer_partial_bytes_and_errors(hf_tok, tmp_path):
   with pytest.raises(ValueError, match="vocab_size=.* exceeds the model's vocab_size=300"):
     check_vocab(wrapped, ModelConfig(vocab_size=300, d_model=16, n_heads=2, n_kv_heads=1,
                                      d_ff=32))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "not_a_tokenizer"])
+def test_damaged_tokenizer_json_names_the_file(hf_tok, tmp_path, damage):
+  # Before: `tokenizers` raised a bare Exception ("expected `,` ... at line 1
+  # column ...") that named no file.
+  _, lib = hf_tok
+  path = tmp_path / "tokenizer.json"
+  lib.save(str(path))
+  text = path.read_text()
+  path.write_text({"truncated": text[:len(text) // 2], "garbage": "\x00\x01 not json",
+                   "not_a_tokenizer": json.dumps({"version": "1.0"})}[damage])
+  for where in (path, tmp_path):  # the file itself, or the model directory holding it
+    with pytest.raises(ValueError, match=f"cannot read tokenizer file '{path}'"):
+      HFTokenizer(str(where))
+
+
+@pytest.mark.parametrize("content,needle", [
+    ('{"eos_token": "<|end|>"', "cannot read tokenizer config"),
+    ('["<|end|>"]', "must hold a JSON object, got a list")])
+def test_damaged_tokenizer_config_names_the_file(hf_tok, tmp_path, content, needle):
+  # Before: a bare JSONDecodeError without the path, or AttributeError on a list.
+  _, lib = hf_tok
+  lib.save(str(tmp_path / "tokenizer.json"))
+  (tmp_path / "tokenizer_config.json").write_text(content)
+  with pytest.raises(ValueError, match=needle) as e:
+    HFTokenizer(str(tmp_path))
+  assert f"'{tmp_path / 'tokenizer_config.json'}'" in str(e.value)
