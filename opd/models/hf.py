@@ -209,6 +209,27 @@ def _layer_hint(cfg: ModelConfig, names, missing, unexpected) -> str:
 # Files.
 
 
+def _safe_open(file: str):
+  """``safe_open`` whose failure (truncated, garbage, unreadable) names the file."""
+  try:
+    return safe_open(file, framework="np")
+  except Exception as e:  # safetensors raises its own SafetensorError (an Exception) or OSError
+    raise ValueError(f"cannot read safetensors file {file!r}: {e} (truncated or not a "
+                     "safetensors file?)") from e
+
+
+def _read_json_object(file: str, what: str) -> dict[str, Any]:
+  """A JSON file whose top level must be an object; any failure names the file."""
+  try:
+    with open(file, encoding="utf-8") as f:
+      value = json.load(f)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"cannot read {what} {file!r}: {e}") from e
+  if not isinstance(value, dict):
+    raise ValueError(f"{what} {file!r} must hold a JSON object, got a {type(value).__name__}")
+  return value
+
+
 class _Checkpoint:
   """Lazy ``{name: np.ndarray}`` view over one or several safetensors files."""
 
@@ -218,7 +239,7 @@ class _Checkpoint:
 
   def _handle(self, path):
     if path not in self._handles:
-      self._handles[path] = safe_open(path, framework="np")
+      self._handles[path] = _safe_open(path)
     return self._handles[path]
 
   def keys(self):
@@ -233,14 +254,19 @@ class _Checkpoint:
     return tuple(self._handle(self._file_of[name]).get_slice(name).get_shape())
 
   def __getitem__(self, name):
-    return self._handle(self._file_of[name]).get_tensor(name)
+    file = self._file_of[name]
+    try:
+      return self._handle(file).get_tensor(name)
+    except ValueError:
+      raise
+    except Exception as e:  # a file damaged after its header was read
+      raise ValueError(f"cannot read tensor {name} from {file!r}: {e}") from e
 
 
 def _open_checkpoint(path: str) -> _Checkpoint:
   single, index = os.path.join(path, _SINGLE_FILE), os.path.join(path, _INDEX_FILE)
   if os.path.exists(index):
-    with open(index) as f:
-      weight_map = json.load(f).get("weight_map")
+    weight_map = _read_json_object(index, "safetensors index").get("weight_map")
     if not isinstance(weight_map, Mapping):
       raise ValueError(f"{index} has no 'weight_map' dict")
     files = {name: os.path.join(path, file) for name, file in weight_map.items()}
@@ -253,19 +279,21 @@ def _open_checkpoint(path: str) -> _Checkpoint:
         raise ValueError(f"{index} maps {name} to {file}, which does not contain it")
     return ckpt
   if os.path.exists(single):
-    with safe_open(single, framework="np") as f:
+    with _safe_open(single) as f:
       names = list(f.keys())
     return _Checkpoint({n: single for n in names})
   raise ValueError(f"no {_SINGLE_FILE} or {_INDEX_FILE} in {path!r}")
 
 
 def read_hf_config(path: str) -> dict[str, Any]:
-  """The parsed ``config.json`` of a checkpoint directory."""
+  """The parsed ``config.json`` of a checkpoint directory.
+
+  Raises ValueError naming the file when it is missing, not JSON or not an object.
+  """
   file = os.path.join(path, "config.json")
   if not os.path.exists(file):
     raise ValueError(f"no config.json in {path!r}")
-  with open(file) as f:
-    return json.load(f)
+  return _read_json_object(file, "HF config")
 
 
 def load_hf(path: str, *, dtype: str = "float32", compute_dtype: str | None = None,
@@ -285,7 +313,10 @@ def load_hf(path: str, *, dtype: str = "float32", compute_dtype: str | None = No
     ``(cfg, params)``: a ``ModelConfig`` and our nested param dict.
   """
   hf = read_hf_config(path)
-  cfg = config_from_hf(hf, dtype=compute_dtype or dtype, param_dtype=dtype)
+  try:
+    cfg = config_from_hf(hf, dtype=compute_dtype or dtype, param_dtype=dtype)
+  except ValueError as e:
+    raise ValueError(f"{os.path.join(path, 'config.json')}: {e}") from e
   ckpt = _open_checkpoint(path)
   if config is not None:
     check_config_matches(config, cfg, path)
@@ -315,13 +346,52 @@ def parse_size(size: int | str) -> int:
   return value
 
 
+# Files only an Orbax checkpoint (a step directory or one of its items) holds.
+_ORBAX_MARKERS = frozenset({"_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt",
+                            "commit_success.txt"})
+
+
+def _orbax_marker(path: str, depth: int = 3) -> str | None:
+  """A file showing that ``path`` (or a folder up to ``depth`` levels below) is Orbax's."""
+  top = path.rstrip(os.sep).count(os.sep)
+  for root, dirs, files in os.walk(path):
+    hit = sorted(_ORBAX_MARKERS.intersection(files))
+    if hit:
+      return os.path.join(root, hit[0])
+    if root.count(os.sep) - top >= depth - 1:
+      dirs[:] = []
+  return None
+
+
+def _check_output_dir(path: str, overwrite: bool) -> None:
+  """Refuses a ``save_hf`` target that holds anything but (with ``overwrite``) an HF export."""
+  if not os.path.exists(path):
+    return
+  if not os.path.isdir(path):
+    raise ValueError(f"save_hf path {path!r} exists and is not a directory")
+  entries = sorted(os.listdir(path))
+  if not entries:
+    return
+  marker = _orbax_marker(path)
+  if marker is not None:
+    raise ValueError(f"save_hf path {path!r} holds an Orbax checkpoint ({marker}); an HF export "
+                     "never goes into a checkpoint directory, even with overwrite=True: choose "
+                     "another path")
+  if not overwrite:
+    shown = ", ".join(entries[:8]) + (f", ... ({len(entries)} entries)" if len(entries) > 8 else "")
+    raise ValueError(f"save_hf path {path!r} is not empty (it holds {shown}); pass "
+                     "overwrite=True to replace the HF export there, or choose an empty directory")
+
+
 def save_hf(path: str, cfg: ModelConfig, params, *, arch: str | None = None,
             max_shard_size: int | str = "5GB", dtype: str | None = None,
-            hf_overrides: Mapping[str, Any] | None = None) -> list[str]:
+            hf_overrides: Mapping[str, Any] | None = None, overwrite: bool = False) -> list[str]:
   """Writes ``params`` as a HF checkpoint directory ``transformers`` can load.
 
   Args:
-    path: output directory (created).
+    path: output directory (created). It must be absent or empty unless
+      ``overwrite``; a directory holding an Orbax checkpoint is always
+      refused (ValueError naming the path and what it holds).
     cfg, params: the model.
     arch: "llama", "qwen2" or "qwen3"; ``None`` → ``infer_arch(cfg)``.
     max_shard_size: bytes per file (int or "5GB"-style string). One file
@@ -330,10 +400,13 @@ def save_hf(path: str, cfg: ModelConfig, params, *, arch: str | None = None,
       gets a file of its own.
     dtype: tensor dtype on disk; defaults to ``cfg.param_dtype``.
     hf_overrides: extra ``config.json`` fields (e.g. ``eos_token_id``).
+    overwrite: write into a non-empty directory, replacing an earlier
+      export's ``config.json`` and weight files (other files are kept).
 
   Returns:
     The paths of the written weight files.
   """
+  _check_output_dir(path, overwrite)
   limit = parse_size(max_shard_size)
   dtype = dtype or cfg.param_dtype
   hf = config_to_hf(cfg, arch, **{**(hf_overrides or {}), "dtype": dtype})  # on-disk dtype

@@ -85,8 +85,11 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32",
 
   Raises:
     ValueError: naming the HF field and value for anything the decoder does
-      not implement, or a missing required field.
+      not implement, a missing required field, or ``hf`` not a JSON object.
   """
+  if not isinstance(hf, Mapping):
+    raise ValueError(f"HF config must be a JSON object (field: value), got a "
+                     f"{type(hf).__name__}: {str(hf)[:80]}")
   arch = _arch_of(hf)
   for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                "intermediate_size"):

@@ -329,3 +329,104 @@ def test_bad_paths_and_sizes(tmp_path):
   for bad in ("5 parsecs", -1, 0, 1.5):
     with pytest.raises(ValueError, match="max_shard_size"):
       hfio.parse_size(bad)
+
+
+# ---------------------------------------------------------------------------
+# Damaged files and the export's target directory (bad input at the boundary).
+
+
+def _tree_bytes(root):
+  """{relative path: bytes} of every file under ``root``."""
+  return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("[1, 2, 3]", "must hold a JSON object, got a list"),
+    ('"llama"', "must hold a JSON object, got a str"),
+    ('{"model_type": "llama", "vocab_size": 32', "cannot read HF config"),
+    ("\udcff\udcfe", "cannot read HF config")])
+def test_config_json_not_an_object_names_the_file(saved_llama, content, needle):
+  # Before: AttributeError ('list' object has no attribute 'get') or a bare
+  # JSONDecodeError / UnicodeDecodeError, naming no file.
+  path, _ = saved_llama
+  (path / "config.json").write_bytes(content.encode("utf-8", "surrogateescape"))
+  with pytest.raises(ValueError, match=needle) as e:
+    hfio.load_hf(str(path))
+  assert f"'{path / 'config.json'}'" in str(e.value)
+  with pytest.raises(ValueError, match="HF config must be a JSON object"):
+    hfio.config_from_hf([1, 2, 3])
+
+
+def test_config_field_errors_name_the_file(saved_llama):
+  path, _ = saved_llama
+  hf = json.loads((path / "config.json").read_text())
+  (path / "config.json").write_text(json.dumps({**hf, "hidden_act": "gelu"}))
+  with pytest.raises(ValueError, match=f"^{path / 'config.json'}: HF config hidden_act='gelu'"):
+    hfio.load_hf(str(path))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "header_only"])
+def test_damaged_safetensors_names_the_file(saved_llama, damage):
+  # Before: safetensors' SafetensorError ("Error while deserializing header:
+  # ..."), not a ValueError and naming no file.
+  path, _ = saved_llama
+  file = path / "model.safetensors"
+  data = file.read_bytes()
+  file.write_bytes({"truncated": data[:len(data) // 2], "garbage": b"not a safetensors file",
+                    "header_only": data[:20]}[damage])
+  with pytest.raises(ValueError, match=f"cannot read safetensors file '{file}'"):
+    hfio.load_hf(str(path))
+
+
+def test_damaged_shard_and_index_name_the_file(tmp_path):
+  cfg = OUR_CASES["llama"]
+  hfio.save_hf(str(tmp_path), cfg, _random_ours(cfg, seed=0), max_shard_size="40KB")
+  index = tmp_path / "model.safetensors.index.json"
+  shard = sorted(tmp_path.glob("model-*.safetensors"))[-1]
+  data = shard.read_bytes()
+  shard.write_bytes(data[:-100])  # the last shard lost its tail
+  with pytest.raises(ValueError, match=f"cannot read safetensors file '{shard}'"):
+    hfio.load_hf(str(tmp_path))
+  shard.write_bytes(data)
+  text = index.read_text()
+  index.write_text(text[:len(text) // 2])
+  with pytest.raises(ValueError, match=f"cannot read safetensors index '{index}'"):
+    hfio.load_hf(str(tmp_path))
+  index.write_text("[]")
+  with pytest.raises(ValueError, match=f"safetensors index '{index}' must hold a JSON object"):
+    hfio.load_hf(str(tmp_path))
+  index.write_text(text)
+  assert hfio.load_hf(str(tmp_path))[0] == cfg  # repaired: loads again
+
+
+def test_save_hf_refuses_a_non_empty_directory_unless_overwrite(saved_llama):
+  # Before: the earlier export's weights were deleted and replaced without a word.
+  path, cfg = saved_llama
+  (path / "README.md").write_text("my notes")
+  before = _tree_bytes(path)
+  new = _random_ours(cfg, seed=9)
+  with pytest.raises(ValueError, match=(f"save_hf path '{path}' is not empty \\(it holds README.md, "
+                                        "config.json, model.safetensors\\); pass overwrite=True")):
+    hfio.save_hf(str(path), cfg, new)
+  assert _tree_bytes(path) == before
+  hfio.save_hf(str(path), cfg, new, overwrite=True)
+  _, loaded = hfio.load_hf(str(path), config=cfg)
+  jax.tree.map(np.testing.assert_array_equal, loaded, new)
+  assert (path / "README.md").read_text() == "my notes"  # files that are not the export stay
+
+
+def test_save_hf_never_writes_into_an_orbax_checkpoint(tmp_path):
+  # Before: the export landed in (and mixed with) the checkpoint directory.
+  import orbax.checkpoint as ocp
+  cfg = OUR_CASES["qwen2"]
+  params = _random_ours(cfg, seed=0)
+  workdir = tmp_path / "run"
+  with ocp.CheckpointManager(workdir / "checkpoints") as mngr:
+    mngr.save(3, args=ocp.args.StandardSave({"w": np.arange(4.0)}))
+    mngr.wait_until_finished()
+  before = _tree_bytes(workdir)
+  for target in (workdir, workdir / "checkpoints", workdir / "checkpoints" / "3"):
+    for overwrite in (False, True):
+      with pytest.raises(ValueError, match=f"save_hf path '{target}' holds an Orbax checkpoint"):
+        hfio.save_hf(str(target), cfg, params, overwrite=overwrite)
+  assert _tree_bytes(workdir) == before
