@@ -50,8 +50,10 @@ def cluster(outputs: Sequence[Outputs | None], reasoning_lengths: Sequence[int]
     reasoning_lengths: per candidate, the length of its reasoning.
 
   Returns:
-    ``(clusters, counts)``: the kept clusters, largest first (ties: the one
-    whose first-listed member has the lower index), and counts
+    ``(clusters, counts)``: the kept clusters, largest first (size ties: the
+    one holding the lowest candidate index, i.e. the one whose first
+    candidate comes first in ``outputs``; the reasoning lengths order the
+    members inside a cluster only), and counts
     ``clusters_all``, ``clusters_dropped``, ``candidates_dropped`` (in dropped
     clusters), ``candidates_failed_run``.
   """

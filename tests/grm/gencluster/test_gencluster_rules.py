@@ -65,6 +65,18 @@ def test_cluster_order_ties_by_lowest_member():
   assert [c.members for c in kept] == [(0, 2), (1, 3)]
 
 
+def test_cluster_size_ties_go_by_lowest_candidate_index_not_by_the_first_listed_member():
+  # {0, 3} and {1, 2}, both of size 2. Reasoning lengths list 3 first in the first cluster
+  # (20 > 5) and 1 first in the second (9 > 4): ranking ties by the first-listed member
+  # (3 vs 1) would put {1, 2} first; the rule is the lowest candidate index (0 vs 1).
+  outs = [_ok(1), _ok(2), _ok(2), _ok(1)]
+  kept, _ = clustering.cluster(outs, [5, 9, 4, 20])
+  assert [c.members for c in kept] == [(3, 0), (1, 2)]
+  # The larger cluster still comes first whatever its indices.
+  kept, _ = clustering.cluster(outs + [_ok(2)], [5, 9, 4, 20, 0])
+  assert [c.members for c in kept] == [(1, 2, 4), (3, 0)]
+
+
 # --- tournament ---------------------------------------------------------------------------------
 
 def _always_a(texts, seed):
