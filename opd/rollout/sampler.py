@@ -22,7 +22,6 @@ distribution, ``log_softmax(logits / T)[token]`` (``T = 1`` for greedy); see
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import NamedTuple, Sequence
 
 import flax.linen as nn
@@ -364,7 +363,7 @@ def _check_inputs(model_cfg: ModelConfig, prompt_tokens, prompt_mask,
     raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
   spec = shd.batch_sharding(mesh, rules, 2).spec
   axes = () if spec[0] is None else (spec[0],) if isinstance(spec[0], str) else spec[0]
-  n = math.prod(mesh.shape[a] for a in axes)
+  n = shd.batch_shards(mesh, rules)
   if tok_shape[0] % n:
     raise ValueError(f"prompt_tokens batch B={tok_shape[0]} is not divisible by the "
                      f"{n} devices of mesh axes {axes} that shard 'batch'")
@@ -403,13 +402,17 @@ def generate(model_cfg: ModelConfig, params, prompt_tokens: Array, prompt_mask: 
   Args:
     model_cfg: the decoder's config.
     params: its parameters; may be placed with NamedShardings on ``mesh``.
-    prompt_tokens: ``[B, P]`` int token ids.
+    prompt_tokens: ``[B, P]`` int token ids; those at real positions must lie
+      in ``[0, V)``. Concrete prompts are checked (ValueError naming the
+      min/max id and V); a traced batch is the caller's contract
+      (``opd.models.check_token_ids``).
     prompt_mask: ``[B, P]`` bool, True for real tokens; every row needs one.
     rng: a ``jax.random.key`` (or an int seed).
     sampling: a ``SamplingConfig``.
     mesh: an ``opd.parallel.sharding.make_mesh`` mesh. When given, the prompts are
-      placed batch-sharded over the axes ``rules`` give ``batch`` and the
-      decoder's logical constraints apply.
+      placed batch-sharded over the axes ``rules`` give ``batch`` (B must be a
+      multiple of ``opd.parallel.sharding.batch_shards``; ``rollout.sample``
+      pads its batch to one) and the decoder's logical constraints apply.
     rules: logical→mesh rule table; defaults to ``opd.parallel.sharding.DEFAULT_RULES``
       when ``mesh`` is given.
 
