@@ -358,5 +358,7 @@ def test_traced_token_ids_are_the_callers_contract(params):
   # Inside jit the check does not run (no per-step device round trip); valid
   # ids give the same logits as the checked entry.
   toks = jnp.asarray(np.stack([_seq(5, 13)]).astype(np.int32))
-  jitted = jax.jit(lambda t: forward(CFG, params, t).logits)(toks)
-  np.testing.assert_array_equal(np.asarray(jitted), np.asarray(forward(CFG, params, toks).logits))
+  jitted = jax.jit(lambda p, t: forward(CFG, p, t).logits)(params, toks)
+  ref = forward(CFG, params, toks).logits
+  # Two compiled programs may round differently: the forward's float32 bound.
+  np.testing.assert_allclose(np.asarray(jitted), np.asarray(ref), atol=f32_atol(ref))
