@@ -6,12 +6,10 @@ from __future__ import annotations
 import json
 
 import jax
-import numpy as np
 
 from experiments import common
 from grm import training as training_lib
 from grm.data import PreferenceGroup
-from grm.format import user_prompt_ids
 from opd.models import init_params, to_model_config
 from opd.rollout.episodes import sampling_for_chat
 from opd.training.checkpoints import load_params
@@ -20,17 +18,14 @@ GRM_STAGES = ("cold_start", "rft", "rule_rl")
 GRM_BASE = "grm_base"  # the stage pre-training a GRM of its own width (config.grm_width)
 
 
-_Ctx = common.JobContext
-
-
-def _source_cfg(ctx: _Ctx):
+def source_cfg(ctx: common.JobContext):
   """The source models' architecture (``config.model``; the GRM's is ``ctx.model_cfg``)."""
   return to_model_config(ctx.config.model)
 
 
-def _source_models(ctx: _Ctx) -> dict:
+def source_models(ctx: common.JobContext) -> dict:
   c = ctx.config
-  cfg = _source_cfg(ctx)
+  cfg = source_cfg(ctx)
   if c.tiny_models:
     return {f"tiny{i}": init_params(cfg, jax.random.key(c.seed + i))
             for i in range(c.tiny_models)}
@@ -38,11 +33,11 @@ def _source_models(ctx: _Ctx) -> dict:
           for name, path in c.models.items()}
 
 
-def _base_params(ctx: _Ctx):
+def base_params(ctx: common.JobContext):
   """What the GRM, BT RM and pairwise judge start from: their own pre-trained base
   (stage ``grm_base``) when ``config.grm_width`` changes the architecture, else
   ``models.base`` (the tiny variant: its first random model)."""
-  if ctx.model_cfg != _source_cfg(ctx):
+  if ctx.model_cfg != source_cfg(ctx):
     return load_params(ctx.root / GRM_BASE / "checkpoints", ctx.model_cfg, mesh=ctx.mesh,
                        rules=ctx.rules)
   if ctx.config.tiny_models:
@@ -50,25 +45,28 @@ def _base_params(ctx: _Ctx):
   return load_params(ctx.config.models.base, ctx.model_cfg, mesh=ctx.mesh, rules=ctx.rules)
 
 
-def _load_groups(ctx: _Ctx) -> dict[str, list[PreferenceGroup]]:
+def load_groups(ctx: common.JobContext) -> dict[str, list[PreferenceGroup]]:
+  """The data stage's ``{"train": [...], "test": [...]}`` preference groups."""
   raw = json.loads((ctx.root / "data" / "groups.json").read_text())
   return {s: [PreferenceGroup(**{**g, "responses": tuple(g["responses"]),
                                  "ratings": tuple(g["ratings"]), "reasons": tuple(g["reasons"])})
               for g in gs] for s, gs in raw.items()}
 
 
-def _test_subsets(ctx: _Ctx) -> dict[str, list[PreferenceGroup]]:
+def load_test_subsets(ctx: common.JobContext) -> dict[str, list[PreferenceGroup]]:
+  """The test groups by benchmark subset (the data stage's ``subsets.json``)."""
   ids = json.loads((ctx.root / "data" / "subsets.json").read_text())
-  by_id = {g.example_id: g for g in _load_groups(ctx).get("test", [])}
+  by_id = {g.example_id: g for g in load_groups(ctx).get("test", [])}
   return {s: [by_id[i] for i in v] for s, v in ids.items()}
 
 
-def _params(ctx: _Ctx, stage: str, cfg=None):
+def stage_params(ctx: common.JobContext, stage: str, cfg=None):
+  """The final parameters of ``stage`` (``cfg``: its model config, default ``ctx.model_cfg``)."""
   return load_params(ctx.root / stage / "checkpoints", cfg or ctx.model_cfg, mesh=ctx.mesh,
                      rules=ctx.rules)
 
 
-def _sampler(ctx, params, max_new_tokens, temperature, cfg=None, progress=None):
+def grm_sampler(ctx, params, max_new_tokens, temperature, cfg=None, progress=None):
   """Batched GRM sampling with the benchmark's chunking (``progress``: a bar label)."""
   sampling = sampling_for_chat(ctx.tok, max_new_tokens=max_new_tokens, temperature=temperature)
   return training_lib.model_sampler(cfg or ctx.model_cfg, params, ctx.tok, sampling,
@@ -80,10 +78,6 @@ def _sampler(ctx, params, max_new_tokens, temperature, cfg=None, progress=None):
 SHARED = "shared"
 
 
-def _shared_cfg(ctx):
+def shared_cfg(ctx: common.JobContext):
+  """The shared backbone's model config: the GRM's with a value head."""
   return ctx.model_cfg.replace(scalar_head=True)
-
-
-def _response_ids(tok, query: str, response: str) -> np.ndarray:
-  """What the BT RM reads: the query's chat prompt, then the response."""
-  return np.concatenate([user_prompt_ids(tok, query), np.asarray(tok.encode(response), np.int32)])

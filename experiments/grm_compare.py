@@ -13,7 +13,7 @@ the equal-parameter comparison. Both runs must hold the same data stage
 (``data/groups.json`` byte-identical: copy it, the stage then reads as done).
 
 Each arm is benchmarked as the ``grm`` job's benchmark stage does it
-(``experiments.grm_benchmark._grm_results``: greedy, voting@k, meta-RM voting@k
+(``experiments.grm_benchmark.grm_results``: greedy, voting@k, meta-RM voting@k
 with k_meta = ceil(k / 2), the first k of ``max(ks)`` samples, each run's own
 ``config.benchmark`` sampling settings), on the same test groups. Writes
 ``results_<arm>_<run>_k<ks>.json`` (cached: a rerun resumes), ``compare.json`` (accuracy
@@ -79,15 +79,15 @@ def _cache_name(arm: str, run_dir: pathlib.Path, ks) -> str:
 
 
 def arm_results(arm: str, ctx, subsets) -> dict:
-  """``_grm_results`` of one arm: the shared backbone with its own value head, or
+  """``grm_results`` of one arm: the shared backbone with its own value head, or
   the rule-RL GRM with the separate meta-RM."""
-  from experiments.grm_benchmark import _grm_results  # noqa: PLC0415
-  from experiments.grm_common import SHARED, _params, _shared_cfg  # noqa: PLC0415
-  head_cfg = _shared_cfg(ctx)
+  from experiments.grm_benchmark import grm_results  # noqa: PLC0415
+  from experiments.grm_common import SHARED, stage_params, shared_cfg  # noqa: PLC0415
+  head_cfg = shared_cfg(ctx)
   if arm == "shared":
-    return _grm_results(ctx, SHARED, subsets, (head_cfg, _params(ctx, SHARED, head_cfg)),
+    return grm_results(ctx, SHARED, subsets, (head_cfg, stage_params(ctx, SHARED, head_cfg)),
                         cfg=head_cfg)
-  return _grm_results(ctx, "rule_rl", subsets, (head_cfg, _params(ctx, "meta_rm", head_cfg)))
+  return grm_results(ctx, "rule_rl", subsets, (head_cfg, stage_params(ctx, "meta_rm", head_cfg)))
 
 
 def param_counts(shared_ctx, separate_ctx) -> dict[str, int]:
@@ -164,7 +164,7 @@ def plot(table: dict, ks, counts: dict, path: pathlib.Path) -> None:
 def compare(shared_dir, separate_dir, out_dir, ks=(1, 2, 4, 8),
             bootstrap_samples: int = 1000) -> dict:
   """Benchmarks both arms (cached per arm in ``out_dir``) and writes the comparison."""
-  from experiments.grm_common import _test_subsets  # noqa: PLC0415
+  from experiments.grm_common import load_test_subsets  # noqa: PLC0415
   shared_dir, separate_dir, out = map(pathlib.Path, (shared_dir, separate_dir, out_dir))
   ks = tuple(sorted({int(k) for k in ks}))
   if not ks or ks[0] < 1:
@@ -175,7 +175,7 @@ def compare(shared_dir, separate_dir, out_dir, ks=(1, 2, 4, 8),
     raise ValueError(f"{shared_dir}/data and {separate_dir}/data hold different groups: both "
                      "arms must be scored on the same test set (copy one run's data stage)")
   ctxs = {"shared": _context(shared_dir, ks), "separate": _context(separate_dir, ks)}
-  subsets = _test_subsets(ctxs["shared"])
+  subsets = load_test_subsets(ctxs["shared"])
   out.mkdir(parents=True, exist_ok=True)
   parts = {arm: common.cached_json(out / _cache_name(arm, ctxs[arm].root, ks),
                                    lambda arm=arm: arm_results(arm, ctxs[arm], subsets))

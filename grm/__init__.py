@@ -13,13 +13,15 @@ random pick (``grm.voting.random_winners``). ``grm.data`` builds preference
 groups from the task suite and writes rule-based judgements for cold-start
 SFT; ``grm.training`` runs cold-start SFT, rejective fine-tuning and
 rule-based RL; ``grm.benchmark_set`` is the RewardBench-style test set and
-its accuracy. ``grm.reward`` makes the GRM and the BT RM GRPO rewards,
+its accuracy, ``grm.evaluation`` the benchmark's per-group correctness
+(voting@k, meta-RM voting, the pairwise round-robin). ``grm.reward`` makes
+the GRM and the BT RM GRPO rewards,
 ``grm.user_sim`` the agent's GRM and user-simulator reward layers, and
 ``grm.shared`` the shared-backbone GRM + meta-RM joint loss. The package sits above ``opd``
 and below ``experiments`` (docs/DESIGN.md §1).
 """
-from grm import (benchmark_set, correctness, data, format, judge, meta_rm, pairwise, parse,
-                 reward, scalar_rm, shared, training, user_sim, voting)
+from grm import (benchmark_set, correctness, data, evaluation, format, judge, meta_rm, pairwise,
+                 parse, reward, scalar_rm, shared, training, user_sim, voting)
 from grm.correctness import best_index, check_ratings, is_correct, rule_reward
 from grm.data import (PRINCIPLES, Candidate, PreferenceGroup, build_groups, rating_from_reward,
                       rule_judgement, sample_candidates, split_groups)

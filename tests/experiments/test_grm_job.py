@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from experiments import grm as grm_job
-from experiments.grm_benchmark import MULTI
+from experiments.grm_benchmark import MULTI, stage_ks
 from experiments.configs import grm as grm_config
 from grm import pairwise as pairwise_lib
 from grm.benchmark_set import OVERALL, SUBSETS
@@ -71,10 +71,10 @@ def test_benchmark_is_on_test_groups_only_and_consistent_with_invalid_rates(run)
   assert bench["sizes"][OVERALL]["groups"] == len(test_ids)
   config = grm_config.get_config("tiny")
   # tiny: ks (1, 2), but cold start votes only at k = 1 (benchmark.ks_by_stage).
-  assert grm_job._stage_ks(config, "cold_start") == (1,)
+  assert stage_ks(config, "cold_start") == (1,)
   assert "cold_start/vote@2" not in bench["accuracy"]
   for stage in grm_job.GRM_STAGES + (grm_job.SHARED,):
-    for k in grm_job._stage_ks(config, stage):
+    for k in stage_ks(config, stage):
       for kind in ("vote", "meta"):
         row = bench["accuracy"][f"{stage}/{kind}@{k}"]
         assert 0.0 <= row[OVERALL]["value"] <= 100.0
