@@ -8,7 +8,7 @@ checkpoint directory, or "" for a random init).
 * ``cold_start``: each teacher answers its domain's train prompts; only
   verified answers (reward >= ``config.cold_start.min_reward``) are kept
   (``opd.distill.cold_start``) and the student is fine-tuned on them with the
-  SFT objective (``experiments.sft.sft_batches`` + ``train_lm``).
+  SFT objective (``opd.training.sft.sft_batches`` + ``train_lm``).
 * ``opd``: ``opd.distill.train_opd`` on the teachers' domains' train prompts,
   with the reverse KL of each teacher on held-out test prompts as the eval
   (``eval/rkl/<teacher>``, also before the first step); curves of the
@@ -27,16 +27,17 @@ import jax
 import numpy as np
 
 from experiments import common
-from experiments import sft as sft_job
 from opd.config.fields import from_group
 from opd.config.overrides import config_to_dict
 from opd.distill import OPDConfig, Teacher, TeacherPool, make_heldout_eval, train_opd
 from opd.distill.cold_start import teacher_sft_pairs
 from opd.models import init_params, to_model_config
 from opd.parallel import distributed
+from opd.tasks import domain_examples
 from opd.training import lm_trainer
 from opd.training.checkpoints import CheckpointManager, load_params
 from opd.training.metrics_writer import MetricWriter
+from opd.training.sft import SFTData, sft_batches, train_sft
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +49,13 @@ def _build_teacher(config, name: str, group, root: pathlib.Path, mesh, rules) ->
   if not ckpt.is_dir() or CheckpointManager(ckpt).latest_step() is None:
     steps = config.build_teachers.sft_steps
     print(f"[distill] building teacher {name} ({group.domain}): {steps} SFT steps", flush=True)
-    sft_job.train_sft(
-        to_model_config(group.model), None, (group.domain,), workdir,
-        optim=common.optim_config(config.build_teachers.optim),
-        loop=lm_trainer.LMTrainConfig(steps=steps, save_every=steps, progress=False),
-        mesh=mesh, rules=rules, seed=config.seed + 1, num_train=config.build_teachers.num_train,
-        num_eval=8, difficulties=tuple(config.data.difficulties), seq_len=config.opd.seq_len,
-        batch_size=config.build_teachers.batch_size)
+    data = SFTData(domains=(group.domain,), num_train=config.build_teachers.num_train,
+                   num_eval=8, difficulties=tuple(config.data.difficulties),
+                   seq_len=config.opd.seq_len, batch_size=config.build_teachers.batch_size)
+    train_sft(to_model_config(group.model), None, data, workdir,
+              optim=common.optim_config(config.build_teachers.optim),
+              loop=lm_trainer.LMTrainConfig(steps=steps, save_every=steps, progress=False),
+              mesh=mesh, rules=rules, seed=config.seed + 1)
   return str(ckpt)
 
 
@@ -106,9 +107,9 @@ def run_opd(config, workdir: str) -> dict:
   mesh, rules, teachers, student_cfg, params, tok = _setup(config, workdir)
   cfg = from_group(OPDConfig, config.opd, "config.opd")
   domains, diffs = _domains(teachers), tuple(config.data.difficulties)
-  prompts = sft_job.domain_examples(domains, "train", config.data.num_prompts, config.seed, diffs)
-  held = sft_job.domain_examples(domains, "test", config.data.num_heldout, config.seed + 1, diffs,
-                                 unique=True)
+  prompts = domain_examples(domains, "train", config.data.num_prompts, config.seed, diffs)
+  held = domain_examples(domains, "test", config.data.num_heldout, config.seed + 1, diffs,
+                         unique=True)
   pool = TeacherPool(teachers, student_cfg.vocab_size, distributed.host_work_mesh(mesh), rules=rules)
   evaluate = make_heldout_eval(student_cfg, pool, held, cfg, tokenizer=tok, mesh=pool.mesh,
                                rules=rules, seed=config.seed + 2)
@@ -153,8 +154,8 @@ def run_cold_start(config, workdir: str) -> dict:
   timer = common.Timer()
   mesh, rules, teachers, student_cfg, params, tok = _setup(config, workdir)
   cs = config.cold_start
-  prompts = sft_job.domain_examples(_domains(teachers), "train", cs.num_prompts, config.seed,
-                                    tuple(config.data.difficulties))
+  prompts = domain_examples(_domains(teachers), "train", cs.num_prompts, config.seed,
+                            tuple(config.data.difficulties))
   data = teacher_sft_pairs(teachers, prompts, tokenizer=tok, max_new_tokens=cs.max_new_tokens,
                            temperature=cs.temperature, samples_per_prompt=cs.samples_per_prompt,
                            min_reward=cs.min_reward, batch_size=cs.sample_batch_size,
@@ -164,9 +165,9 @@ def run_cold_start(config, workdir: str) -> dict:
   if not data.pairs:
     raise ValueError(f"cold start: no teacher answer passed the verifiers (min_reward="
                      f"{cs.min_reward}): {data.metrics}")
-  batches = iter(sft_job.sft_batches(data.pairs, tok, student_cfg, seq_len=cs.seq_len,
-                                     batch_size=common.per_process_batch(cs.batch_size),
-                                     seed=config.seed))
+  batches = iter(sft_batches(data.pairs, tok, student_cfg, seq_len=cs.seq_len,
+                             batch_size=common.per_process_batch(cs.batch_size),
+                             seed=config.seed))
   with MetricWriter(workdir) as writer:
     writer.write_scalars(0, data.metrics)
     logger = common.Logger(writer)

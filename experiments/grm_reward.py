@@ -33,7 +33,7 @@ import numpy as np
 
 from experiments import common
 from experiments.grpo import grpo_config
-from experiments.sft import domain_examples
+from opd.tasks import domain_examples
 from grm.reward import BTReward, GRMReward
 from opd import rollout as rollout_lib
 from opd.models import init_params, to_model_config

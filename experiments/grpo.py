@@ -23,7 +23,7 @@ from opd.rl import GRPOConfig
 from opd.training.metrics_writer import MetricWriter
 from opd.tasks import AgentRewardConfig
 
-from experiments.sft import domain_examples
+from opd.tasks import domain_examples
 
 log = logging.getLogger(__name__)
 

@@ -19,6 +19,8 @@ Every response may start with a ``<think>...</think>`` block.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 from opd.text import chat
 from opd.tasks.agent_task import AgentEnv, AgentRewardConfig, AgentTask, Trajectory, rollout
 from opd.tasks.base import (DIFFICULTIES, SPLITS, TEST_FRACTION, Example, Reward, RewardStats,
@@ -57,6 +59,23 @@ def get_task(name: str, **kwargs) -> Task:
   if name not in _TASKS:
     raise ValueError(f"unknown domain {name!r}; domains: {ALL_DOMAINS + EXTRA_DOMAINS}")
   return _TASKS[name](**kwargs)
+
+
+def domain_examples(domains: Sequence[str], split: str, n: int, seed: int,
+                    difficulties: Sequence[int], unique: bool = False) -> list[Example]:
+  """``n`` examples of each domain's ``split``, spread evenly over ``difficulties``
+  (the first ``n % len(difficulties)`` levels get one more); i.i.d. draws
+  (repeats allowed, as the problem space of an easy level can be small)
+  unless ``unique``."""
+  if not difficulties:
+    raise ValueError(f"difficulties={tuple(difficulties)} must name at least one level")
+  out = []
+  for d in domains:
+    task = get_task(d)
+    per = [n // len(difficulties) + (i < n % len(difficulties)) for i in range(len(difficulties))]
+    for diff, k in zip(difficulties, per):
+      out += task.examples(split, k, seed=seed, difficulty=diff, unique=unique)
+  return out
 
 
 def mixture_corpus(n: int, seed: int = 0, *, domains: tuple[str, ...] = ALL_DOMAINS,
@@ -102,5 +121,5 @@ __all__ = [
     "AgentTask", "CodeTask", "Example", "InstructTask", "MathTask", "Reward", "RewardStats",
     "Task", "Trajectory", "VerifierFailureError", "WritingTask", "get_task", "mixture_corpus",
     "render_messages", "rollout", "safe_verify", "safe_verify_batch",
-    "split_of", "EXTRA_DOMAINS", "ProofTask",
+    "split_of", "EXTRA_DOMAINS", "ProofTask", "domain_examples",
 ]
