@@ -37,12 +37,11 @@ Expected result: see docs/RESULTS.md ("V4 pipeline"), read honestly.
 import ml_collections
 
 from experiments.configs import baselines as baselines_config
-from experiments.configs import distill as distill_config
+from experiments.configs import common as common_config
 from experiments.configs import specialists as specialists_config
 from opd.config import overrides as config_utils
 from opd.config.fields import to_group
 from opd.eval.evaluation import EvalConfig
-from opd.training.optim import OptimConfig
 
 DEFAULT_BASELINES = ("merge", "task_arithmetic", "mixed_rl")
 ALL_BASELINES = ("merge", "task_arithmetic", "mixed_rl", "sequential_rl", "offpolicy_kd")
@@ -56,7 +55,6 @@ def get_config(arg=None):
   spec = specialists_config.get_config(variant)
   if arg["tiny"]:
     spec.domains = ("math", "instruct")  # two domains keep the CI smoke test short
-  dist = distill_config.get_config(variant)
   bl = baselines_config.get_config(variant)
   c = ml_collections.ConfigDict()
   c.job = "v4"
@@ -73,31 +71,10 @@ def get_config(arg=None):
   # Held-out test sets: every row scored the same way, greedy and mean@4.
   c.eval = to_group(EvalConfig, omit=("domains",), n_per_domain=60, max_new_tokens=80,
                     num_samples=4)
-  # Student prompts: per domain, from the train split (the eval uses test).
-  c.data = dist.data
-  c.data.update(num_prompts=256, num_heldout=8)
-  c.cold_start = dist.cold_start
-  # Verified answers only: reward >= 0.7 (math/code/instruct rewards are
-  # mostly 0/1; agent and writing are graded) and finished, sampled at T=0.5
-  # where the specialists are more often right than at T=1 (at T=1, min 1.0:
-  # 37 of 640 answers kept, none for writing; docs/LOG.md).
-  c.cold_start.update(num_prompts=96, samples_per_prompt=2, max_new_tokens=80, temperature=0.5,
-                      min_reward=0.7, steps=150, batch_size=16, seq_len=256,
-                      sample_batch_size=64)
-  c.cold_start_optim = to_group(OptimConfig, lr=1e-3, warmup_steps=10, decay_steps=140,
-                                schedule="cosine")
-  c.opd = dist.opd
-  c.opd.update(schedule="routing", prompts_per_step=8, group_size=4, max_new_tokens=80,
-               seq_len=256, diag_every=10, anneal_steps=0)
-  c.opd_optim = to_group(OptimConfig, lr=3e-4, warmup_steps=5, decay_steps=75, end_lr_ratio=0.3,
-                         schedule="cosine")
-  c.opd_train = ml_collections.ConfigDict(dict(steps=80, save_every=40, keep_checkpoints=2,
-                                               eval_every=20))
-  # Annealing: teacher weights from routing to uniform over these steps,
-  # the learning rate from OPD's last value to 0.
-  c.anneal = ml_collections.ConfigDict(dict(steps=20))
-  c.anneal_optim = to_group(OptimConfig, lr=9e-5, warmup_steps=0, decay_steps=20,
-                            schedule="cosine")
+  # The student's stages: data, cold start, OPD, annealing (shared with the
+  # full-size distillation ablations, experiments/configs/common.py).
+  for name, group in common_config.demo_student_stages(arg["tiny"]).items():
+    setattr(c, name, group)
   c.baselines = bl
   c.baselines.baselines = ALL_BASELINES if arg["all_baselines"] else DEFAULT_BASELINES
   c.baselines.domains = spec.domains
@@ -110,16 +87,6 @@ def get_config(arg=None):
   if arg["tiny"]:
     c.eval.update(n_per_domain=4, num_samples=2, max_new_tokens=16, batch_size=8,
                   bootstrap_samples=50)
-    c.data.update(num_prompts=8, num_heldout=2)
-    # Tiny specialists are rarely right: keep every finished answer.
-    c.cold_start.update(num_prompts=4, max_new_tokens=12, steps=2, batch_size=4, seq_len=160,
-                        sample_batch_size=16, min_reward=0.0, temperature=1.0)
-    c.cold_start_optim.update(warmup_steps=1, decay_steps=1)
-    c.opd.update(prompts_per_step=5, group_size=2, max_new_tokens=12, seq_len=160, diag_every=2,
-                 length_bucket=0)
-    c.opd_train.update(steps=2, save_every=2, eval_every=2)
-    c.anneal.steps = 2
-    c.anneal_optim.update(decay_steps=2)
     c.baselines.grpo.update(prompts_per_step=5, group_size=2, max_new_tokens=8, seq_len=128)
     c.baselines.rl_train.update(steps=2, save_every=2)
     c.baselines.kd.update(steps=2, save_every=2, eval_every=2)

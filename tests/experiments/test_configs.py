@@ -41,7 +41,8 @@ def _launch(name, workdir, *overrides, arg="tiny"):
 
 
 def test_every_config_has_a_smoke_test():
-  configs = {p.stem for p in CONFIG_DIR.glob("*.py") if p.stem != "__init__"}
+  # common.py holds groups the configs share; it is no config (no get_config).
+  configs = {p.stem for p in CONFIG_DIR.glob("*.py") if p.stem not in ("__init__", "common")}
   assert configs == SMOKE_TESTED, f"configs without a smoke test: {configs - SMOKE_TESTED}"
 
 
@@ -204,3 +205,36 @@ def test_job_config_groups_name_the_field(group, field, value, pattern):
   values = dict(_load("grpo")[group].to_dict(), **{field: value})
   with pytest.raises(ValueError, match=pattern):
     build(values)
+
+
+def _groups_by_identity(config, path=""):
+  """``[(path, ConfigDict)]`` of every group reachable from ``config``."""
+  import ml_collections
+  out = []
+  for key in config.keys():
+    value = config[key]
+    if isinstance(value, ml_collections.ConfigDict):
+      out.append((f"{path}{key}", value))
+      out += _groups_by_identity(value, f"{path}{key}.")
+  return out
+
+
+@pytest.mark.parametrize("name", sorted(SMOKE_TESTED))
+def test_config_groups_are_never_shared_between_roles(name):
+  """Two roles holding one ConfigDict object (``distill.py:tiny``'s teachers
+  did) means overriding one changes the other."""
+  for arg in ("tiny", None):
+    config = config_utils.load_config(f"{CONFIG_DIR / name}.py" + (f":{arg}" if arg else ""))
+    seen = {}
+    for path, group in _groups_by_identity(config):
+      assert id(group) not in seen, f"{name}:{arg}: {path} is the same group as {seen[id(group)]}"
+      seen[id(group)] = path
+
+
+def test_overriding_one_distill_teacher_leaves_the_other():
+  config = _load("distill")
+  first, second = list(config.teachers)[:2]
+  before = config.teachers[second].model.to_dict()
+  config_utils.apply_overrides(config, [f"teachers.{first}.model.d_model=64"])
+  assert config.teachers[first].model.d_model == 64
+  assert config.teachers[second].model.to_dict() == before
