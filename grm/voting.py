@@ -2,7 +2,11 @@
 
 Inputs are one example's k samples, already mapped back to the original
 response order (``grm.format.unshuffle``): ``scores [k, n]`` ints and
-``valid [k]`` bools (an invalid sample's row is ignored, whatever it holds).
+``valid [k]`` bools. An invalid sample's row is ignored, whatever it holds
+(``grm.judge.score_arrays`` fills it with zeros); a valid sample's scores
+must be integers in 1..10 (``grm.format.MIN_SCORE..MAX_SCORE``), and a NaN,
+an infinity, a fraction or an out-of-range value there is refused with a
+``ValueError`` naming ``scores``, the sample, the response and the value.
 
   vote           ``S*_i = sum_j S_ij`` over valid samples (range k..10k)
   meta_vote      the same over the k_meta valid samples with the highest
@@ -28,6 +32,7 @@ import dataclasses
 import numpy as np
 
 from grm.correctness import check_ratings
+from grm.format import MAX_SCORE, MIN_SCORE
 
 NO_WINNER = -1
 
@@ -74,7 +79,18 @@ def _check(scores, valid) -> tuple[np.ndarray, np.ndarray]:
     raise ValueError(f"scores must be [k, n] with n >= 1, got {s.shape=}")
   if v.dtype != bool or v.shape != (s.shape[0],):
     raise ValueError(f"valid must be a bool [k] array, got {v.dtype} {v.shape=} for {s.shape=}")
-  return s.astype(np.float64), v
+  if not (np.issubdtype(s.dtype, np.integer) or np.issubdtype(s.dtype, np.floating)):
+    raise ValueError(f"scores must be numbers, got dtype {s.dtype}")
+  s = s.astype(np.float64)
+  rows = s[v]
+  bad = ~(np.isfinite(rows) & (rows == np.round(rows)) & (rows >= MIN_SCORE)
+          & (rows <= MAX_SCORE))
+  if bad.any():
+    j, i = np.argwhere(bad)[0]
+    value = float(rows[j, i])
+    raise ValueError(f"scores[{np.flatnonzero(v)[j]}, {i}]={value!r} of a valid sample must be "
+                     f"an integer in [{MIN_SCORE}, {MAX_SCORE}]")
+  return s, v
 
 
 def _result(totals, used: np.ndarray, num_invalid: int, any_vote: bool,

@@ -1,4 +1,6 @@
 """grm.voting: sums, meta-RM top-k and weighted votes against numpy references, shuffles undone."""
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -125,3 +127,35 @@ def test_random_baseline_accuracy_is_chance():
   # Bernoulli(1/n) hits: mean within 4 standard errors of mean(1/n).
   se = np.sqrt(np.sum(p * (1 - p))) / ns.size
   assert abs(hits.mean() - p.mean()) < 4 * se
+
+
+_VOTERS = {"vote": lambda s, v: vote(s, v),
+           "meta_vote": lambda s, v: meta_vote(s, v, np.arange(len(v), dtype=float), 2),
+           "weighted_vote": lambda s, v: weighted_vote(s, v, np.ones(len(v)))}
+
+
+@pytest.mark.parametrize("voter", sorted(_VOTERS))
+@pytest.mark.parametrize("bad,shown", [(np.nan, "nan"), (np.inf, "inf"), (-np.inf, "-inf"),
+                                       (0, "0.0"), (11, "11.0"), (-3, "-3.0"), (7.5, "7.5")])
+def test_voting_refuses_a_valid_sample_with_a_score_outside_the_grammar(voter, bad, shown):
+  # Sample 2 (valid), response 1 holds the bad value; sample 1 is invalid and ignored.
+  scores = np.array([[5, 6], [0, 0], [4, bad]], np.float64)
+  valid = np.array([True, False, True])
+  with pytest.raises(ValueError, match=re.escape(f"scores[2, 1]={shown}")):
+    _VOTERS[voter](scores, valid)
+
+
+def test_voting_refuses_non_numeric_scores():
+  with pytest.raises(ValueError, match="scores must be numbers"):
+    vote(np.array([[True, False]]), np.array([True]))
+
+
+@pytest.mark.parametrize("voter", sorted(_VOTERS))
+def test_an_invalid_samples_row_is_ignored_whatever_it_holds(voter):
+  # The documented sentinel: invalid rows may hold anything (score_arrays writes zeros).
+  valid = np.array([True, False, True])
+  clean = _VOTERS[voter](np.array([[5, 6], [1, 1], [4, 9]], np.float64), valid)
+  for junk in (np.nan, np.inf, 0, 99, 7.5):
+    got = _VOTERS[voter](np.array([[5, 6], [junk, junk], [4, 9]], np.float64), valid)
+    np.testing.assert_array_equal(got.totals, clean.totals)
+    assert got.winner == clean.winner and got.used == clean.used == (0, 2)
