@@ -1,10 +1,11 @@
 """Running untrusted functions on many inputs in the sandbox (docs/DESIGN.md §7).
 
 Every model-written program of GENCLUSTER (candidates, input generators,
-validators) is a function ``f``; ``function_program`` appends a harness that
-calls it on each input (one ``try`` per call, so an exception costs that
-input only) and prints one marker line holding, per input, ``("ok", repr)``
-or ``("error", name)``. ``run_programs`` runs a list of programs through
+validators) is a function ``f``; ``function_program`` appends the sandbox's
+function harness (``opd.tasks.sandbox.harness``, shared with the code task),
+which calls it on each input (one ``try`` per call, so an exception costs
+that input only) and prints one marker line holding, per input,
+``("ok", repr)`` or ``("error", name)``. ``run_programs`` runs a list of programs through
 ``opd.tasks.sandbox.run_python_batch`` (one sandbox set-up per chunk, each
 program still alone in its own process, uid and work directory, with the
 sandbox's CPU, wall-time, memory and output limits) in ``workers``
@@ -15,7 +16,6 @@ program costs its own slot and nothing else.
 """
 from __future__ import annotations
 
-import ast
 import concurrent.futures
 import dataclasses
 import time
@@ -23,37 +23,15 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from opd.tasks.sandbox import Sandbox, SandboxResult, run_python_batch
+from opd.tasks.sandbox import Sandbox, SandboxResult, harness, run_python_batch
 
 MARK = "@@GENCLUSTER@@"
 EMPTY = "empty"      # the function returned None: it printed nothing to compare
-# See opd.tasks.code_task for the harness conventions: builtins through `_b`,
-# so the program's own definitions cannot shadow them; only plain values
-# (ints, bools, strings, floats, None, nested lists) are reported.
-_HARNESS = """
-
-import builtins as _b
-def _plain(v, depth=0):
-  if depth > 20:
-    return False
-  if _b.type(v) in (_b.int, _b.bool, _b.str, _b.float) or v is None:
-    return True
-  return _b.type(v) is _b.list and _b.all(_plain(x, depth + 1) for x in v)
-_out = []
-for _args in {inputs!r}:
-  try:
-    _r = f(*_args)
-    _s = _b.repr(_r) if _plain(_r) else None
-    _out.append(("ok", _s) if _s is not None and _b.len(_s) < 10000 else ("error", "bad_result"))
-  except Exception as _e:
-    _out.append(("error", _b.type(_e).__name__))
-_b.print("\\n{mark}" + _b.repr(_out))
-"""
 
 
 def function_program(source: str, inputs: Sequence[Sequence]) -> str:
   """``source`` (defining ``f``) plus the harness calling ``f(*args)`` for each input."""
-  return source + _HARNESS.format(inputs=[list(a) for a in inputs], mark=MARK)
+  return harness.function_program(source, inputs, MARK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,29 +50,22 @@ def read_outputs(result: SandboxResult, n_inputs: int) -> Outputs:
   """The per-input outputs of one harness run."""
   if result.infrastructure_error:
     raise RuntimeError(f"sandbox infrastructure error: {result.reason}")
-  line = next((ln for ln in reversed(result.stdout.splitlines()) if ln.startswith(MARK)), None)
-  if not result.ok or line is None:
-    return Outputs(None, f"sandbox:{result.reason if not result.ok else 'no_results'}")
-  try:
-    raw = ast.literal_eval(line[len(MARK):])
-  except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+  if not result.ok:
+    return Outputs(None, f"sandbox:{result.reason}")
+  if not any(ln.startswith(MARK) for ln in result.stdout.splitlines()):
+    return Outputs(None, "sandbox:no_results")
+  raw = harness.read_results(result.stdout, n_inputs, MARK)
+  if raw is None:
     return Outputs(None, "sandbox:unreadable_results")
-  if not isinstance(raw, list) or len(raw) != n_inputs:
-    return Outputs(None, "sandbox:unreadable_results")
-  values = []
-  for item in raw:
-    if not (isinstance(item, tuple) and len(item) == 2 and item[0] in ("ok", "error")
-            and isinstance(item[1], str)):
-      return Outputs(None, "sandbox:unreadable_results")
-    values.append(EMPTY if item == ("ok", "None") else f"{item[0]}:{item[1]}")
-  return Outputs(tuple(values), None)
+  return Outputs(tuple(EMPTY if item == ("ok", "None") else f"{item[0]}:{item[1]}"
+                       for item in raw), None)
 
 
 def value_of(output: str):
-  """The Python value of an ``"ok:<repr>"`` output."""
+  """The Python value of an ``"ok:<repr>"`` output (``nan`` and ``inf`` included)."""
   if not output.startswith("ok:"):
     raise ValueError(f"output={output[:40]!r} is not an ok output")
-  return ast.literal_eval(output[3:])
+  return harness.literal(output[3:])
 
 
 @dataclasses.dataclass

@@ -4,10 +4,12 @@ The language is Python, restricted to what a tiny model can learn: a single
 ``def f(...): return <expression>`` line (any valid Python function is
 accepted; the top level may hold only function definitions). The prompt
 describes the function in words; the verifier runs the response together
-with a harness in ONE ``opd.tasks.sandbox.api`` run that calls ``f`` on every hidden
-input (embedded as a literal; results printed as one literal line) and compares the
-results with the hidden expected outputs, which the generator computed with
-its own Python callables, never from the reference text.
+with the sandbox's function harness (``opd.tasks.sandbox.harness``) in ONE
+``opd.tasks.sandbox.api`` run that calls ``f`` on every hidden input (embedded as a
+literal; results printed as one literal line) and compares the results with the
+hidden expected outputs, which the generator computed with its own Python
+callables, never from the reference text. A result that equals nothing (an
+exception, a non-plain value, ``nan``) fails its own test only.
 
 Reward: the fraction of hidden tests passed (so near-misses such as a
 conditional with one right branch get partial credit). Format reward: 1 iff
@@ -21,7 +23,6 @@ Difficulty:
 """
 from __future__ import annotations
 
-import ast
 import concurrent.futures
 import logging
 import random
@@ -32,34 +33,11 @@ from opd.text import parsers
 from opd.tasks.sandbox.api import (KERNEL_ISOLATION, IsolationUnavailable, Sandbox,
                                    SandboxLimits, SandboxResult)
 from opd.tasks.sandbox.batch import run_python_batch
+from opd.tasks.sandbox.harness import function_program, literal, read_results
 from opd.tasks.base import Draft, Example, Reward, Task, _check_batch, malformed
 
 N_TESTS = 6
 _RESULT_MARK = "@@RESULTS@@"
-# Appended after the response's definitions. The hidden inputs are embedded as
-# a Python literal and the results printed as one (read back with
-# ast.literal_eval): no imports, so the run stays fast. Each call is isolated:
-# an exception or a non-plain result fails that test only. Harness names start
-# with "_" and builtins are reached through `_b`, so the program's own
-# top-level definitions cannot shadow them.
-_HARNESS = """
-
-import builtins as _b
-def _plain(v, depth=0):
-  if depth > 20:
-    return False
-  if _b.type(v) in (_b.int, _b.bool, _b.str, _b.float) or v is None:
-    return True
-  return _b.type(v) is _b.list and _b.all(_plain(x, depth + 1) for x in v)
-_out = []
-for _args in {inputs!r}:
-  try:
-    _r = f(*_args)
-    _out.append(("ok", _r) if _plain(_r) and _b.len(_b.repr(_r)) < 10000 else ("error", "bad_result"))
-  except Exception as _e:
-    _out.append(("error", _b.type(_e).__name__))
-_b.print("\\n{mark}" + _b.repr(_out))
-"""
 
 
 class SandboxFailure(RuntimeError):
@@ -120,6 +98,14 @@ def _same(a: Any, b: Any) -> bool:
   if isinstance(a, list):
     return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
   return a == b
+
+
+def _passes(text: str, expected: Any) -> bool:
+  """Whether a result's repr reads back as ``expected`` (``_same``)."""
+  try:
+    return _same(literal(text), expected)
+  except ValueError:
+    return False
 
 
 class CodeTask(Task):
@@ -194,27 +180,21 @@ class CodeTask(Task):
     code = parsers.extract_python_function(response, "f", example.meta["n_args"])
     if not code.ok:
       return malformed(code.reason, passed=0.0)
-    harness = _HARNESS.format(inputs=[args for args, _ in example.meta["tests"]],
-                              mark=_RESULT_MARK)
-    return code.source + harness
+    return function_program(code.source, [args for args, _ in example.meta["tests"]],
+                            _RESULT_MARK)
 
   def _score(self, example: Example, result: SandboxResult) -> Reward:
     """The reward of one sandbox run of ``_program``'s text."""
     tests = example.meta["tests"]
     if result.infrastructure_error:
       raise SandboxFailure(result.reason)
-    line = next((ln for ln in reversed(result.stdout.splitlines()) if ln.startswith(_RESULT_MARK)),
-                None)
-    if not result.ok or line is None:
+    if not result.ok:
       return Reward(0.0, 1.0, {"passed": 0.0}, f"sandbox:{result.reason}")
-    try:
-      outputs = ast.literal_eval(line[len(_RESULT_MARK):])
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+    outputs = read_results(result.stdout, len(tests), _RESULT_MARK)
+    if outputs is None:
       return Reward(0.0, 1.0, {"passed": 0.0}, "sandbox:unreadable_results")
-    if not isinstance(outputs, list) or len(outputs) != len(tests):
-      return Reward(0.0, 1.0, {"passed": 0.0}, "sandbox:unreadable_results")
-    passed = sum(isinstance(o, tuple) and len(o) == 2 and o[0] == "ok" and _same(o[1], expected)
-                 for o, (_, expected) in zip(outputs, tests))
+    passed = sum(kind == "ok" and _passes(text, expected)
+                 for (kind, text), (_, expected) in zip(outputs, tests))
     frac = passed / len(tests)
     reason = "ok" if passed == len(tests) else f"partial:{passed}/{len(tests)}"
     return Reward(frac, 1.0, {"passed": frac}, reason)

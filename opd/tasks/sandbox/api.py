@@ -39,10 +39,19 @@ works here, probed once per process; ``Sandbox.enforced`` lists the layers,
   or network isolation, or killing processes that leave the process group
   with ``setsid`` (a per-run cgroup, where there is one, still kills them).
 
-Fail closed: ``Sandbox(require=KERNEL_ISOLATION)`` (what ``CodeTask``
-requires) raises ``IsolationUnavailable`` at construction when the level
-lacks any of them, naming what is missing and how to get it, unless
-``allow_weaker=True``, which logs a warning and runs with what is there.
+Fail closed: a ``Sandbox`` requires ``KERNEL_ISOLATION`` unless told
+otherwise (``require=``; ``CodeTask`` requires it too) and raises
+``IsolationUnavailable`` at construction when the level lacks any of it,
+naming what is missing and how to get it, unless ``allow_weaker=True``,
+which logs a warning naming the level and runs with what is there. Asking for
+``isolation="rlimits"`` by name is the other explicit opt-in (also logged).
+
+Seccomp filter (every level; ``opd.tasks.sandbox.seccomp``): loaded by the
+worker before the program's code runs, it denies the kernel interfaces a
+program never needs and that would reach beyond the run (ptrace, keyrings,
+bpf, perf, io_uring, mounts, namespaces, non-Unix sockets, signals to the
+supervisor). It is the layer that holds when the Python guard does not; a
+level whose filter cannot be built here is unavailable.
 
 Memory and processes per run: where the caller may create a cgroup (v2
 with ``memory`` and ``pids`` delegated, else the v1 hierarchies; see
@@ -59,12 +68,12 @@ program printing a set-up error and exiting with any code is scored as a
 failed program, never as an infrastructure error.
 
 Python guard (``python_guard=True``; Python programs only; every level): an
-audit hook (``opd.tasks.sandbox.guard``) terminates the program on process
-creation, signals, sockets, ``ctypes``, ``resource.setrlimit``, new threads,
-object-graph introspection (``gc``) and file-system writes outside the work
-directory. It captures what it consults at start-up and keeps its deny
-action out of the program's reach, but it is defence in depth, not a
-boundary: no property in ``provides`` rests on it.
+audit hook (``opd.tasks.sandbox.guard``) that ends the program with a
+readable ``forbidden:<event>`` on process creation, signals, sockets,
+``ctypes``, ``resource.setrlimit``, new threads, object-graph introspection
+(``gc``) and file-system writes outside the work directory. It is a fast,
+friendly first layer inside the program's own interpreter, not a boundary:
+no property in ``provides`` rests on it.
 
 The child side (namespaces, root, uid drop, rlimits) lives in
 ``opd.tasks.sandbox.launcher``, run as ``python -I -S launcher.py CONFIG``
@@ -85,7 +94,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 
 from opd.config.fields import check_float, check_int, set_field
-from opd.tasks.sandbox import cgroup, outcome
+from opd.tasks.sandbox import cgroup, outcome, seccomp
 from opd.tasks.sandbox import launcher as sandbox_launcher
 from opd.tasks.sandbox.launcher import _blocked_ancestor
 
@@ -152,7 +161,9 @@ class SandboxResult:
       ``"memory_limit"``, ``"output_limit"``, ``"file_size_limit"``,
       ``"forbidden:<audit event>"``, ``"exit_code:<n>"``, ``"signal:<NAME>"``,
       ``"supervisor_killed"`` (only where the program can reach it, see
-      ``opd.tasks.sandbox.outcome``), or ``"sandbox_error:<message>"`` when
+      ``opd.tasks.sandbox.outcome``), ``"supervisor_disrupted"`` (the
+      supervisor met an exception while the program ran: charged to the
+      program), or ``"sandbox_error:<message>"`` when
       the sandbox itself failed (an infrastructure error, not the program's
       fault; only ever on the word of the private status pipe).
     returncode: exit status, ``-signal`` if a signal ended it, ``None`` if it
@@ -185,7 +196,7 @@ class Sandbox:
 
   def __init__(self, limits: SandboxLimits | None = None, *, isolation: str = "auto",
                python_guard: bool = True, sandbox_uid: int | None = None,
-               require: Sequence[str] = (), allow_weaker: bool = False):
+               require: Sequence[str] | None = None, allow_weaker: bool = False):
     """Creates a sandbox.
 
     Args:
@@ -199,12 +210,18 @@ class Sandbox:
         so concurrent runs never share an RLIMIT_NPROC budget.
       require: properties of ``KERNEL_ISOLATION`` the caller needs enforced
         by the kernel; a level without them raises ``IsolationUnavailable``.
+        None (the default) requires all of them, except where the caller
+        names ``isolation="rlimits"`` itself: that explicit choice of the
+        weaker level runs, with a warning naming it.
       allow_weaker: run anyway when ``require`` is not met, with a logged
-        warning (an explicit opt-in; never the default).
+        warning naming the level (an explicit opt-in; never the default).
     """
     self.limits = SandboxLimits() if limits is None else limits
     if not isinstance(self.limits, SandboxLimits):
       raise ValueError(f"limits must be a SandboxLimits, got {type(limits).__name__}")
+    explicit_weak = require is None and isolation == "rlimits"
+    if require is None:
+      require = () if explicit_weak else KERNEL_ISOLATION
     if isinstance(require, str) or not set(require) <= set(KERNEL_ISOLATION):
       raise ValueError(f"require must be a subset of {KERNEL_ISOLATION}, got {require!r}")
     if sandbox_uid is not None and (not isinstance(sandbox_uid, int) or sandbox_uid <= 0):
@@ -226,6 +243,9 @@ class Sandbox:
       if not allow_weaker:
         raise IsolationUnavailable(message)
       _LOG.warning("allow_weaker=True, running anyway: %s", message)
+    if explicit_weak:
+      _LOG.warning("isolation='rlimits' chosen explicitly: programs run without kernel-enforced "
+                   "%s isolation (see opd.tasks.sandbox.api)", ", ".join(KERNEL_ISOLATION))
     self.isolation = isolation
     self.python_guard = bool(python_guard)
     self.sandbox_uid = sandbox_uid
@@ -257,6 +277,7 @@ class Sandbox:
       # A non-root caller's uid: shared with its own processes, the limit is
       # set to their current count + max_processes.
       layers.append("rlimit_nproc_shared_with_caller")
+    layers.append("seccomp_filter")
     if self.python_guard:
       layers.append("python_audit_guard")
     return tuple(layers)
@@ -349,6 +370,7 @@ class Sandbox:
     cfg = {"mode": self.isolation, "workdir": workdir, "base": base, "program": program,
            "stdin": stdin, "files": files, "status_fd": status_w, "drop_uid": drop_uid,
            "guard": self.python_guard, "limits": dataclasses.asdict(self.limits),
+           "seccomp": seccomp.program_filter(),
            "root_plan": _root_plan(), "cgroup_procs": group.procs_files if group else []}
     cfg_path = os.path.join(base, "config.marshal")
     with open(os.open(cfg_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
@@ -408,6 +430,8 @@ def _root_plan() -> list[list[str]]:
 
 def _level_problem(level: str, sandbox_uid: int | None = None) -> str | None:
   """None when ``level`` works here, else why not."""
+  if problem := seccomp.problem():
+    return problem  # every level loads the filter; none runs a program without it
   if level == "rlimits" and os.geteuid() == 0:
     # No mount namespace to expose the interpreter with: the per-run uid must
     # read it as it is, since rlimits never runs a program as root.

@@ -1,32 +1,31 @@
-"""The Python guard of ``opd.tasks.sandbox``: an audit hook, defence in depth only.
+"""The Python guard of ``opd.tasks.sandbox``: an audit hook, a fast, friendly first layer.
 
 Loaded by the launcher (``exec`` of this file, so that it stays importable
 without the ``opd`` package) and installed in the program's process just
-before the program runs. It terminates the program on process creation,
-signals, sockets, ``ctypes``, ``resource.setrlimit``, new threads and
-file-system writes outside the work directory (see ``opd.tasks.sandbox.api``).
+before the program runs. It ends the program with a readable reason
+(``forbidden:<event>``) on process creation, signals, sockets, ``ctypes``,
+``resource.setrlimit``, new threads and file-system writes outside the work
+directory, before the kernel would have to refuse anything.
 
-Hardening against a program that tries to switch it off from inside:
+What it is not: a boundary. It runs inside the program's own interpreter, so a
+program that finds a way to run its code inside the hook, or to corrupt the
+interpreter's state, can switch it off; audit events also miss calls that
+raise none (``signal.pidfd_send_signal``, ``os.pidfd_open``). The boundary is
+the kernel's: the seccomp filter (``seccomp.py``), the namespaces, the uid
+drop and the limits (docs/DESIGN.md §7); no property the sandbox claims rests
+on the guard, and the hostile tests check each escape with the guard off.
 
-* Everything the hook consults is captured at install time: the builtins it
-  calls come from a private snapshot of the builtins dict, and the path
-  functions it uses (``realpath``, ``isdir``) are private copies of
-  ``posixpath``'s whose ``os`` and ``stat`` are frozen namespaces of the C
-  functions. Patching ``builtins.isinstance``, ``os.path.realpath`` or
-  ``os.lstat`` changes nothing the hook sees.
-* The hook never runs program code: a path argument that is not exactly
-  ``str``, ``bytes`` or ``int`` (a ``PathLike``, a ``str`` subclass) is
-  refused instead of converted, and any error inside the hook is a denial.
-  So no hook frame is ever on the stack under program code, and no traceback
-  the program sees contains one.
-* No program object references the hook or its deny action: the replaced
-  thread primitives raise an audit event instead of calling ``deny``, and the
-  object graph walkers that could find the hook anyway (``gc.get_objects``,
-  ``gc.get_referrers``, ``gc.get_referents``), tracing and profiling hooks,
-  ``__code__`` assignment and re-importing ``_thread`` are refused.
-
-None of this makes the guard a boundary (docs/DESIGN.md §7): the kernel layers
-are, and the sandbox never claims a property on the guard's account alone.
+It does make the bypasses known to us fail, so that its verdicts stay
+readable: what the hook consults is captured at install time (a private
+snapshot of the builtins, private copies of ``posixpath``'s functions over
+namespaces of an immutable built-in type holding the C functions); a path
+argument that is not exactly ``str``, ``bytes`` or ``int`` is refused rather
+than converted, and any error inside the hook is a denial, so that no known
+route runs program code under a hook frame; the thread primitives are
+replaced by C-level callables raising an audit event; and the object-graph
+walkers (``gc.get_objects``/``get_referrers``/``get_referents``), tracing and
+profiling hooks, ``__code__`` assignment and re-importing ``_thread`` are
+refused.
 """
 import builtins
 import os
@@ -53,11 +52,11 @@ _PATH_EVENTS = {"os.rename": (0, 1), "os.remove": (0,), "os.rmdir": (0,), "os.mk
 _BLOCKED_IMPORTS = frozenset(("ctypes", "_ctypes", "_posixsubprocess", "_thread"))
 
 
-class _Frozen:
-  """A namespace whose attributes were fixed at install time."""
-
-  def __init__(self, **attrs):
-    self.__dict__.update(attrs)
+# Namespaces whose attributes are fixed at install time. ``types.SimpleNamespace``
+# (reached without importing ``types``) is a built-in, immutable type: a program
+# that finds it through ``object.__subclasses__()`` cannot hang a descriptor on
+# it to run its own code inside the hook, as it could on a class defined here.
+_Frozen = type(sys.implementation)
 
 
 def _private_copies(module, names, global_overrides: dict, private_builtins: dict) -> dict:

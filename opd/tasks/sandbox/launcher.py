@@ -4,9 +4,19 @@ Run as ``python -I -S -B launcher.py CONFIG RUN_ID`` by
 ``opd.tasks.sandbox.api.Sandbox``; never imported by user code. It joins the
 run's cgroup, enters the namespaces, builds the program's root and pivots
 into it (as pid 1 of the new pid namespace, the supervisor), then forks the
-worker that drops privileges, sets the rlimits, installs the guard
-(``guard.py``, loaded by path) and runs the program. Set-up failures and the
-program's end are reported on the private status pipe only. Its imports stay
+worker that drops privileges, sets the rlimits, loads the seccomp filter
+(``seccomp.py``, built by the caller), installs the guard (``guard.py``,
+loaded by path) and runs the program. Set-up failures and the program's end
+are reported on the private status pipe only.
+
+The supervisor blocks every signal it can block (SIGKILL and SIGSTOP sent to
+pid 1 from inside its pid namespace are dropped by the kernel, and the filter
+denies signals to pid 1 anyway), so nothing a program sends can interrupt it;
+an exception it still meets after the program started is reported as
+``disrupted``, a failure of the program (``outcome.classify``). Everything
+that goes wrong with the program's own text (``compile`` running out of
+memory or recursion included) is the program's failure, printed like Python
+would. Its imports stay
 light (no json, signal, subprocess, dataclasses: they pull in
 re/enum/inspect and would triple the start-up time that every sandboxed run
 pays). See ``opd.tasks.sandbox.api`` for the isolation levels and what each
@@ -27,6 +37,7 @@ _MNT_DETACH = 2
 _AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = -100, 0x8000, 1
 _SYS_MOUNT_SETATTR = 442  # same on every architecture (syscalls >= 424 are unified)
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 
 
@@ -179,6 +190,28 @@ def _drop_privileges(cfg: dict):
   _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
 
 
+def _load_filter(bpf: bytes):
+  """Loads the seccomp filter (raw ``struct sock_filter`` array) for this
+  process and everything it starts; needs ``no_new_privs`` (set before)."""
+  ctypes, libc = _libc()
+
+  class Fprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+  if not bpf or len(bpf) % 8:
+    raise OSError(f"seccomp filter of {len(bpf)} bytes is not a sock_filter array")
+  code = ctypes.create_string_buffer(bpf, len(bpf))
+  prog = Fprog(len(bpf) // 8, ctypes.cast(code, ctypes.c_void_p))
+  _check(libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0),
+         "prctl(SECCOMP)")
+
+
+def _block_signals():
+  """Blocks every signal for the calling supervisor; returns the previous mask."""
+  import _signal
+  return _signal.pthread_sigmask(_signal.SIG_BLOCK, _signal.valid_signals())
+
+
 def _set_rlimits(cfg: dict):
   import resource
   lim = cfg["limits"]
@@ -228,8 +261,10 @@ def _report(cfg: dict, line: str):
 
 
 def _worker(cfg: dict, install_guard):
-  """The program's process: stdin, privileges, limits, program. Never returns."""
+  """The program's process: stdin, privileges, limits, filter, program. Never returns."""
   try:
+    import _signal
+    _signal.pthread_sigmask(_signal.SIG_SETMASK, cfg["signal_mask"])  # the supervisor's block
     stdin_path = os.path.join(cfg["workdir"], ".sandbox_stdin")
     fd = os.open(stdin_path, os.O_RDONLY)
     os.dup2(fd, 0)
@@ -239,16 +274,18 @@ def _worker(cfg: dict, install_guard):
     os.environ["HOME"] = os.environ["TMPDIR"] = cfg["workdir"]
     _drop_privileges(cfg)
     _set_rlimits(cfg)
+    _load_filter(cfg["seccomp"])
     excepthook = sys.__excepthook__  # C-level printer, captured before the program runs
-    compiled = compile(cfg["program"]["python"], "<sandbox>", "exec") \
-        if "python" in cfg["program"] else None
   except BaseException as e:  # noqa: BLE001 - an infrastructure error, on the trusted pipe
-    if isinstance(e, SyntaxError):
-      compiled = e  # the program's own fault, reported like Python would
-    else:
-      _report(cfg, f"setup_error worker set-up failed: {e!r}")
-      os._exit(_SETUP_EXIT)
+    _report(cfg, f"setup_error worker set-up failed: {e!r}")
+    os._exit(_SETUP_EXIT)
   _report(cfg, "started")
+  compiled = None
+  if "python" in cfg["program"]:
+    try:  # under the program's limits: a text too large or too deep is its own fault
+      compiled = compile(cfg["program"]["python"], "<sandbox>", "exec")
+    except BaseException as e:  # noqa: BLE001 - raised again below, as the program's error
+      compiled = e.with_traceback(None)  # no launcher frame in what the program's stderr shows
   os.close(cfg["status_fd"])
   program = cfg["program"]
   if "argv" in program:
@@ -259,7 +296,7 @@ def _worker(cfg: dict, install_guard):
       os._exit(127)
   code = 0
   try:
-    if isinstance(compiled, SyntaxError):
+    if isinstance(compiled, BaseException):
       raise compiled
     sys.argv = ["<sandbox>"]
     if cfg["guard"]:
@@ -288,23 +325,27 @@ def _supervise(cfg: dict, install_guard) -> int:
   """
   _, libc = _libc()
   _check(libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(DUMPABLE)")
+  cfg["signal_mask"] = _block_signals()
   pid = os.fork()
   if pid == 0:
     _worker(cfg, install_guard)
   status = "setup_error worker not reaped"
-  while True:
-    try:
-      reaped, wstatus, usage = os.wait4(-1, 0)
-    except ChildProcessError:
-      break
-    if reaped == pid:
-      cpu = usage.ru_utime + usage.ru_stime
-      if os.WIFSIGNALED(wstatus):
-        status = f"signal {os.WTERMSIG(wstatus)} {cpu}"
-      else:
-        status = f"exit {os.WEXITSTATUS(wstatus)} {cpu}"
-      if cfg["mode"] != "rlimits":
-        break  # pid 1 exiting kills whatever the program left behind
+  try:
+    while True:
+      try:
+        reaped, wstatus, usage = os.wait4(-1, 0)
+      except ChildProcessError:
+        break
+      if reaped == pid:
+        cpu = usage.ru_utime + usage.ru_stime
+        if os.WIFSIGNALED(wstatus):
+          status = f"signal {os.WTERMSIG(wstatus)} {cpu}"
+        else:
+          status = f"exit {os.WEXITSTATUS(wstatus)} {cpu}"
+        if cfg["mode"] != "rlimits":
+          break  # pid 1 exiting kills whatever the program left behind
+  except BaseException as e:  # noqa: BLE001 - the program is running: charged to it
+    status = f"disrupted {e!r}"
   _report(cfg, status)
   return 0
 
@@ -373,6 +414,7 @@ def _supervise_batch(cfg: dict, install_guard) -> int:
     raise OSError("batch runs need the run's own pid namespace")
   _, libc = _libc()
   _check(libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(DUMPABLE)")
+  cfg["signal_mask"] = _block_signals()
   lim, records = cfg["limits"], os.dup(1)
   for source, uid in zip(cfg["program"]["batch"], cfg["program"]["uids"]):
     prog = dict(cfg, program={"python": source}, drop_uid=uid, workdir=WORKDIR, stdin="",

@@ -93,7 +93,8 @@ def classify(killed: str | None, status: str, stderr: str, *, cpu_limit_s: float
     killed: the caller's own verdict (``"wall_time_limit"``, ``"output_limit"``) or None.
     status: text of the private status pipe: ``setup_error MSG`` lines from
       the launcher or worker before the program started, ``started`` when
-      it did, then the supervisor's ``exit|signal N CPU_S``.
+      it did, then the supervisor's ``exit|signal N CPU_S`` (or ``disrupted
+      MSG`` when the supervisor itself met an exception while the program ran).
     stderr: the program's stderr (only for reasons charged to the program).
     cpu_limit_s: ``SandboxLimits.cpu_s``.
     oom_kills: processes the run's cgroup killed for memory (0 without one).
@@ -106,6 +107,10 @@ def classify(killed: str | None, status: str, stderr: str, *, cpu_limit_s: float
   setup = [ln for ln in lines if ln.startswith("setup_error ")]
   if setup:
     return f"sandbox_error:{setup[0][len('setup_error '):]}", None
+  if any(ln.startswith("disrupted ") for ln in lines):
+    # The supervisor met an exception while the program ran: only the program
+    # can have caused it (docs/DESIGN.md §7), so the run is its failure.
+    return "supervisor_disrupted", None
   final = [ln.split() for ln in lines if ln.startswith(("exit ", "signal "))]
   if not final:
     if "started" not in lines:
