@@ -88,6 +88,6 @@ def literal(text: str):
   try:
     tree = ast.parse(text, mode="eval")
     return ast.literal_eval(_NonFinite().visit(tree).body)
-  except (SyntaxError, TypeError, MemoryError, RecursionError) as e:
+  except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as e:
     raise ValueError(f"text={text[:40]!r} is not a plain value's repr ({type(e).__name__})") \
         from None

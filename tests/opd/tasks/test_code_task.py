@@ -122,3 +122,19 @@ def test_sandbox_failure_is_a_counted_verifier_error():
   reward = safe_verify(task, example, example.reference_text, stats)
   assert reward.reward == 0.0 and reward.category == "verifier_error"
   assert stats.errors == 1
+
+
+def test_non_finite_result_fails_its_own_test_only(task):
+  """One NaN (or inf) among right answers is the program's wrong answer on
+  that test, not unreadable results: the reward counts the other tests."""
+  example = task.examples("test", 1, seed=3, difficulty=1)[0]
+  sig, body, _ = understand(example.prompt)
+  first = example.meta["tests"][0][0][0]
+  # Our own count: every test whose input is the first one gets the odd value.
+  n_odd = sum(args[0] == first for args, _ in example.meta["tests"])
+  expected = (len(example.meta["tests"]) - n_odd) / len(example.meta["tests"])
+  for odd in ("float('nan')", "float('inf')", "[float('nan')]"):
+    answer = f"def f({sig}):\n  return {odd} if x == {first} else ({body})"
+    got = task.verify(example, answer)
+    assert got.reward == pytest.approx(expected) and got.format == 1.0, (odd, got)
+    assert got.reason == f"partial:{len(example.meta['tests']) - n_odd}/6", (odd, got)
