@@ -16,6 +16,13 @@ Placement (``TeacherPool(placement=...)``):
   the student's batch sharding with ``jax.device_put``.
 
 Teachers hold params only: no gradients, no optimizer state.
+
+Validation at the door: a ``Teacher``'s parameter tree must match its config
+(every path and shape of ``init_params(cfg)``; :func:`check_params`), and a
+teacher loaded from files (``from_checkpoint``, ``from_hf``, the teacher
+server) must also be finite everywhere; the pool refuses token ids outside
+``[0, V)``. A teacher built in memory with non-finite values is accepted and
+handled at run time as a fault (``opd.distill.faults``).
 """
 from __future__ import annotations
 
@@ -59,6 +66,7 @@ class Teacher:
     if not isinstance(self.params, dict) or "embedding" not in self.params:
       raise ValueError(f"Teacher {self.name!r}: params (a {type(self.params).__name__}) is not a "
                        "model parameter tree (no 'embedding')")
+    check_params(self.name, self.cfg, self.params)
 
   @property
   def head(self) -> jax.Array:
@@ -86,6 +94,7 @@ class Teacher:
           os.path.join(directory, "config.json")) else ""
       raise ValueError(f"teacher {name!r}: directory={directory!r} is not a model "
                        f"checkpoint{hint}: {e}") from e
+    check_params(name, cfg, params, finite=True, source=directory)
     return cls(name, cfg, params, domain)
 
   @classmethod
@@ -94,6 +103,7 @@ class Teacher:
     """A teacher from a HF safetensors directory (Llama / Qwen2 / Qwen3)."""
     from opd.models import hf
     cfg, params = hf.load_hf(path, dtype=dtype, config=config)
+    check_params(name, cfg, params, finite=True, source=path)
     return cls(name, cfg, params, domain)
 
   @classmethod
@@ -101,6 +111,44 @@ class Teacher:
              ) -> "Teacher":
     """A randomly initialised teacher (tests, tiny configs)."""
     return cls(name, cfg, init_params(cfg, jax.random.key(seed)), domain)
+
+
+def _path(keys) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)
+
+
+def check_params(name: str, cfg: ModelConfig, params, *, finite: bool = False,
+                 source: str | None = None) -> None:
+  """Checks teacher ``name``'s parameter tree against its config.
+
+  Every path of ``init_params(cfg)`` must be present with its shape, and no
+  other; with ``finite`` every value must be finite too (a pass over all
+  params: done when loading from files).
+
+  Raises:
+    ValueError: naming the teacher, the parameter path and the expected and
+      actual shape (or the count of non-finite values), and ``source``.
+  """
+  where = f" (loaded from {source!r})" if source else ""
+  want = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+  want = {_path(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(want)[0]}
+  got = {_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+  missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+  if missing or extra:
+    raise ValueError(f"teacher {name!r}{where}: its params do not match its config: missing "
+                     f"{missing}, unexpected {extra}")
+  for path, shape in want.items():
+    actual = tuple(np.shape(got[path]))
+    if actual != shape:
+      raise ValueError(f"teacher {name!r}{where}: parameter {path} has shape {actual}, but its "
+                       f"config (d_model={cfg.d_model}, n_layers={cfg.n_layers}, "
+                       f"vocab_size={cfg.vocab_size}) expects {shape}")
+  if finite:
+    for path in want:
+      n_bad = int(jnp.size(got[path]) - jnp.sum(jnp.isfinite(got[path])))
+      if n_bad:
+        raise ValueError(f"teacher {name!r}{where}: parameter {path} holds {n_bad} non-finite "
+                         f"values (of {int(jnp.size(got[path]))})")
 
 
 def check_teachers(teachers: Sequence[Teacher], vocab_size: int) -> tuple[Teacher, ...]:
@@ -228,7 +276,7 @@ class TeacherPool:
       mask: [B, T] bool real tokens.
     """
     self.teacher(name)
-    tokens, mask = _check_tokens(tokens, mask)
+    tokens, mask = _check_tokens(tokens, mask, f"teacher {name!r}", self.vocab_size)
     return jax.device_put(self._forward(name, tokens, mask),
                           sharding_lib.batch_sharding(self.mesh, self.rules, 3))
 
@@ -240,7 +288,7 @@ class TeacherPool:
     device.
     """
     self.teacher(name)
-    tokens, mask = _check_tokens(tokens, mask)
+    tokens, mask = _check_tokens(tokens, mask, f"teacher {name!r}", self.vocab_size)
     b = tokens.shape[0]
     n_shards = batch_shard_count(sharding_lib.batch_sharding(self.teacher_mesh, self.rules, 2))
     padded = np.concatenate([np.arange(b), np.zeros(-b % n_shards, int)])
@@ -277,7 +325,8 @@ class TeacherPool:
       ``{name: [B, T, D_k]}`` float32 on the student's batch sharding, for
       the teachers with at least one row.
     """
-    tokens, mask = _check_tokens(tokens, mask)
+    tokens, mask = _check_tokens(tokens, mask, f"teachers {list(self.names)}",
+                                 self.vocab_size)
     groups = row_groups(teacher_of_row, tokens.shape[0], len(self.teachers))
     out = {}
     for t, rows in zip(self.teachers, groups):
@@ -288,11 +337,17 @@ class TeacherPool:
     return out
 
 
-def _check_tokens(tokens, mask) -> tuple[np.ndarray, np.ndarray]:
+def _check_tokens(tokens, mask, who: str, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+  """[B, T] tokens with ids in [0, V) (an id >= V would read past the
+  embedding table: NaN hidden states, not an error) and a [B, T] mask."""
   tokens, mask = np.asarray(tokens), np.asarray(mask)
   if tokens.ndim != 2 or mask.shape != tokens.shape:
     raise ValueError(f"tokens.shape={tokens.shape} and mask.shape={mask.shape} must both be "
                      "[B, T]")
+  if tokens.size and (tokens.max() >= vocab_size or tokens.min() < 0):
+    bad = tokens.max() if tokens.max() >= vocab_size else tokens.min()
+    raise ValueError(f"{who}: tokens hold id {bad} outside [0, V={vocab_size}) "
+                     f"(max id {tokens.max()}, V={vocab_size})")
   return tokens, mask
 
 

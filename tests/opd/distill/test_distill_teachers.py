@@ -161,3 +161,53 @@ def test_teacher_from_hf_safetensors(data, tmp_path):
     np.testing.assert_array_equal(a, b)  # float32 on disk: bit-exact
   with pytest.raises(ValueError, match="d_model"):
     Teacher.from_hf("x", str(tmp_path / "hf"), config=WIDE)
+
+
+def test_a_teacher_whose_params_do_not_match_its_config_is_refused_at_load(data, tmp_path):
+  """A WIDE teacher's params under the NARROW config used to be accepted and
+  then skipped as a fault on every batch: now refused, naming the teacher,
+  the parameter path and both shapes. Loaded from files, a non-finite value
+  is refused too (naming the path)."""
+  _, _, teachers = data
+  wide = teachers[1]
+  one_narrow_layer = ModelConfig(vocab_size=V, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                                 d_ff=96)
+  with pytest.raises(ValueError, match=r"teacher 'x': parameter embedding has shape \(96, 48\), "
+                                       r"but its config .* expects \(96, 32\)"):
+    Teacher("x", one_narrow_layer, wide.params)
+  with pytest.raises(ValueError, match=r"teacher 'x': .*missing \['layers_1/attn/k', "):
+    Teacher("x", NARROW, wide.params)  # two layers in the config, one in the params
+  no_mlp = {**wide.params, "layers_0": {k: v for k, v in wide.params["layers_0"].items()
+                                        if k != "mlp"}}
+  with pytest.raises(ValueError, match=r"teacher 'x': .*missing \['layers_0/mlp/down', "
+                                       r"'layers_0/mlp/gate', 'layers_0/mlp/up'\]"):
+    Teacher("x", WIDE, no_mlp)
+  up = np.array(wide.params["layers_0"]["mlp"]["up"])
+  up[3, 7] = np.inf
+  bad = {**wide.params, "layers_0": {**wide.params["layers_0"],
+                                     "mlp": {**wide.params["layers_0"]["mlp"], "up": up}}}
+  Teacher("in_memory", WIDE, bad)  # built in code: a run-time fault (opd.distill.faults)
+  with CheckpointManager(tmp_path / "bad") as mngr:
+    mngr.save(1, {"params": bad}, config={"model": WIDE.to_dict()})
+  with pytest.raises(ValueError, match=r"teacher 'code_t' \(loaded from .*bad'\): parameter "
+                                       r"layers_0/mlp/up holds 1 non-finite values"):
+    Teacher.from_checkpoint("code_t", tmp_path / "bad", WIDE)
+  hf.save_hf(str(tmp_path / "hf"), WIDE, bad)
+  with pytest.raises(ValueError, match="layers_0/mlp/up holds 1 non-finite"):
+    Teacher.from_hf("code_t", str(tmp_path / "hf"), config=WIDE)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_teacher(data):
+  """An id >= V read past the embedding table and gave NaN hidden states."""
+  tokens, mask, teachers = data
+  pool = TeacherPool(teachers, V, sharding.make_mesh((1, 1, 1), jax.devices()[:1]))
+  bad = tokens.copy()
+  bad[1, 3] = V + 4
+  for call in (pool.hidden_one, pool.hidden_rows, pool.hidden):
+    with pytest.raises(ValueError, match=r"teacher 'math_t': tokens hold id 100 outside "
+                                         r"\[0, V=96\) \(max id 100, V=96\)"):
+      call("math_t", bad, mask)
+  bad[1, 3] = -1
+  with pytest.raises(ValueError, match=r"teachers \['math_t', 'code_t'\]: tokens hold id -1"):
+    pool.hidden_routed(bad, mask, [0, 1, 0, 1])
+  assert pool.forward_count == {"math_t": 0, "code_t": 0}
