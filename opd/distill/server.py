@@ -16,6 +16,13 @@ lists as ``{"shape": [...], "dtype": "..."}``.
   → ``{"ok": true, "arrays": [hidden float32 [B, T, D]]}``;
 * any failure → ``{"ok": false, "error": "..."}``.
 
+Every client call is bounded: connecting within ``timeout_s`` and the whole
+exchange (request and reply) within ``read_timeout_s``, on a socket with
+those timeouts, closed on every exit. A hung or stalled server therefore
+costs a ``TimeoutError`` (an ``"error"`` skip) and never a thread or a file
+descriptor that outlives the call: with ``timeout_s + read_timeout_s`` at
+most the fault layer's deadline, a hung server's call ends before it.
+
 Launch: ``python -m opd.distill.server --socket PATH --name NAME
 --config_json '{...ModelConfig...}' (--checkpoint DIR | --hf DIR | --seed N)``
 (:func:`launch` does it and waits until the socket accepts connections).
@@ -25,10 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
+import struct
 import subprocess
 import sys
 import time
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Connection, Listener
 from typing import Sequence
 
 import numpy as np
@@ -36,7 +45,57 @@ import numpy as np
 _DTYPES = ("int32", "bool", "float32")
 
 
-def send(conn: Connection, header: dict, arrays: Sequence[np.ndarray] = ()) -> None:
+class _Channel:
+  """The client's end: ``multiprocessing.connection`` framing over a socket
+  whose every operation must finish by ``deadline`` (``time.monotonic()``).
+
+  A frame is a 4-byte big-endian signed length and the bytes (a length over
+  2**31 - 1 is sent as -1 and an 8-byte unsigned length), as
+  ``Connection.send_bytes`` writes it.
+  """
+
+  def __init__(self, sock: socket.socket, deadline: float, what: str):
+    self.sock, self.deadline, self.what = sock, deadline, what
+
+  def _timeout(self) -> float:
+    left = self.deadline - time.monotonic()
+    if left <= 0:
+      raise TimeoutError(f"{self.what}: no complete answer within the read timeout")
+    return left
+
+  def send_bytes(self, data: bytes) -> None:
+    n = len(data)
+    head = struct.pack("!i", n) if n <= 0x7fffffff else struct.pack("!iQ", -1, n)
+    for part in (head, data):
+      self.sock.settimeout(self._timeout())
+      try:
+        self.sock.sendall(part)
+      except socket.timeout as e:
+        raise TimeoutError(f"{self.what}: the request was not taken within the read "
+                           "timeout") from e
+
+  def _recv(self, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+      self.sock.settimeout(self._timeout())
+      try:
+        k = self.sock.recv_into(view[got:])
+      except socket.timeout as e:
+        raise TimeoutError(f"{self.what}: no complete answer within the read timeout") from e
+      if k == 0:
+        raise EOFError(f"{self.what}: the server closed the connection")
+      got += k
+    return bytes(buf)
+
+  def recv_bytes(self) -> bytes:
+    n, = struct.unpack("!i", self._recv(4))
+    if n == -1:
+      n, = struct.unpack("!Q", self._recv(8))
+    return self._recv(n)
+
+
+def send(conn: "Connection | _Channel", header: dict, arrays: Sequence[np.ndarray] = ()) -> None:
   """One message: the JSON header (with the arrays' shapes / dtypes) and raw frames."""
   header = dict(header, arrays=[{"shape": list(a.shape), "dtype": str(a.dtype)} for a in arrays])
   conn.send_bytes(json.dumps(header).encode())
@@ -44,7 +103,7 @@ def send(conn: Connection, header: dict, arrays: Sequence[np.ndarray] = ()) -> N
     conn.send_bytes(np.ascontiguousarray(a).tobytes())
 
 
-def receive(conn: Connection) -> tuple[dict, list[np.ndarray]]:
+def receive(conn: "Connection | _Channel") -> tuple[dict, list[np.ndarray]]:
   """The inverse of :func:`send`; raises ValueError on a malformed message."""
   header = json.loads(conn.recv_bytes().decode())
   arrays = []
@@ -61,29 +120,53 @@ class RemoteTeacher:
   """Client of a teacher server: ``fn(tokens, mask) -> [B, T, D]`` float32.
 
   One connection per call, so that a call abandoned at its deadline never
-  shares a connection with the next. Any transport failure (the server was
-  killed, closed the connection, answered ``ok: false``) raises.
+  shares a connection with the next; the socket is closed when the call
+  ends, however it ends. Any transport failure (the server was killed,
+  closed the connection, answered ``ok: false``, did not answer in time)
+  raises.
 
   Args:
     socket_path: the server's Unix socket.
-    timeout_s: how long to wait for a connection.
+    timeout_s: how long to keep trying to connect (the server may be
+      starting, or its accept queue full).
+    read_timeout_s: how long the exchange may take once connected (sending
+      the request and receiving the whole reply): a hung server raises
+      ``TimeoutError`` then. Keep ``timeout_s + read_timeout_s`` at most the
+      fault layer's ``deadline_s`` (``OPDConfig.deadline_s``).
   """
 
-  def __init__(self, socket_path: str, *, timeout_s: float = 10.0):
+  def __init__(self, socket_path: str, *, timeout_s: float = 10.0, read_timeout_s: float = 50.0):
+    for field, value in (("timeout_s", timeout_s), ("read_timeout_s", read_timeout_s)):
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"RemoteTeacher.{field}={value!r} must be a positive number of seconds")
     self.socket_path = socket_path
-    self.timeout_s = timeout_s
+    self.timeout_s = float(timeout_s)
+    self.read_timeout_s = float(read_timeout_s)
 
-  def _request(self, header: dict, arrays=()) -> tuple[dict, list[np.ndarray]]:
+  def _connect(self) -> socket.socket:
     deadline = time.monotonic() + self.timeout_s
     while True:
+      sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
       try:
-        conn = Client(self.socket_path, family="AF_UNIX")
-        break
-      except (FileNotFoundError, ConnectionRefusedError):
+        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+        sock.connect(self.socket_path)
+        return sock
+      except (FileNotFoundError, ConnectionRefusedError, BlockingIOError, socket.timeout) as e:
+        sock.close()  # BlockingIOError / timeout: the server's accept queue is full
         if time.monotonic() > deadline:
+          if isinstance(e, BlockingIOError):
+            raise TimeoutError(f"teacher server {self.socket_path}: its accept queue stayed full "
+                               f"for timeout_s={self.timeout_s}") from e
           raise
         time.sleep(0.05)
-    with conn:
+      except BaseException:
+        sock.close()
+        raise
+
+  def _request(self, header: dict, arrays=()) -> tuple[dict, list[np.ndarray]]:
+    with self._connect() as sock:
+      conn = _Channel(sock, time.monotonic() + self.read_timeout_s,
+                      f"teacher server {self.socket_path}")
       send(conn, header, arrays)
       reply, out = receive(conn)
     if not reply.get("ok"):
