@@ -11,7 +11,7 @@ pair exactly as the teacher generated it::
                     prompt and on tool turns
 
 which ``opd.training.data.sft_dataset`` (the SFT objective's batches, as
-``experiments.sft.sft_batches`` builds them) consumes. Rejections are
+``opd.training.sft.sft_batches`` builds them) consumes. Rejections are
 counted per teacher and per reason.
 """
 from __future__ import annotations
