@@ -25,8 +25,9 @@ denied, and why:
 * namespaces: ``unshare``, ``setns`` and every ``CLONE_NEW*`` flag on ``clone``;
 * sockets of any family but ``AF_UNIX`` (``socket``, ``socketpair``); the
   run's network namespace keeps Unix sockets to the run itself;
-* signals to pid 1 (``kill``, ``tkill``, ``tgkill``) and to pid -1 (every
-  process the caller may signal), and ``pidfd_send_signal`` altogether. In a
+* signals to pid 1 (``kill``, ``tkill``, ``tgkill``, ``rt_sigqueueinfo``,
+  ``rt_tgsigqueueinfo``) and to pid -1 (every process the caller may
+  signal), and ``pidfd_send_signal`` altogether. In a
   pid namespace every other pid names a process of the run itself, and pid 1
   is the supervisor; outside one ("rlimits"), pids of other processes cannot
   be told apart by a filter and the per-run uid is what keeps the host's
@@ -57,7 +58,8 @@ CLONE_NAMESPACE_FLAGS = {"CLONE_NEWTIME": 0x80, "CLONE_NEWNS": 0x00020000,
                          "CLONE_NEWIPC": 0x08000000, "CLONE_NEWUSER": 0x10000000,
                          "CLONE_NEWPID": 0x20000000, "CLONE_NEWNET": 0x40000000}
 AF_UNIX = 1
-_PID_ARG_SYSCALLS = ("kill", "tkill", "tgkill")  # first argument: the target pid (or tgid)
+# First argument: the target pid (or thread group id).
+PID_ARG_SYSCALLS = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
 _LOCK = threading.Lock()
 _CACHE: dict[str, bytes | str] = {}
 
@@ -74,7 +76,7 @@ def _build() -> bytes:
     f.add_rule(deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
   for name in ("socket", "socketpair"):
     f.add_rule(deny, name, seccomp.Arg(0, seccomp.NE, AF_UNIX))
-  for name in _PID_ARG_SYSCALLS:
+  for name in PID_ARG_SYSCALLS:
     # 32-bit pids: compare the low word only, so that -1 matches however it was widened.
     for pid in (1, 0xFFFFFFFF):
       f.add_rule(deny, name, seccomp.Arg(0, seccomp.MASKED_EQ, 0xFFFFFFFF, pid))

@@ -17,6 +17,7 @@ import json
 import os
 import pathlib
 import random
+import runpy
 import shutil
 import subprocess
 import sys
@@ -29,12 +30,15 @@ from opd.tasks.code_task import CodeTask
 from opd.tasks.sandbox import api as sandbox_api
 from opd.tasks.sandbox.api import (KERNEL_ISOLATION, UID_BASE, IsolationUnavailable, Sandbox,
                                    SandboxLimits, SandboxResult, isolation_report)
+from opd.tasks.sandbox import seccomp
 from opd.tasks.sandbox.batch import run_python_batch
 
 LIMITS = SandboxLimits(cpu_s=2, wall_s=3.0)
 LEVELS = [level for level, state in isolation_report().items() if state == "available"]
 FAILED = ("exit_code:", "forbidden:", "signal:", "memory_limit", "supervisor_")
 GOOD = "print(sum(range(10)))"  # a neighbour in every batch; prints 45
+DRIVER = pathlib.Path(__file__).with_name("sandbox_user_driver.py")
+ALLOW_ALL = runpy.run_path(str(DRIVER))["ALLOW_ALL"]
 
 _ADD_KEY = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
             "libc.syscall.restype = ctypes.c_long\n"
@@ -148,19 +152,27 @@ def _reader_interpreter() -> str:
               "/usr/local/bin or /bin: namespaces-user cannot be exercised by a root caller")
 
 
-def user_mode(guard: bool, single: list[str], batch: list[str]) -> dict:
-  """Results of ``namespaces-user`` runs made by an unprivileged caller."""
-  request = {"guard": guard, "single": single, "batch": batch}
+def user_mode(guard: bool, single: list[str], batch: list[str],
+              allow_all_filter: bool = False) -> dict:
+  """Results of ``namespaces-user`` runs made by an unprivileged caller
+  (``allow_all_filter``: with a seccomp filter that allows every call)."""
+  request = {"guard": guard, "single": single, "batch": batch,
+             "allow_all_filter": allow_all_filter}
   if os.geteuid() != 0:  # already unprivileged: run here
+    if allow_all_filter:
+      monkeypatch = pytest.MonkeyPatch()
+      monkeypatch.setattr(seccomp, "program_filter", lambda: ALLOW_ALL)
     box = Sandbox(LIMITS, isolation="namespaces-user", python_guard=guard)
-    return {"isolation": box.isolation,
-            "single": [box.run_python(s) for s in single],
+    got = {"isolation": box.isolation, "enforced": box.enforced,
+           "single": [box.run_python(s) for s in single],
             "batch": run_python_batch(box, batch)}
+    if allow_all_filter:
+      monkeypatch.undo()
+    return got
   uid = UID_BASE - 1 - random.randrange(2**16)  # outside the per-run range; no account uses it
   repo = pathlib.Path(__file__).resolve().parents[3]
   site = os.path.dirname(os.path.dirname(os.path.abspath(__import__("numpy").__file__)))
-  driver = pathlib.Path(__file__).with_name("sandbox_user_driver.py")
-  proc = subprocess.run([_reader_interpreter(), "-I", str(driver), str(repo), site],
+  proc = subprocess.run([_reader_interpreter(), "-I", str(DRIVER), str(repo), site],
                         input=json.dumps(request), capture_output=True, text=True, user=uid,
                         group=uid, extra_groups=[], cwd="/", env={"PATH": "/usr/bin:/bin"},
                         timeout=120, check=False)
@@ -197,6 +209,22 @@ def test_escapes_fail_as_the_program_in_user_mode(guard, deep_host_parser):
       assert reward.reward == 0.0, (name, reward)
     out = execution.read_outputs(batch[1 + 2 * n + i], len(inputs))  # raises on sandbox_error
     assert not out.ok or all(v.startswith("error:") for v in out.values), (name, out)
+
+
+def test_supervisor_ignores_the_programs_signals():
+  """Under the filter, the supervisor itself ignores what reaches it: with a
+  filter that allows every call, signals from the program to pid 1 (by
+  ``kill`` and by ``pidfd_send_signal``; Python handles SIGINT, so pid 1's
+  protection alone would deliver it) are sent, and the run is still the
+  program's, ``ok``. Without the blocked signals: ``sandbox_error:KeyboardInterrupt``."""
+  sends = [f"import os, signal\nos.kill(1, signal.{name})\nprint('sent')\n"
+           for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGALRM")]
+  sends.append("import os, signal\n"
+               "signal.pidfd_send_signal(os.pidfd_open(1), signal.SIGINT)\nprint('sent')\n")
+  got = user_mode(False, sends, sends, allow_all_filter=True)
+  assert "seccomp_filter" in got["enforced"]
+  for r in got["single"] + got["batch"]:
+    assert (r.ok, r.reason, r.stdout) == (True, "ok", "sent\n"), r
 
 
 def _host_state(run_ids: list[str], uids: set[int]) -> dict:

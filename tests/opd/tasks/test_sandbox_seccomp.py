@@ -90,6 +90,7 @@ FAMILIES = {
         ("kill_all", "os.kill(-1, 0)"),
         ("kill_supervisor", "os.kill(1, 0)"),
         ("tgkill_supervisor", "call(NR['tgkill'], 1, 1, 0)"),
+        ("sigqueue_supervisor", "call(NR['rt_sigqueueinfo'], 1, 0, buf(128))"),
         ("pidfd_send_signal", "import signal\nsignal.pidfd_send_signal(os.pidfd_open(os.getpid()), 0)"),
     ],
 }
@@ -101,7 +102,7 @@ def _numbers() -> dict:
     arch = pyseccomp.system_arch()
     names = ["ptrace", "process_vm_readv", "pidfd_getfd", "add_key", "keyctl", "request_key",
              "bpf", "perf_event_open", "io_uring_setup", "userfaultfd", "mount", "umount2",
-             "pivot_root", "fsopen", "unshare", "setns", "clone", "clone3", "tgkill"]
+             "pivot_root", "fsopen", "unshare", "setns", "clone", "clone3", "tgkill", "rt_sigqueueinfo"]
     _NR.update({name: pyseccomp.resolve_syscall(arch, name) for name in names})
   return _NR
 
@@ -146,5 +147,6 @@ def test_filter_is_built_from_the_deny_list():
   arch = pyseccomp.system_arch()
   # A BPF "jeq k" instruction holds its constant k in bytes 4..8.
   constants = {int.from_bytes(bpf[i + 4:i + 8], "little") for i in range(0, len(bpf), 8)}
-  for name in seccomp.DENIED + ("clone3", "clone", "socket", "socketpair", "kill", "tgkill"):
+  for name in seccomp.DENIED + seccomp.PID_ARG_SYSCALLS + ("clone3", "clone", "socket",
+                                                           "socketpair"):
     assert pyseccomp.resolve_syscall(arch, name) in constants, name
