@@ -30,7 +30,7 @@ import tqdm
 
 from grm.verify.format import (Analysis, generator_prompt, parse_analysis, refine_prompt,
                                split_generation, verifier_prompt)
-from opd.config.fields import check_int, set_field
+from opd.config.fields import check_fields, check_int, set_field
 
 GenerateFn = Callable[[Sequence[str]], Sequence[str]]
 
@@ -46,10 +46,8 @@ class SearchConfig:
   n_pairs: int | None = None
 
   def __post_init__(self):
-    for name in ("n_candidates", "n_analyses", "n_keep"):
-      set_field(self, name, check_int("SearchConfig", name, getattr(self, name), min_value=1))
-    set_field(self, "n_rounds", check_int("SearchConfig", "n_rounds", self.n_rounds,
-                                          min_value=0))
+    check_fields(self, "SearchConfig",
+                 ints={"n_candidates": 1, "n_analyses": 1, "n_keep": 1, "n_rounds": 0})
     set_field(self, "n_pairs", check_int("SearchConfig", "n_pairs", self.n_pairs, min_value=1,
                                          allow_none=True))
     if self.n_keep > self.n_candidates:

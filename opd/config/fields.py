@@ -26,8 +26,8 @@ from typing import Any, Mapping, Sequence, TypeVar
 import ml_collections
 import numpy as np
 
-__all__ = ["check_int", "check_float", "check_bool", "check_choice", "set_field", "from_group",
-           "to_group"]
+__all__ = ["check_int", "check_float", "check_bool", "check_choice", "check_fields", "set_field",
+           "from_group", "to_group"]
 
 T = TypeVar("T")
 
@@ -110,6 +110,45 @@ def check_choice(owner: str, name: str, value: Any, choices: Sequence[Any]) -> A
 def set_field(obj: Any, name: str, value: Any) -> None:
   """Stores a normalised value on a (possibly frozen) dataclass in ``__post_init__``."""
   object.__setattr__(obj, name, value)
+
+
+def check_fields(obj: Any, owner: str, *, ints: Mapping[str, int] | None = None,
+                 positive: Sequence[str] = (), non_negative: Sequence[str] = (),
+                 floats: Mapping[str, Mapping[str, Any]] | None = None,
+                 bools: Sequence[str] = (), choices: Mapping[str, Sequence[Any]] | None = None
+                 ) -> None:
+  """Validates fields of a config dataclass and stores their normalised values.
+
+  The ``__post_init__`` block every config repeats, written once::
+
+    check_fields(self, "OPDConfig", ints={"group_size": 1, "length_bucket": 0},
+                 positive=("temperature",), bools=("verify",),
+                 choices={"schedule": SCHEDULES})
+
+  Args:
+    obj: the (possibly frozen) dataclass being initialised.
+    owner: its name in error messages (``f"{owner}.{field} must be ..."``).
+    ints: field -> smallest allowed value (``check_int``).
+    positive: fields that are finite numbers > 0.
+    non_negative: fields that are finite numbers >= 0.
+    floats: field -> ``check_float`` bounds (``min_value``, ``max_value``,
+      ``min_exclusive``, ``max_exclusive``, ``allow_none``).
+    bools: fields that are True or False.
+    choices: field -> the allowed values.
+
+  Raises:
+    ValueError: from the first invalid field, in the order of the arguments.
+  """
+  for name, lo in (ints or {}).items():
+    set_field(obj, name, check_int(owner, name, getattr(obj, name), min_value=lo))
+  bounds = {**{n: dict(min_value=0, min_exclusive=True) for n in positive},
+            **{n: dict(min_value=0) for n in non_negative}, **(floats or {})}
+  for name, b in bounds.items():
+    set_field(obj, name, check_float(owner, name, getattr(obj, name), **b))
+  for name in bools:
+    set_field(obj, name, check_bool(owner, name, getattr(obj, name)))
+  for name, allowed in (choices or {}).items():
+    check_choice(owner, name, getattr(obj, name), allowed)
 
 
 def from_group(cls: type[T], group: Mapping[str, Any] | ml_collections.ConfigDict | None,

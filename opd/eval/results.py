@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Sequence
 
-from opd.config.fields import check_bool, check_float, check_int, set_field
+from opd.config.fields import check_fields, check_int, set_field
 from opd.eval.stats import Estimate
 from opd.tasks import ALL_DOMAINS, DIFFICULTIES
 
@@ -78,21 +78,19 @@ class EvalConfig:
     if len(set(domains)) != len(domains):
       raise ValueError(f"EvalConfig.domains has duplicates: {domains!r}")
     set_field(self, "domains", tuple(domains))
-    for name, minimum in (("n_per_domain", 1), ("seed", 0), ("num_samples", 0),
-                          ("max_new_tokens", 1), ("bootstrap_samples", 2), ("batch_size", 1),
-                          ("prompt_bucket", 1), ("num_transcripts", 0)):
-      set_field(self, name, check_int("EvalConfig", name, getattr(self, name), min_value=minimum))
+    check_fields(self, "EvalConfig",
+                 ints={"n_per_domain": 1, "seed": 0, "num_samples": 0, "max_new_tokens": 1,
+                       "bootstrap_samples": 2, "batch_size": 1, "prompt_bucket": 1,
+                       "num_transcripts": 0},
+                 bools=("greedy",))
     set_field(self, "difficulty", check_int("EvalConfig", "difficulty", self.difficulty,
                                             min_value=DIFFICULTIES[0],
                                             max_value=DIFFICULTIES[-1]))
-    set_field(self, "greedy", check_bool("EvalConfig", "greedy", self.greedy))
     if not self.greedy and self.num_samples == 0:
       raise ValueError("EvalConfig has nothing to evaluate: greedy=False and num_samples=0")
-    set_field(self, "temperature", check_float("EvalConfig", "temperature", self.temperature,
-                                               min_value=0.0, min_exclusive=True))
-    for name in ("top_p", "solved_threshold"):
-      set_field(self, name, check_float("EvalConfig", name, getattr(self, name), min_value=0.0,
-                                        min_exclusive=True, max_value=1.0))
+    check_fields(self, "EvalConfig", positive=("temperature",),
+                 floats=dict.fromkeys(("top_p", "solved_threshold"),
+                                      dict(min_value=0.0, min_exclusive=True, max_value=1.0)))
 
   @property
   def sampled_metrics(self) -> tuple[str, ...]:

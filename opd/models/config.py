@@ -13,8 +13,7 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
-from opd.config.fields import (check_bool, check_choice, check_float, check_int, from_group,
-                               set_field)
+from opd.config.fields import check_fields, check_int, from_group, set_field
 
 _DTYPES = {
     "float32": jnp.float32,
@@ -68,17 +67,15 @@ class ModelConfig:
   remat: bool = False
 
   def __post_init__(self):
-    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
-      set_field(self, name, check_int("ModelConfig", name, getattr(self, name), min_value=1))
+    check_fields(self, "ModelConfig",
+                 ints=dict.fromkeys(("vocab_size", "d_model", "n_layers", "n_heads",
+                                     "n_kv_heads", "d_ff"), 1),
+                 positive=("rope_theta", "norm_eps"),
+                 bools=("qk_norm", "qkv_bias", "o_bias", "tie_embeddings", "scalar_head",
+                        "remat"),
+                 choices=dict.fromkeys(("dtype", "param_dtype"), tuple(_DTYPES)))
     set_field(self, "head_dim", check_int("ModelConfig", "head_dim", self.head_dim, min_value=1,
                                           allow_none=True))
-    for name in ("rope_theta", "norm_eps"):
-      set_field(self, name, check_float("ModelConfig", name, getattr(self, name), min_value=0,
-                                        min_exclusive=True))
-    for name in ("qk_norm", "qkv_bias", "o_bias", "tie_embeddings", "scalar_head", "remat"):
-      set_field(self, name, check_bool("ModelConfig", name, getattr(self, name)))
-    for name in ("dtype", "param_dtype"):
-      check_choice("ModelConfig", name, getattr(self, name), tuple(_DTYPES))
     if self.head_dim is None and self.d_model % self.n_heads:
       raise ValueError(
           f"ModelConfig.d_model={self.d_model} is not divisible by "

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from opd.config.fields import check_bool, check_float, check_int, set_field
+from opd.config.fields import check_fields, check_int, set_field
 from opd.parallel import sharding as shd
 from opd.models import ModelConfig, forward, head_matrix
 from opd.rollout.prefill import PrefillRows, distinct_rows, prefill
@@ -77,22 +77,16 @@ class SamplingConfig:
 
   def __post_init__(self):
     own = "SamplingConfig"
-    set_field(self, "max_new_tokens", check_int(own, "max_new_tokens", self.max_new_tokens,
-                                                min_value=1))
-    for name in ("top_k", "pad_id"):
-      set_field(self, name, check_int(own, name, getattr(self, name), min_value=0))
-    set_field(self, "temperature", check_float(own, "temperature", self.temperature,
-                                               min_value=0))  # 0 = greedy
-    set_field(self, "top_p", check_float(own, "top_p", self.top_p, min_value=0,
-                                         min_exclusive=True, max_value=1))  # 1 = off
+    check_fields(self, own, ints={"max_new_tokens": 1, "top_k": 0, "pad_id": 0},
+                 non_negative=("temperature",),  # 0 = greedy
+                 floats={"top_p": dict(min_value=0, min_exclusive=True, max_value=1)})  # 1 = off
     for name in ("eos_ids", "stop_ids"):
       value = getattr(self, name)
       if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise ValueError(f"SamplingConfig.{name} must be a sequence of token ids, got {value!r}")
       set_field(self, name, tuple(check_int(own, f"{name}[{i}]", v, min_value=0)
                                   for i, v in enumerate(value)))
-    for name in ("return_hidden", "share_prefill"):
-      set_field(self, name, check_bool(own, name, getattr(self, name)))
+    check_fields(self, own, bools=("return_hidden", "share_prefill"))
     if self.max_new_tokens_cap is not None:
       set_field(self, "max_new_tokens_cap", check_int(own, "max_new_tokens_cap",
                                                       self.max_new_tokens_cap, min_value=1))

@@ -52,7 +52,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from opd.config.fields import check_bool, check_choice, check_int, set_field
+from opd.config.fields import check_fields, check_int, set_field
 
 MODES = ("pad", "pack")
 LONG_POLICIES = ("split", "truncate", "error")
@@ -80,17 +80,12 @@ class _Options:
 
   def __post_init__(self):
     own = self.owner
-    for name in ("seq_len", "batch_size", "process_count"):
-      set_field(self, name, check_int(own, name, getattr(self, name), min_value=1))
+    check_fields(self, own, ints={"seq_len": 1, "batch_size": 1, "process_count": 1})
     for name in ("num_epochs", "num_packing_bins", "vocab_size"):
       set_field(self, name, check_int(own, name, getattr(self, name), min_value=1,
                                       allow_none=True))
-    for name in ("seed", "pad_id"):
-      set_field(self, name, check_int(own, name, getattr(self, name), min_value=0))
-    for name in ("shuffle", "drop_remainder"):
-      set_field(self, name, check_bool(own, name, getattr(self, name)))
-    check_choice(own, "mode", self.mode, MODES)
-    check_choice(own, "too_long", self.too_long, LONG_POLICIES)
+    check_fields(self, own, ints={"seed": 0, "pad_id": 0}, bools=("shuffle", "drop_remainder"),
+                 choices={"mode": MODES, "too_long": LONG_POLICIES})
     set_field(self, "process_index", check_int(own, "process_index", self.process_index,
                                                min_value=0))
     if self.process_index >= self.process_count:

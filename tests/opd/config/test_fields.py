@@ -132,3 +132,33 @@ def test_every_config_dataclass_takes_numpy_ints_and_refuses_bools():
     with pytest.raises(ValueError, match=rf"{cls.__name__}\.{name} must be a positive int, "
                                          r"got True"):
       cls(**{name: True})
+
+
+def test_check_fields_validates_normalises_and_names_the_field():
+  @dataclasses.dataclass(frozen=True)
+  class _Block:
+    n: int = 2
+    lr: float = 0.5
+    decay: float = 0.0
+    frac: float = 0.5
+    on: bool = True
+    mode: str = "a"
+
+    def __post_init__(self):
+      fields.check_fields(self, "_Block", ints={"n": 2}, positive=("lr",),
+                          non_negative=("decay",), floats={"frac": dict(min_value=0, max_value=1)},
+                          bools=("on",), choices={"mode": ("a", "b")})
+
+  cfg = _Block(n=np.int32(3), lr=np.float32(0.25), decay=1, frac=np.float64(1.0), on=np.bool_(0))
+  assert (cfg.n, cfg.lr, cfg.decay, cfg.frac, cfg.on) == (3, 0.25, 1.0, 1.0, False)
+  assert [type(v) for v in (cfg.n, cfg.lr, cfg.decay, cfg.frac, cfg.on)] == [
+      int, float, float, float, bool]
+  for kwargs, message in [
+      (dict(n=1), r"_Block.n must be an int >= 2, got 1"),
+      (dict(lr=0.0), r"_Block.lr must be a finite number > 0, got 0.0"),
+      (dict(decay=-1.0), r"_Block.decay must be a finite number >= 0, got -1.0"),
+      (dict(frac=1.5), r"_Block.frac must be a finite number >= 0 and <= 1, got 1.5"),
+      (dict(on=1), r"_Block.on must be True or False, got 1"),
+      (dict(mode="c"), r"_Block.mode must be one of \('a', 'b'\), got 'c'")]:
+    with pytest.raises(ValueError, match=message):
+      _Block(**kwargs)
