@@ -227,6 +227,18 @@ GUARD_BYPASSES = {
                   "    d = f.f_locals.get('deny')\n    if d is not None:\n"
                   "      d.__code__ = noop.__code__\n    f = f.f_back\n  return orig(p, **k)\n"
                   "os.path.realpath = spy\nopen('trigger', 'w').close()\n",
+    # A descriptor on the class of the hook's frozen namespaces runs inside the
+    # hook (E2 of the third red-team): the hook's deny sets emptied.
+    "namespace_descriptor":
+        "import os, sys\ndef grab(self):\n  f = sys._getframe(1)\n  while f is not None:\n"
+        "    chk = f.f_locals.get('check')\n"
+        "    for c in (getattr(chk, '__closure__', None) or ()):\n"
+        "      if isinstance(c.cell_contents, frozenset):\n"
+        "        c.cell_contents = frozenset()\n    f = f.f_back\n  return os.lstat\n"
+        "for k in object.__subclasses__():\n"
+        "  if k.__name__ in ('_Frozen', 'SimpleNamespace'):\n    try:\n"
+        "      k.lstat = property(grab)\n    except TypeError:\n      pass\n"
+        "open('trigger', 'w').close()\n",
 }
 
 
