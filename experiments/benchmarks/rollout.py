@@ -2,7 +2,9 @@
 
 A rollout batch is what ``GRPOSource.next_batch`` / ``OPDSource.next_batch``
 build before a training update. This benchmark composes the same library
-calls, timing each stage apart:
+calls (``opd.rollout.batches.sample_groups`` and ``training_arrays``, the
+scoring and advantages, the teacher cache and ``loss_batch``), timing each
+stage apart:
 
 * ``sample``: ``opd.rollout.rollout``'s sampler calls (prefill + decode,
   host-side decoding of the completions; multi-turn agent episodes also step
@@ -53,7 +55,8 @@ Same-run baseline: ``--baseline REV`` (default ``BASELINE_COMMIT``, the
 commit before the verify-stage optimisation; ``none`` skips it) runs this
 very script in a child process whose ``opd`` and ``pallas_kernels`` packages
 are REV's (``git archive REV opd pallas_kernels`` into a temporary directory
-put first on ``sys.path``), then merges its stage times into this run's JSON
+put first on ``sys.path``; a REV without ``opd/rollout/batches.py``, the
+batch assembly this script calls, gets this checkout's copy of it), then merges its stage times into this run's JSON
 as ``baseline`` with per-stage ``speedup`` = baseline seconds / these seconds.
 Both runs record their commit; ``outputs_match`` says whether the two
 produced identical episodes and rewards (a digest of every batch's response
@@ -182,74 +185,69 @@ def _digest(episodes) -> str:
   return h.hexdigest()[:16]
 
 
-def _rollout(stages: _Stages, model_cfg, params, tok, examples, key, sampling, *, mesh, rules,
-             verify: bool, batch_size: int, task_kwargs=None):
-  from opd import rollout as rollout_lib
+def _sample(stages: _Stages, setup: dict, step: int, *, verify: bool):
+  """``opd.rollout.batches.sample_groups`` of the setup's prompts (each
+  repeated G times) with step ``step``'s key, as the sources call it;
+  ``sample`` and ``verify`` seconds from ``rollout``'s timings."""
+  from opd.rollout import batches
   timings: dict[str, float] = {}
   t0 = time.perf_counter()
-  episodes = rollout_lib.rollout(model_cfg, params, tok, examples, key, sampling,
-                                 timings=timings, mesh=mesh, rules=rules, verify=verify,
-                                 batch_size=batch_size, task_kwargs=task_kwargs)
+  episodes = batches.sample_groups(
+      setup["model_cfg"], setup["params"], setup["tok"], setup["examples"], setup["rollout"],
+      jax.random.key(0), step, setup["sampling"], timings=timings, mesh=setup["mesh"],
+      rules=setup["rules"], verify=verify, task_kwargs=setup.get("task_kwargs"))
   total = time.perf_counter() - t0
   stages.add("verify", timings.get("verify", 0.0))
   stages.add("sample", total - timings.get("verify", 0.0))  # sampling + episode building
   return episodes
 
 
+def _training_arrays(setup: dict, episodes) -> dict:
+  from opd.rollout import batches
+  cfg = setup["cfg"]
+  return batches.training_arrays(episodes, seq_len=cfg.seq_len, length_bucket=cfg.length_bucket,
+                                 pad_id=setup["tok"].pad_id)[0]
+
+
+def _info(episodes) -> dict[str, Any]:
+  return {"prompts": len(episodes),
+          "policy_tokens": int(sum(ep.num_policy_tokens for ep in episodes)),
+          "digest": _digest(episodes)}
+
+
 def _grpo_batch(setup: dict, step: int) -> tuple[dict[str, float], dict[str, Any]]:
   """One GRPO rollout batch (``GRPOSource.next_batch`` without the prompt stream)."""
   from opd.rl.advantages import group_advantages
-  from opd.rl.rollout_source import fit_episode, training_length
   from opd.rl.scoring import score_episodes
-  from opd.rollout import batch_episodes
   from opd.training.train_step import shard_batch
   cfg, stages = setup["cfg"], _Stages()
-  group = [ex for ex in setup["examples"] for _ in range(cfg.group_size)]
-  episodes = _rollout(stages, setup["model_cfg"], setup["params"], setup["tok"], group,
-                      jax.random.fold_in(jax.random.key(0), step), setup["sampling"],
-                      mesh=setup["mesh"], rules=setup["rules"], verify=True,
-                      batch_size=cfg.batch_size, task_kwargs=setup["task_kwargs"])
+  episodes = _sample(stages, setup, step, verify=True)
 
   def assemble():
-    scores = score_episodes(episodes)
-    rewards = np.asarray([s.reward for s in scores]).reshape(cfg.prompts_per_step,
-                                                            cfg.group_size)
-    adv = group_advantages(rewards, scale_by_std=cfg.scale_advantages_by_std,
-                           eps=cfg.advantage_eps)
-    kept = [fit_episode(ep, cfg.seq_len)[0] for ep in episodes]
-    host = batch_episodes(kept, seq_len=training_length(kept, cfg), pad_id=setup["tok"].pad_id)
+    rewards = np.asarray([s.reward for s in score_episodes(episodes)])
+    adv = group_advantages(rewards.reshape(cfg.prompts_per_step, cfg.group_size),
+                           scale_by_std=cfg.scale_advantages_by_std, eps=cfg.advantage_eps)
+    host = _training_arrays(setup, episodes)
     host["advantages"] = adv.reshape(-1)
     return shard_batch(host, setup["mesh"], setup["rules"])
 
   batch = stages.timed("assembly", assemble)
   if setup["reference"] is not None:
     stages.timed("reference", setup["reference"], setup["params"], batch)
-  info = {"prompts": len(group),
-          "policy_tokens": int(sum(ep.num_policy_tokens for ep in episodes)),
-          "digest": _digest(episodes)}
-  return stages.seconds, info
+  return stages.seconds, _info(episodes)
 
 
 def _opd_batch(setup: dict, step: int) -> tuple[dict[str, float], dict[str, Any]]:
   """One OPD rollout batch (``OPDSource.next_batch`` without diagnostics)."""
-  from opd.distill import schedule
   from opd.distill.cache import loss_batch
-  from opd.rl.rollout_source import fit_episode, training_length
-  from opd.rollout import batch_episodes
   from opd.training.train_step import shard_batch
   cfg, stages = setup["cfg"], _Stages()
-  examples = [ex for ex in setup["examples"] for _ in range(cfg.group_size)]
-  episodes = _rollout(stages, setup["model_cfg"], setup["params"], setup["tok"], examples,
-                      jax.random.fold_in(jax.random.key(0), step), setup["sampling"],
-                      mesh=setup["mesh"], rules=setup["rules"], verify=cfg.verifies,
-                      batch_size=cfg.batch_size)
-  domains = [ex.domain for ex in examples]
+  episodes = _sample(stages, setup, step, verify=cfg.verifies)
+  domains = [ep.example.domain for ep in episodes]
 
   def pad():
-    kept = [fit_episode(ep, cfg.seq_len)[0] for ep in episodes]
-    host = batch_episodes(kept, seq_len=training_length(kept, cfg), pad_id=setup["tok"].pad_id)
-    w = schedule.routing_weights(domains, setup["teacher_domains"], host["tokens"].shape[1])
-    return host, w
+    host = _training_arrays(setup, episodes)
+    return host, setup["routing"](domains, setup["teacher_domains"], host["tokens"].shape[1])
 
   host, w = stages.timed("assembly", pad)
   routed = np.asarray(w)[:, 0, :].argmax(axis=1).astype(np.int32)  # one-hot routing
@@ -268,10 +266,7 @@ def _opd_batch(setup: dict, step: int) -> tuple[dict[str, float], dict[str, Any]
     return batch
 
   stages.timed("assembly", assemble)
-  info = {"prompts": len(examples),
-          "policy_tokens": int(sum(ep.num_policy_tokens for ep in episodes)),
-          "digest": _digest(episodes)}
-  return stages.seconds, info
+  return stages.seconds, _info(episodes)
 
 
 def _configs(quick: bool):
@@ -279,6 +274,23 @@ def _configs(quick: bool):
   from experiments.configs import v4 as v4_config
   c = v4_config.get_config("tiny" if quick else None)
   return c.specialists, c
+
+
+def _rollout_config(cfg):
+  """``cfg.rollout``. A baseline's ``opd`` (``BASELINE_COMMIT``) predates it:
+  then ``cfg`` itself, which holds what ``sample_groups`` reads (``group_size``,
+  ``batch_size``)."""
+  return cfg.rollout if hasattr(cfg, "rollout") else cfg
+
+
+def _routing_weights():
+  """``opd.distill.teacher_weighting.routing_weights`` (``schedule`` in a
+  baseline's ``opd`` before the module was renamed)."""
+  try:
+    from opd.distill import teacher_weighting
+  except ImportError:
+    from opd.distill import schedule as teacher_weighting
+  return teacher_weighting.routing_weights
 
 
 def _grpo_setups(spec, policies, domains, mesh, rules) -> list[tuple[str, dict]]:
@@ -306,7 +318,8 @@ def _grpo_setups(spec, policies, domains, mesh, rules) -> list[tuple[str, dict]]
     examples = domain_examples((d,), "train", cfg.prompts_per_step, spec.seed,
                                tuple(spec.grpo_data.difficulties))
     out.append((f"grpo/{d}", dict(
-        cfg=cfg, model_cfg=model_cfg, tok=tok, sampling=sampling, examples=examples,
+        cfg=cfg, rollout=_rollout_config(cfg), model_cfg=model_cfg, tok=tok,
+        sampling=sampling, examples=examples,
         params=_params(model_cfg, ckpt, spec.seed, mesh, rules), mesh=mesh, rules=rules,
         reference=reference, task_kwargs=agent if d == "agent" else None)))
   return out
@@ -337,11 +350,12 @@ def _opd_setup(v4, policies, mesh, rules) -> dict:
   examples = [ex for group in zip(*by_domain) for ex in group][:cfg.prompts_per_step]
   # The v4 student starts from its cold start; a specialists workdir has the base.
   ckpt = None if policies is None else policies / "base" / "checkpoints"
-  return dict(cfg=cfg, model_cfg=model_cfg, tok=tok, examples=examples, mesh=mesh, rules=rules,
+  sampling = rollout_lib.sampling_for_chat(tok, max_new_tokens=cfg.max_new_tokens,
+                                           temperature=cfg.temperature)
+  return dict(cfg=cfg, rollout=_rollout_config(cfg), model_cfg=model_cfg, tok=tok,
+              examples=examples, mesh=mesh, rules=rules,
               params=_params(model_cfg, ckpt, v4.seed, mesh, rules), teacher_domains=domains,
-              sampling=rollout_lib.sampling_for_chat(tok, max_new_tokens=cfg.max_new_tokens,
-                                                     temperature=cfg.temperature),
-              cache=HiddenStateCache(asked, dtype=cfg.cache_dtype,
+              routing=_routing_weights(), sampling=sampling, cache=HiddenStateCache(asked, dtype=cfg.cache_dtype,
                                      sharding=sharding.batch_sharding(mesh, rules, 3)))
 
 
@@ -443,19 +457,17 @@ def _sample_stage(setup: dict, share: bool | None, step: int) -> dict[str, Any]:
   wall and CPU seconds, prompts, policy tokens and the episodes' digest.
   ``share``: ``share_prefill`` (None: the setup's sampling as it is, for a
   baseline whose ``SamplingConfig`` may predate the field)."""
-  from opd import rollout as rollout_lib
-  cfg = setup["cfg"]
-  examples = [ex for ex in setup["examples"] for _ in range(cfg.group_size)]
+  from opd.rollout import batches
   sampling = setup["sampling"]
   if share is not None:
     sampling = sampling.replace(share_prefill=share)
   wall, cpu = time.perf_counter(), time.process_time()
-  episodes = rollout_lib.rollout(setup["model_cfg"], setup["params"], setup["tok"], examples,
-                                 jax.random.fold_in(jax.random.key(0), step), sampling,
-                                 mesh=setup["mesh"], rules=setup["rules"], verify=False,
-                                 batch_size=cfg.batch_size, task_kwargs=setup.get("task_kwargs"))
+  episodes = batches.sample_groups(
+      setup["model_cfg"], setup["params"], setup["tok"], setup["examples"], setup["rollout"],
+      jax.random.key(0), step, sampling, mesh=setup["mesh"], rules=setup["rules"],
+      verify=False, task_kwargs=setup.get("task_kwargs"))
   return {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
-          "prompts": len(examples), "policy_tokens": sum(ep.num_policy_tokens for ep in episodes),
+          "prompts": len(episodes), "policy_tokens": sum(ep.num_policy_tokens for ep in episodes),
           "digest": _digest(episodes)}
 
 
@@ -576,6 +588,11 @@ def run_baseline(rev: str, args) -> dict[str, Any]:
     archive = subprocess.run(["git", "archive", rev, "opd", "pallas_kernels"], cwd=ROOT,
                              capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+    batches = pathlib.Path(tmp, "opd", "rollout", "batches.py")
+    if not batches.exists():
+      # This script assembles batches with the library's opd.rollout.batches
+      # (as the sources do); a rev that predates it gets this checkout's.
+      batches.write_text((ROOT / "opd" / "rollout" / "batches.py").read_text())
     commit = subprocess.run(["git", "rev-parse", rev], cwd=ROOT, capture_output=True,
                             text=True, check=True).stdout.strip()
     policies = _policies_dir(args.policies)

@@ -1,7 +1,7 @@
 """Multi-teacher on-policy distillation: the building blocks (docs/DESIGN.md §3).
 
 ``teachers`` (Teacher, TeacherPool: hidden states, placement, teacher-sorted
-batching), ``faults`` (deadlines, skips, counters), ``schedule`` (weights
+batching), ``faults`` (deadlines, skips, counters), ``teacher_weighting`` (weights
 ``[B, T, K]``: routing, confidence, uniform, annealing, renormalisation after
 skips), ``cache`` (the per-rollout-batch hidden-state cache), ``loss`` (the
 OPD loss on ``pallas_kernels.fused_reverse_kl``, docs/DESIGN.md §4, and its
@@ -26,8 +26,8 @@ compose them into the trainer on ``opd.training.loop``, roughly as below;
       state, metrics = step(state, opd_batch)
   metrics |= asked.counter.metrics(pool.names) | weight_metrics(w, mask, pool.names)
 """
-from opd.distill import (cache, cold_start, diagnostics, faults, loss, schedule, server, source,
-                         teachers, trainer)
+from opd.distill import (cache, cold_start, diagnostics, faults, loss, server, source,
+                         teacher_weighting, teachers, trainer)
 from opd.distill.cold_start import ColdStartData, teacher_sft_pairs
 from opd.distill.cache import CachedBatch, HiddenStateCache, loss_batch
 from opd.distill.diagnostics import (logit_diagnostics, sample_response_positions,
@@ -38,7 +38,7 @@ from opd.distill.loss import ESTIMATORS, OPDLossConfig, make_opd_loss
 from opd.distill import merging, offpolicy
 from opd.distill.merging import average_params, task_arithmetic, task_vectors
 from opd.distill.offpolicy import OffPolicyConfig, train_offpolicy_kd
-from opd.distill.schedule import (anneal, apply_availability, confidence_scores,
+from opd.distill.teacher_weighting import (anneal, apply_availability, confidence_scores,
                                   confidence_weights, normalize, routing_weights, uniform_weights,
                                   weight_metrics)
 from opd.distill.server import RemoteTeacher
@@ -55,6 +55,6 @@ __all__ = [
     "TeacherPool", "anneal", "apply_availability", "cache", "call_with_deadline",
     "check_teachers", "confidence_scores", "confidence_weights", "diagnostics", "faults",
     "logit_diagnostics", "loss", "loss_batch", "make_opd_loss", "normalize", "routing_weights",
-    "row_groups", "sample_response_positions", "schedule", "server", "teacher_diagnostics",
-    "teachers", "uniform_weights", "weight_metrics",
+    "row_groups", "sample_response_positions", "server", "teacher_diagnostics",
+    "teacher_weighting", "teachers", "uniform_weights", "weight_metrics",
 ]

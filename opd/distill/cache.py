@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opd.distill import schedule
+from opd.distill import teacher_weighting
 from opd.distill.faults import TeacherAnswers
 
 
@@ -116,14 +116,16 @@ def loss_batch(batch: Mapping[str, np.ndarray], cached: CachedBatch,
       ``positions``), all [B, T].
     cached: the batch's :class:`CachedBatch`.
     weights: [B, T, K] scheduled weights (before skips), each token summing
-      to a positive number (:func:`opd.distill.schedule.normalize` checks).
+      to a positive number (:func:`opd.distill.teacher_weighting.normalize`
+      checks).
 
   Returns:
     ``(loss_batch, row_ok)``: the dict :func:`opd.distill.loss.make_opd_loss`
     takes, its weights zeroed for skipped teachers and renormalised
-    (:func:`opd.distill.schedule.apply_availability`); ``row_ok`` [B] bool.
+    (:func:`opd.distill.teacher_weighting.apply_availability`); ``row_ok`` [B] bool.
   """
-  w, row_ok = schedule.apply_availability(schedule.normalize(weights), cached.available)
+  w, row_ok = teacher_weighting.apply_availability(teacher_weighting.normalize(weights),
+                                                   cached.available)
   out = {k: batch[k] for k in ("tokens", "targets", "mask", "loss_mask", "positions")
          if k in batch}
   out["teacher_hidden"] = cached.hidden

@@ -12,7 +12,7 @@ skipped for the batch when it
 and skipped for the rows where its hidden states are non-finite at a real
 token (``"nonfinite"``, counted once per batch, the rows in
 ``nonfinite_rows``). Skipped entries are zeroed, so no NaN ever reaches the
-loss; :func:`opd.distill.schedule.apply_availability` then renormalises the
+loss; :func:`opd.distill.teacher_weighting.apply_availability` then renormalises the
 weights over the teachers that answered, masks rows none answered and the
 caller skips the step when no row is left (``TeacherAnswers.batch_ok``).
 Training never crashes on a teacher fault.

@@ -42,7 +42,7 @@ The batch (teacher hidden states from :class:`opd.distill.cache.HiddenStateCache
     mask                      [B, T] bool  real tokens
     loss_mask                 [B, T] float response (student-sampled) targets
     teacher_hidden            K arrays [B, T, D_k], aligned with ``tokens``
-    teacher_weights           [B, T, K] >= 0 (opd.distill.schedule)
+    teacher_weights           [B, T, K] >= 0 (opd.distill.teacher_weighting)
     positions (optional)      [B, T] int
     old_logprobs, advantages  [B, T] float, [B] float   (only with grpo_coef > 0)
 """

@@ -42,14 +42,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from opd import rollout as rollout_lib
 from opd.config import fields
 from opd.distill.cold_start import teacher_sft_pairs
 from opd.distill.loss import AGGREGATIONS, BATCH_KEYS
 from opd.distill.teachers import Teacher, TeacherPool
 from opd.models import ModelConfig, forward, head_matrix
 from opd.parallel import sharding as sharding_lib
-from opd.rl.rollout_source import PromptStream, fit_episode, training_length
+from opd.rollout.batches import PromptStream, training_arrays
 from opd.rollout.episodes import Episode
 from opd.tasks import Example
 from opd.training import loop as train_loop
@@ -91,18 +90,13 @@ class OffPolicyConfig:
   sample_batch_size: int = 32
 
   def __post_init__(self):
-    owner = "OffPolicyConfig"
-    for name, lo in (("batch_size", 1), ("seq_len", 2), ("length_bucket", 0),
-                     ("max_new_tokens", 1), ("samples_per_prompt", 1),
-                     ("sample_batch_size", 1)):
-      fields.set_field(self, name, fields.check_int(owner, name, getattr(self, name),
-                                                    min_value=lo))
-    for name in ("kl_temperature", "temperature"):
-      fields.set_field(self, name, fields.check_float(owner, name, getattr(self, name),
-                                                      min_value=0, min_exclusive=True))
-    fields.set_field(self, "min_reward", fields.check_float(owner, "min_reward", self.min_reward,
-                                                            min_value=0, max_value=1))
-    fields.check_choice(owner, "aggregation", self.aggregation, AGGREGATIONS)
+    fields.check_fields(
+        self, "OffPolicyConfig", ints={"batch_size": 1, "seq_len": 2, "length_bucket": 0,
+                                       "max_new_tokens": 1, "samples_per_prompt": 1,
+                                       "sample_batch_size": 1},
+        positive=("kl_temperature", "temperature"),
+        floats={"min_reward": dict(min_value=0, max_value=1)},
+        choices={"aggregation": AGGREGATIONS})
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -228,8 +222,8 @@ def make_forward_kl_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.A
 def _host_batch(pool: TeacherPool, episodes: Sequence[Episode], owner: np.ndarray,
                 cfg: OffPolicyConfig, pad_id: int) -> tuple[dict, tuple]:
   """Training arrays of ``episodes`` and each teacher's hidden states on them."""
-  eps = [fit_episode(ep, cfg.seq_len)[0] for ep in episodes]
-  host = rollout_lib.batch_episodes(eps, seq_len=training_length(eps, cfg), pad_id=pad_id)
+  host, _ = training_arrays(episodes, seq_len=cfg.seq_len, length_bucket=cfg.length_bucket,
+                            pad_id=pad_id)
   del host["old_logprobs"]
   hidden = pool.hidden_routed(host["tokens"], host["mask"], owner)
   shape = host["tokens"].shape

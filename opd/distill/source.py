@@ -3,10 +3,11 @@
 ``OPDSource`` is an ``opd.training.loop.RolloutSource``. For OPD step s
 (0-based) ``next_batch(state, s)``:
 
-1. draws P prompts (``opd.rl.rollout_source.PromptStream``, resumable);
+1. draws P prompts (``opd.rollout.batches.draw_prompts``, from a resumable
+   ``PromptStream``);
 2. the student samples G responses per prompt at ``temperature``
-   (``opd.rollout.rollout``, key ``fold_in(key(seed), s)``: a resumed run
-   samples what an uninterrupted one would), verified only with
+   (``opd.rollout.batches.sample_groups``, key ``fold_in(key(seed), s)``: a
+   resumed run samples what an uninterrupted one would), verified only with
    ``verify=True`` or ``grpo_coef > 0`` (then ``reward/mean`` is logged);
    with ``grpo_coef > 0`` the rewards of rows ``p*G .. p*G+G-1`` (prompt
    p's samples) become group-normalised advantages
@@ -54,9 +55,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from opd import rollout as rollout_lib
 from opd.config import fields
-from opd.distill import diagnostics, schedule
+from opd.distill import diagnostics, teacher_weighting
 from opd.distill.cache import HiddenStateCache, loss_batch
 from opd.distill.faults import FaultTolerantTeachers
 from opd.distill.loss import AGGREGATIONS, ESTIMATORS, OPDLossConfig
@@ -65,9 +65,9 @@ from opd.parallel import distributed
 from opd.parallel import sharding as sharding_lib
 from opd.rl.advantages import group_advantages
 from opd.rl.config import GRPOConfig
-from opd.rl.rollout_source import (GRPOSource, draw_prompts, fit_episode, prompt_problem,
-                                   training_length)
 from opd.rl.scoring import score_episodes
+from opd.rollout.batches import (PromptPosition, RolloutConfig, check_rollout_fields,
+                                 draw_prompts, prompt_problem, sample_groups, training_arrays)
 from opd.tasks import RewardStats
 from opd.training.train_step import shard_batch
 
@@ -144,32 +144,26 @@ class OPDConfig:
 
   def __post_init__(self):
     owner = "OPDConfig"
-    for name, lo in (("prompts_per_step", 1), ("group_size", 1), ("max_new_tokens", 1),
-                     ("seq_len", 2), ("length_bucket", 0), ("anneal_steps", 0), ("top_k", 1),
-                     ("updates_per_batch", 1), ("diag_every", 0), ("diag_tokens", 1)):
-      fields.set_field(self, name, fields.check_int(owner, name, getattr(self, name),
-                                                    min_value=lo))
-    for name in ("temperature", "kl_temperature", "teacher_temperature", "confidence_temperature",
-                 "deadline_s"):
-      fields.set_field(self, name, fields.check_float(owner, name, getattr(self, name),
-                                                      min_value=0, min_exclusive=True))
-    for name in ("forward_kl_coef", "grpo_coef", "grpo_clip_eps_high"):
-      fields.set_field(self, name, fields.check_float(owner, name, getattr(self, name),
-                                                      min_value=0))
-    fields.set_field(self, "grpo_clip_eps_low", fields.check_float(
-        owner, "grpo_clip_eps_low", self.grpo_clip_eps_low, min_value=0, max_value=1,
-        max_exclusive=True))
-    for name in ("confidence_per_token", "verify"):
-      fields.set_field(self, name, fields.check_bool(owner, name, getattr(self, name)))
-    fields.check_choice(owner, "schedule", self.schedule, SCHEDULES)
-    fields.check_choice(owner, "confidence_by", self.confidence_by, schedule.SCORES)
-    fields.check_choice(owner, "estimator", self.estimator, ESTIMATORS)
-    fields.check_choice(owner, "aggregation", self.aggregation, AGGREGATIONS)
-    fields.check_choice(owner, "cache_dtype", self.cache_dtype, ("bfloat16", "float16",
-                                                                 "float32"))
-    if self.seq_len < self.max_new_tokens + 1:
-      raise ValueError(f"{owner}.seq_len={self.seq_len} must be >= max_new_tokens + 1 = "
-                       f"{self.max_new_tokens + 1} (a prompt token plus a full response)")
+    check_rollout_fields(self, owner)
+    fields.check_fields(
+        self, owner, ints={"anneal_steps": 0, "top_k": 1, "updates_per_batch": 1,
+                           "diag_every": 0, "diag_tokens": 1},
+        positive=("kl_temperature", "teacher_temperature", "confidence_temperature",
+                  "deadline_s"),
+        non_negative=("forward_kl_coef", "grpo_coef", "grpo_clip_eps_high"),
+        floats={"grpo_clip_eps_low": dict(min_value=0, max_value=1, max_exclusive=True)},
+        bools=("confidence_per_token", "verify"),
+        choices={"schedule": SCHEDULES, "confidence_by": teacher_weighting.SCORES,
+                 "estimator": ESTIMATORS, "aggregation": AGGREGATIONS,
+                 "cache_dtype": ("bfloat16", "float16", "float32")})
+
+  @property
+  def rollout(self) -> RolloutConfig:
+    """The rollout fields (P, G, temperature, N, L and its bucket) as one typed
+    config; the student samples untruncated (``top_k`` here is the estimator's)."""
+    return RolloutConfig(prompts_per_step=self.prompts_per_step, group_size=self.group_size,
+                         temperature=self.temperature, max_new_tokens=self.max_new_tokens,
+                         seq_len=self.seq_len, length_bucket=self.length_bucket)
 
   @property
   def batch_size(self) -> int:
@@ -216,7 +210,7 @@ def make_hidden_fn(model_cfg: ModelConfig, *, mesh, rules):
   return fn
 
 
-class OPDSource:
+class OPDSource(PromptPosition):
   """OPD rollout batches for ``opd.training.loop.run`` (module docstring).
 
   Args:
@@ -227,7 +221,8 @@ class OPDSource:
     heads: the K heads ``W_k`` [D_k, V] (``TeacherPool.heads``).
     domains: the K teachers' domains (routing; None: never routed to).
     total_steps: the run's length (annealing ends at its last step).
-    tokenizer, mesh, rules, seed: as ``opd.rl.rollout_source.GRPOSource``;
+    tokenizer, mesh, rules, seed: as ``opd.rl.rollout_source.GRPOSource``
+      (the prompt position is the whole state, ``PromptPosition``);
       with several processes ``mesh`` must hold only this process's devices.
     train_mesh: the mesh of the training step (default ``mesh``); batches
       are placed on it.
@@ -260,9 +255,8 @@ class OPDSource:
     self.cache = HiddenStateCache(teachers, dtype=cfg.cache_dtype,
                                   sharding=sharding_lib.batch_sharding(mesh, rules, 3))
     self._key = jax.random.key(seed)
-    self._sampling = rollout_lib.sampling_for_chat(
-        tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
-    self._problem = functools.partial(prompt_problem, tokenizer=tokenizer, cfg=cfg,
+    self._sampling = cfg.rollout.sampling(tokenizer)
+    self._problem = functools.partial(prompt_problem, tokenizer=tokenizer, cfg=cfg.rollout,
                                       custom_reward=not cfg.verifies)
     self._student_hidden = make_hidden_fn(student_cfg, mesh=mesh, rules=rules)
     self._tokens = 0.0
@@ -271,18 +265,18 @@ class OPDSource:
     """[B, T, K] scheduled, annealed weights (before skips)."""
     cfg, k = self.cfg, len(self.names)
     if cfg.schedule == "routing":
-      w = schedule.routing_weights([ex.domain for ex in examples], self.domains, t)
+      w = teacher_weighting.routing_weights([ex.domain for ex in examples], self.domains, t)
     elif cfg.schedule == "uniform":
-      w = schedule.uniform_weights(len(examples), t, k)
+      w = teacher_weighting.uniform_weights(len(examples), t, k)
     else:
       hidden = [h.astype(np.float32) for h in cached.hidden]
-      scores = schedule.confidence_scores(hidden, self.heads, jax.numpy.asarray(host["targets"]),
-                                          score=cfg.confidence_by,
-                                          temperature=cfg.kl_temperature)
-      w = schedule.confidence_weights(scores, host["loss_mask"] > 0,
-                                      temperature=cfg.confidence_temperature,
-                                      per="token" if cfg.confidence_per_token else "sequence")
-    return schedule.anneal(w, step, max(self.total_steps, step + 1), cfg.anneal_steps)
+      scores = teacher_weighting.confidence_scores(
+          hidden, self.heads, jax.numpy.asarray(host["targets"]), score=cfg.confidence_by,
+          temperature=cfg.kl_temperature)
+      w = teacher_weighting.confidence_weights(
+          scores, host["loss_mask"] > 0, temperature=cfg.confidence_temperature,
+          per="token" if cfg.confidence_per_token else "sequence")
+    return teacher_weighting.anneal(w, step, max(self.total_steps, step + 1), cfg.anneal_steps)
 
   def _routed_rows(self, examples, t: int, step: int) -> np.ndarray | None:
     """[B] teacher index when this step's weights are one-hot per row (routing,
@@ -301,17 +295,15 @@ class OPDSource:
     drawn = draw_prompts(self.prompts, cfg.prompts_per_step, self._problem, stats)
     if drawn is None:
       return None
-    examples = [ex for ex in drawn for _ in range(cfg.group_size)]
+    examples = [ex for ex in drawn for _ in range(cfg.group_size)]  # row p * G + g: prompt p
     params = distributed.replicate_on(state.params, self.mesh) if self._multi else state.params
-    episodes = rollout_lib.rollout(
-        self.student_cfg, params, self.tokenizer, examples,
-        jax.random.fold_in(self._key, step), self._sampling,
-        stats=stats if cfg.verifies else None, mesh=self.mesh, rules=self.rules,
-        verify=cfg.verifies, batch_size=cfg.batch_size)
+    episodes = sample_groups(self.student_cfg, params, self.tokenizer, drawn, cfg.rollout,
+                             self._key, step, self._sampling,
+                             stats=stats if cfg.verifies else None, mesh=self.mesh,
+                             rules=self.rules, verify=cfg.verifies)
     t1 = time.perf_counter()
-    kept = [fit_episode(ep, cfg.seq_len)[0] for ep in episodes]
-    host = rollout_lib.batch_episodes(kept, seq_len=training_length(kept, cfg),
-                                      pad_id=self.tokenizer.pad_id)
+    host, _ = training_arrays(episodes, seq_len=cfg.seq_len, length_bucket=cfg.length_bucket,
+                              pad_id=self.tokenizer.pad_id)
     t = host["tokens"].shape[1]
     routed = self._routed_rows(examples, t, step)
     cached = self.cache.get(step, host["tokens"], host["mask"], routed)
@@ -360,7 +352,7 @@ class OPDSource:
                "opd/masked_rows": float((~row_ok).sum()),
                "cache/computes": float(self.cache.computes)}
     metrics.update(self.teachers.counter.metrics(self.names))
-    metrics.update(schedule.weight_metrics(weights, host["loss_mask"], self.names))
+    metrics.update(teacher_weighting.weight_metrics(weights, host["loss_mask"], self.names))
     for k, v in self.cache.bytes_per_token(self.student_cfg.vocab_size).items():
       metrics[f"cache/bytes_per_token/{k.removeprefix('cache/')}"] = float(v)
     rewards = [ep.reward.reward for ep in episodes if ep.reward is not None]
@@ -397,7 +389,3 @@ class OPDSource:
 
   def texts(self, step: int) -> dict[str, str]:
     return {}
-
-  # The prompt position is the whole state, as in GRPO.
-  get_state = GRPOSource.get_state
-  set_state = GRPOSource.set_state

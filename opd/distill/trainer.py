@@ -30,7 +30,7 @@ from opd.distill.teachers import Teacher, TeacherPool
 from opd.models import ModelConfig, head_matrix
 from opd.parallel import distributed
 from opd.parallel import sharding as sharding_lib
-from opd.rl.rollout_source import PromptStream, training_length
+from opd.rollout.batches import PromptStream, training_length
 from opd.tasks import Example
 from opd.training import loop as train_loop
 from opd.training.metrics_writer import MetricWriter
@@ -146,8 +146,9 @@ def make_heldout_eval(student_cfg: ModelConfig, pool: TeacherPool, prompts: Sequ
       params = distributed.replicate_on(params, mesh)
     episodes = rollout_lib.rollout(student_cfg, params, tokenizer, prompts, seed, sampling,
                                    mesh=mesh, rules=rules, verify=False)
-    host = rollout_lib.batch_episodes(episodes, seq_len=training_length(episodes, cfg),
-                                      pad_id=tokenizer.pad_id)
+    host = rollout_lib.batch_episodes(
+        episodes, seq_len=training_length(episodes, cfg.seq_len, cfg.length_bucket),
+        pad_id=tokenizer.pad_id)
     b, t = host["tokens"].shape
     h_s = hidden_fn(params, host["tokens"], host["mask"]).reshape(b * t, -1)
     h_k = [np.asarray(pool.hidden_rows(n, host["tokens"], host["mask"])).reshape(b * t, -1)

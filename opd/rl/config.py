@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from opd.config.fields import check_bool, check_choice, check_float, check_int, set_field
+from opd.config import fields
+from opd.rollout.batches import RolloutConfig, check_rollout_fields
 
 LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "token_sum_norm")
 # The GRPOConfig fields the loss (``opd.rl.loss.make_grpo_loss``) reads.
@@ -63,24 +64,20 @@ class GRPOConfig:
 
   def __post_init__(self):
     owner = "GRPOConfig"
-    for name, lo in (("group_size", 2), ("prompts_per_step", 1), ("top_k", 0),
-                     ("max_new_tokens", 1), ("updates_per_batch", 1), ("seq_len", 2),
-                     ("length_bucket", 0), ("num_text_samples", 0)):
-      set_field(self, name, check_int(owner, name, getattr(self, name), min_value=lo))
-    floats = {"clip_eps_low": dict(min_value=0.0, max_value=1.0, max_exclusive=True),
-              "clip_eps_high": dict(min_value=0.0), "kl_coef": dict(min_value=0.0),
-              "advantage_eps": dict(min_value=0.0),
-              "temperature": dict(min_value=0.0, min_exclusive=True),
-              "top_p": dict(min_value=0.0, max_value=1.0, min_exclusive=True),
-              "max_error_fraction": dict(min_value=0.0, max_value=1.0)}
-    for name, bounds in floats.items():
-      set_field(self, name, check_float(owner, name, getattr(self, name), **bounds))
-    set_field(self, "scale_advantages_by_std",
-              check_bool(owner, "scale_advantages_by_std", self.scale_advantages_by_std))
-    check_choice(owner, "loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS)
-    if self.seq_len < self.max_new_tokens + 1:
-      raise ValueError(f"{owner}.seq_len={self.seq_len} must be >= max_new_tokens + 1 = "
-                       f"{self.max_new_tokens + 1} (a prompt token plus a full turn)")
+    check_rollout_fields(self, owner, min_group_size=2)  # a group of one has no baseline
+    fields.check_fields(
+        self, owner, ints={"top_k": 0, "updates_per_batch": 1, "num_text_samples": 0},
+        non_negative=("clip_eps_high", "kl_coef", "advantage_eps"),
+        floats={"clip_eps_low": dict(min_value=0, max_value=1, max_exclusive=True),
+                "top_p": dict(min_value=0, max_value=1, min_exclusive=True),
+                "max_error_fraction": dict(min_value=0, max_value=1)},
+        bools=("scale_advantages_by_std",), choices={"loss_aggregation": LOSS_AGGREGATIONS})
+
+  @property
+  def rollout(self) -> RolloutConfig:
+    """The rollout fields (P, G, sampling, L and its bucket) as one typed config."""
+    return RolloutConfig(**{f.name: getattr(self, f.name)
+                            for f in dataclasses.fields(RolloutConfig)})
 
   @property
   def batch_size(self) -> int:

@@ -28,8 +28,9 @@ from opd.models import ModelConfig
 from opd.parallel import sharding as sharding_lib
 from opd.rl.config import GRPOConfig
 from opd.rl.loss import make_grpo_loss
-from opd.rl.rollout_source import GRPOSource, PromptStream
+from opd.rl.rollout_source import GRPOSource
 from opd.rl.scoring import RewardFn
+from opd.rollout.batches import PromptStream
 from opd.tasks import AgentRewardConfig, Example
 from opd.training import loop as train_loop
 from opd.training.metrics_writer import MetricWriter

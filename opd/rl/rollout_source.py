@@ -3,22 +3,23 @@
 ``GRPOSource`` is a ``opd.training.loop.RolloutSource``. For GRPO step s
 (0-based) ``next_batch(state, s)``:
 
-1. draws P prompts (``PromptStream`` over a list, or any iterator of
-   ``Example``s; malformed prompts score 0 with reason ``bad_example`` and
-   are replaced by the next one, so batch shapes never change);
-2. repeats each G times, consecutively, and ``opd.rollout.rollout``s them
-   with a key folded from ``seed`` and s (a resumed run samples exactly what
-   an uninterrupted one would);
+1. draws P prompts (``opd.rollout.batches.draw_prompts`` from a
+   ``PromptStream`` over a list, or any iterator of ``Example``s; malformed
+   prompts score 0 with reason ``bad_example`` and are replaced by the next
+   one, so batch shapes never change);
+2. repeats each G times, consecutively, and rolls them out
+   (``opd.rollout.batches.sample_groups``) with a key folded from ``seed``
+   and s (a resumed run samples exactly what an uninterrupted one would);
 3. scores them (``opd.rl.scoring.score_episodes``: the task verifiers or a
    ``reward_fn``); a step whose share of errors exceeds
    ``max_error_fraction`` raises ``VerifierFailureError`` before any update;
 4. turns the ``[P, G]`` rewards (row p: prompt p's G samples) into
    group-normalised advantages, the episodes into training arrays
-   (``batch_episodes``) and adds the frozen reference's log-probs.
+   (``opd.rollout.batches.training_arrays``) and adds the frozen
+   reference's log-probs.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -27,130 +28,20 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from opd import rollout as rollout_lib
 from opd.models import ModelConfig, forward, token_logprobs
 from opd.parallel import sharding as sharding_lib
 from opd.rl.advantages import group_advantages
 from opd.rl.config import GRPOConfig
-from opd.rl.scoring import RewardFn, count_reason, reward_metrics, score_episodes
-from opd.rollout.episodes import Episode
-from opd.tasks import (ALL_DOMAINS, AgentRewardConfig, Example, RewardStats,
-                       VerifierFailureError, get_task, is_multi_turn)
+from opd.rl.scoring import RewardFn, reward_metrics, score_episodes
+from opd.rollout.batches import (PromptPosition, draw_prompts, prompt_problem, sample_groups,
+                                 training_arrays)
+from opd.tasks import AgentRewardConfig, RewardStats, VerifierFailureError
 from opd.training.train_step import shard_batch
 
-__all__ = ["GRPOSource", "PromptStream", "draw_prompts", "fit_episode", "make_reference_fn",
-           "prompt_problem", "reference_logprobs",
-           "training_length"]
+__all__ = ["GRPOSource", "make_reference_fn", "reference_logprobs"]
 
 # Train-step flags that say nothing once the loop has checked them.
 _FLAGS = ("finite", "loss_finite", "grads_finite")
-
-
-class PromptStream:
-  """An endless, resumable iterator over a list of prompts.
-
-  Each epoch visits every item once in an order drawn from ``(seed, epoch)``
-  (or in list order with ``shuffle=False``). ``get_state()`` /
-  ``set_state()`` save and restore the position, so a checkpointed run
-  continues with the prompt it would have drawn next.
-  """
-
-  def __init__(self, items: Sequence[Any], *, seed: int = 0, shuffle: bool = True):
-    if not isinstance(items, Sequence) or isinstance(items, (str, bytes)) or not items:
-      raise ValueError(f"items must be a non-empty sequence of prompts, got {type(items).__name__}"
-                       f" of length {len(items) if hasattr(items, '__len__') else '?'}")
-    self.items, self.seed, self.shuffle = list(items), int(seed), bool(shuffle)
-    self.epoch, self.index = 0, 0
-
-  def _order(self) -> np.ndarray:
-    if getattr(self, "_order_epoch", None) != self.epoch:
-      n = len(self.items)
-      self._order_cache = (np.random.default_rng([self.seed, self.epoch]).permutation(n)
-                           if self.shuffle else np.arange(n))
-      self._order_epoch = self.epoch
-    return self._order_cache
-
-  def __iter__(self) -> "PromptStream":
-    return self
-
-  def __next__(self):
-    if self.index >= len(self.items):
-      self.epoch, self.index = self.epoch + 1, 0
-    item = self.items[int(self._order()[self.index])]
-    self.index += 1
-    return item
-
-  def get_state(self) -> dict:
-    return {"epoch": self.epoch, "index": self.index, "size": len(self.items)}
-
-  def set_state(self, state: Mapping[str, Any]) -> None:
-    if state.get("size") != len(self.items):
-      raise ValueError(f"PromptStream state {dict(state)} was saved for {state.get('size')} "
-                       f"prompts, this stream has {len(self.items)}")
-    epoch, index = state.get("epoch"), state.get("index")
-    if not (isinstance(epoch, int) and epoch >= 0 and isinstance(index, int)
-            and 0 <= index <= len(self.items)):
-      raise ValueError(f"PromptStream state {dict(state)} has an invalid epoch/index")
-    self.epoch, self.index = epoch, index
-
-
-def prompt_problem(ex: Any, tokenizer, cfg: GRPOConfig, *, custom_reward: bool) -> str | None:
-  """Why ``ex`` cannot be rolled out and trained on, or None."""
-  if not isinstance(ex, Example):
-    return f"not an Example but {type(ex).__name__}"
-  known = ex.domain in ALL_DOMAINS
-  if not known and not custom_reward:
-    return f"no verifier for domain {ex.domain!r} (domains: {ALL_DOMAINS})"
-  try:
-    if known and is_multi_turn(ex.domain):
-      get_task(ex.domain).make_env().reset(ex)  # the environment accepts its prompt
-    n = len(rollout_lib.prompt_ids(tokenizer, ex))
-  except Exception as e:  # noqa: BLE001 - a malformed prompt is data, not a crash
-    return f"cannot render: {type(e).__name__}: {e}"
-  if n + cfg.max_new_tokens - 1 > cfg.seq_len:
-    return (f"prompt of {n} tokens + max_new_tokens={cfg.max_new_tokens} does not fit "
-            f"seq_len={cfg.seq_len}")
-  return None
-
-
-def draw_prompts(stream: Iterator, n: int, problem: Callable[[Any], str | None],
-          stats: RewardStats) -> list[Example] | None:
-  """``n`` good prompts (None when the stream ends); bad ones are counted."""
-  out, bad = [], []
-  while len(out) < n:
-    try:
-      ex = next(stream)
-    except StopIteration:
-      return None
-    why = problem(ex)
-    if why is None:
-      out.append(ex)
-      continue
-    count_reason(stats, f"bad_example:{why}"[:300])
-    bad.append(why)
-    if len(bad) > 4 * n:  # never loop forever on a stream of garbage
-      raise VerifierFailureError(f"{len(bad)} malformed prompts while drawing {n} good ones; "
-                                 f"e.g. {bad[0]!r}")
-  return out
-
-
-def training_length(episodes: Sequence[Episode], cfg: GRPOConfig) -> int:
-  """Row length of a step's training arrays: the longest episode (prompt +
-  response − 1 targets) rounded up to ``cfg.length_bucket``, capped at
-  ``cfg.seq_len``."""
-  if not cfg.length_bucket:
-    return cfg.seq_len
-  longest = max(len(ep.prompt_ids) + len(ep.response_ids) - 1 for ep in episodes)
-  return min(cfg.seq_len, cfg.length_bucket * -(-longest // cfg.length_bucket))
-
-
-def fit_episode(ep: Episode, seq_len: int) -> tuple[Episode, bool]:
-  """Cuts an episode's response so it fits ``seq_len`` (only multi-turn ones can overflow)."""
-  room = seq_len + 1 - len(ep.prompt_ids)
-  if len(ep.response_ids) <= room:
-    return ep, False
-  return dataclasses.replace(ep, response_ids=ep.response_ids[:room],
-                             policy_mask=ep.policy_mask[:room], logprobs=ep.logprobs[:room]), True
 
 
 def make_reference_fn(model_cfg: ModelConfig, temperature: float, *, mesh,
@@ -217,7 +108,7 @@ def _checked_extras(extras: Mapping[str, Any], host: Mapping[str, Any], rows: in
   return out
 
 
-class GRPOSource:
+class GRPOSource(PromptPosition):
   """GRPO rollout batches for ``opd.training.loop.run`` (module docstring).
 
   Args:
@@ -257,10 +148,8 @@ class GRPOSource:
     self._key = jax.random.key(seed)
     self._reference = (make_reference_fn(model_cfg, cfg.temperature, mesh=mesh, rules=rules)
                        if ref_params is not None else None)
-    self._sampling = rollout_lib.sampling_for_chat(
-        tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-        top_k=cfg.top_k, top_p=cfg.top_p)
-    self._problem = functools.partial(prompt_problem, tokenizer=tokenizer, cfg=cfg,
+    self._sampling = cfg.rollout.sampling(tokenizer)
+    self._problem = functools.partial(prompt_problem, tokenizer=tokenizer, cfg=cfg.rollout,
                                       custom_reward=reward_fn is not None)
     self._last = None  # (episodes, scores, real tokens) of the latest batch
     self._texts_written = False
@@ -274,16 +163,11 @@ class GRPOSource:
       return None
     # Row p * G + g is sample g of prompt p: the reshape to [P, G] below
     # relies on this order to normalise within same-prompt groups.
-    group = [ex for ex in examples for _ in range(cfg.group_size)]
     custom = self.reward_fn is not None
-    episodes = rollout_lib.rollout(
-        self.model_cfg, state.params, self.tokenizer, group,
-        jax.random.fold_in(self._key, step), self._sampling, stats=None if custom else stats,
-        agent_config=self.agent_config, task_kwargs=self.task_kwargs, mesh=self.mesh,
-        rules=self.rules, verify=not custom,
-        # Fixed sampler rows: a mixed batch's single-turn and agent parts
-        # change size from step to step and would otherwise recompile.
-        batch_size=cfg.batch_size)
+    episodes = sample_groups(
+        self.model_cfg, state.params, self.tokenizer, examples, cfg.rollout, self._key, step,
+        self._sampling, stats=None if custom else stats, agent_config=self.agent_config,
+        task_kwargs=self.task_kwargs, mesh=self.mesh, rules=self.rules, verify=not custom)
     t1 = time.perf_counter()
     scores = score_episodes(episodes, self.reward_fn, stats=stats if custom else None)
     t2 = time.perf_counter()
@@ -295,10 +179,8 @@ class GRPOSource:
                                                             cfg.group_size)
     adv = group_advantages(rewards, scale_by_std=cfg.scale_advantages_by_std,
                            eps=cfg.advantage_eps)
-    fitted = [fit_episode(ep, cfg.seq_len) for ep in episodes]
-    kept = [f[0] for f in fitted]
-    host = rollout_lib.batch_episodes(kept, seq_len=training_length(kept, cfg),
-                                      pad_id=self.tokenizer.pad_id)
+    host, cut = training_arrays(episodes, seq_len=cfg.seq_len, length_bucket=cfg.length_bucket,
+                                pad_id=self.tokenizer.pad_id)
     host["advantages"] = adv.reshape(-1)
     if self.batch_extras is not None:
       host.update(_checked_extras(self.batch_extras(episodes, rewards.reshape(-1)), host,
@@ -309,7 +191,7 @@ class GRPOSource:
     metrics = reward_metrics(scores, episodes, cfg.group_size)
     metrics.update(stats.metrics())
     metrics.update({"advantage/abs_mean": float(np.abs(adv).mean()),
-                    "response/overlong_fraction": float(np.mean([f[1] for f in fitted])),
+                    "response/overlong_fraction": float(np.mean(cut)),
                     "perf/rollout_time_s": t1 - t0, "perf/reward_time_s": t2 - t1,
                     "perf/ref_time_s": time.perf_counter() - t2})
     self._last = (episodes, scores, float(host["mask"].sum()))
@@ -338,14 +220,3 @@ class GRPOSource:
     episodes, scores, _ = self._last
     return {"rollouts": _rollout_text(episodes, scores, self.tokenizer,
                                       self.cfg.num_text_samples, self.cfg.group_size)}
-
-  def get_state(self) -> dict:
-    if not hasattr(self.prompts, "get_state"):
-      raise ValueError(f"the prompt iterator {type(self.prompts).__name__} has no get_state()")
-    return {"prompts": self.prompts.get_state()}
-
-  def set_state(self, state: Mapping[str, Any]) -> None:
-    if not hasattr(self.prompts, "set_state") or "prompts" not in state:
-      raise ValueError(f"cannot restore prompt position {dict(state)} into "
-                       f"{type(self.prompts).__name__}")
-    self.prompts.set_state(state["prompts"])

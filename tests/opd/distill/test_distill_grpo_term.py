@@ -18,7 +18,7 @@ from opd.distill.faults import FaultTolerantTeachers
 from opd.distill.source import OPDConfig, OPDSource
 from opd.distill.teachers import TeacherPool
 from opd.models import forward
-from opd.rl.rollout_source import PromptStream
+from opd.rollout.batches import PromptStream
 from opd.tasks import Example, Reward
 
 from test_distill_loss import STUDENT as SMALL, WIDE as SMALL_WIDE, _model
@@ -164,7 +164,7 @@ def test_advantages_are_normalised_within_same_prompt_groups(mesh, student, teac
     recorded.append(eps)
     return eps
 
-  monkeypatch.setattr(rollout_lib, "rollout", rewarded)
+  monkeypatch.setattr(rollout_lib.episodes, "rollout", rewarded)  # what the sources call
   cfg = OPD.replace(schedule="uniform", group_size=3, grpo_coef=grpo_coef)
   source, pool = _source(cfg, mesh, teachers)
   batch, metrics = source.next_batch(types.SimpleNamespace(params=student), 0)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pallas_kernels
 
 from opd.distill import loss as loss_lib
-from opd.distill import schedule
+from opd.distill import teacher_weighting
 from opd.models import ModelConfig, forward, head_matrix, init_params
 from opd.parallel import sharding
 from opd.training.train_step import init_train_state, make_train_step
@@ -239,7 +239,7 @@ def test_one_hot_weights_equal_the_single_teacher_call(setup):
 def test_renormalisation_after_a_skip_equals_a_pool_without_that_teacher(setup):
   available = np.ones((B, 3), bool)
   available[:, 1] = False  # teacher 1 skipped for the batch
-  w, _ = schedule.apply_availability(setup["weights"], available)
+  w, _ = teacher_weighting.apply_availability(setup["weights"], available)
   zeroed = list(setup["hidden"])
   zeroed[1] = jnp.zeros_like(zeroed[1])  # what the fault layer hands over
   l3 = _run(setup["student"], _batch(setup, w, zeroed), tuple(setup["heads"]), grad=True)[0]

@@ -28,7 +28,7 @@ from opd.distill.trainer import make_heldout_eval, train_opd
 from opd import rollout as rollout_lib
 from opd.models import ModelConfig, forward, init_params, param_logical_axes
 from opd.parallel import sharding
-from opd.rl.rollout_source import PromptStream
+from opd.rollout.batches import PromptStream
 from opd.tasks import Example
 from opd.text.tokenizers import ByteTokenizer
 from opd.training.checkpoints import CheckpointManager
@@ -303,7 +303,7 @@ def test_a_sharded_opd_step_equals_the_single_device_step(student, teachers, mon
       recorded.append(real_rollout(*args, **kwargs))
     return recorded[0]
 
-  monkeypatch.setattr(rollout_lib, "rollout", same_rollout)
+  monkeypatch.setattr(rollout_lib.episodes, "rollout", same_rollout)  # what the sources call
   out = {}
   for name, mesh in (("single", sharding.make_mesh((1, 1, 1), jax.devices()[:1])),
                      ("sharded", sharding.make_mesh((2, 2, 2)))):

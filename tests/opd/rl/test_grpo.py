@@ -192,7 +192,7 @@ def test_resume_reproduces_the_uninterrupted_run_and_nan_keeps_checkpoints(mesh,
       ep.logprobs = np.full_like(ep.logprobs, np.nan)
     return episodes
 
-  monkeypatch.setattr(rollout_lib, "rollout", poisoned)
+  monkeypatch.setattr(rollout_lib.episodes, "rollout", poisoned)  # what the sources call
   with pytest.raises(NonFiniteError, match="at step 5"):
     _run(params, prompts, 5, mesh, seed=3, checkpoint_dir=ckpt, save_every=1)
   assert _listing(ckpt) == before

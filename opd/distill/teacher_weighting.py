@@ -1,4 +1,4 @@
-"""Teacher scheduling: per-token weights ``w [B, T, K]`` (docs/DESIGN.md §3).
+"""Teacher weighting: per-token weights ``w [B, T, K]`` (docs/DESIGN.md §3).
 
 K is the number of teachers here. Three schedules:
 

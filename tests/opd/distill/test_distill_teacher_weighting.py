@@ -1,11 +1,11 @@
-"""Teacher weights [B, T, K] against numpy references (opd.distill.schedule)."""
+"""Teacher weights [B, T, K] against numpy references (opd.distill.teacher_weighting)."""
 import numpy as np
 import pytest
 
 import jax
 import jax.numpy as jnp
 
-from opd.distill import schedule
+from opd.distill import teacher_weighting
 
 EPS32 = np.finfo(np.float32).eps
 
@@ -18,7 +18,7 @@ def _softmax(x, axis=-1):
 def test_routing_puts_weight_only_on_the_domain_teacher():
   teacher_domains = ["math", "code", None, "code"]
   domains = ["code", "math", "math", "code"]
-  w = np.asarray(schedule.routing_weights(domains, teacher_domains, t=5))
+  w = np.asarray(teacher_weighting.routing_weights(domains, teacher_domains, t=5))
   assert w.shape == (4, 5, 4)
   for b, dom in enumerate(domains):
     hits = [k for k, d in enumerate(teacher_domains) if d == dom]
@@ -29,13 +29,14 @@ def test_routing_puts_weight_only_on_the_domain_teacher():
 
 def test_routing_unknown_domain_names_it():
   with pytest.raises(ValueError, match=r"domains\[1\]='poetry'.*\['math', 'code'\]"):
-    schedule.routing_weights(["math", "poetry"], ["math", "code"], t=3)
+    teacher_weighting.routing_weights(["math", "poetry"], ["math", "code"], t=3)
 
 
 def test_uniform_and_bad_sizes():
-  np.testing.assert_array_equal(schedule.uniform_weights(2, 3, 4), np.full((2, 3, 4), 0.25))
+  np.testing.assert_array_equal(teacher_weighting.uniform_weights(2, 3, 4),
+                                np.full((2, 3, 4), 0.25))
   with pytest.raises(ValueError, match="K=0"):
-    schedule.uniform_weights(2, 3, 0)
+    teacher_weighting.uniform_weights(2, 3, 0)
 
 
 @pytest.mark.parametrize("per", ["sequence", "token"])
@@ -45,7 +46,7 @@ def test_confidence_weights_match_numpy(per):
   mask = rng.random((3, 6)) < 0.6
   mask[:, 0] = True
   temp = 0.7
-  got = np.asarray(schedule.confidence_weights(jnp.asarray(scores), jnp.asarray(mask),
+  got = np.asarray(teacher_weighting.confidence_weights(jnp.asarray(scores), jnp.asarray(mask),
                                                temperature=temp, per=per))
   s = scores.astype(np.float64)
   if per == "sequence":
@@ -72,8 +73,10 @@ def test_confidence_scores_match_materialised_logits():
     lp.append(np.take_along_axis(logp, targets[..., None], -1)[..., 0])
     ent.append(-(np.exp(logp) * logp).sum(-1))
   args = ([jnp.asarray(h) for h in hid], [jnp.asarray(w) for w in heads], jnp.asarray(targets))
-  got_lp = schedule.confidence_scores(*args, score="logprob", temperature=tau, impl="chunked")
-  got_ne = schedule.confidence_scores(*args, score="neg_entropy", temperature=tau, impl="chunked")
+  got_lp = teacher_weighting.confidence_scores(*args, score="logprob", temperature=tau,
+                                               impl="chunked")
+  got_ne = teacher_weighting.confidence_scores(*args, score="neg_entropy", temperature=tau,
+                                               impl="chunked")
   # |logits| ~ sqrt(D) * 3 / tau; a log-softmax over V=40 of them in float32.
   tol = 64 * EPS32 * np.log(v) * max(np.abs(h @ w).max() for h, w in zip(hid, heads))
   np.testing.assert_allclose(got_lp, np.stack(lp, -1), rtol=0, atol=tol)
@@ -86,14 +89,14 @@ def test_anneal_is_linear_and_exactly_uniform_at_the_last_step():
   w_hat = w / w.sum(-1, keepdims=True)
   total, n = 10, 4
   for step in range(total):
-    got = np.asarray(schedule.anneal(jnp.asarray(w), step, total, n))
+    got = np.asarray(teacher_weighting.anneal(jnp.asarray(w), step, total, n))
     alpha = min(max((step - (total - n) + 1) / n, 0.0), 1.0)
     np.testing.assert_allclose(got, (1 - alpha) * w_hat + alpha / 4, rtol=0, atol=4 * EPS32)
-  last = np.asarray(schedule.anneal(jnp.asarray(w), total - 1, total, n))
+  last = np.asarray(teacher_weighting.anneal(jnp.asarray(w), total - 1, total, n))
   np.testing.assert_array_equal(last, np.full_like(last, 0.25))
   # Before the window the weights are the (renormalised) schedule.
-  np.testing.assert_allclose(schedule.anneal(jnp.asarray(w), total - n - 1, total, n), w_hat,
-                             rtol=0, atol=4 * EPS32)
+  np.testing.assert_allclose(teacher_weighting.anneal(jnp.asarray(w), total - n - 1, total, n),
+                             w_hat, rtol=0, atol=4 * EPS32)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -102,24 +105,24 @@ def test_anneal_is_linear_and_exactly_uniform_at_the_last_step():
 ])
 def test_anneal_bad_input(kwargs, match):
   with pytest.raises(ValueError, match=match):
-    schedule.anneal(jnp.ones((1, 1, 2)), **kwargs)
+    teacher_weighting.anneal(jnp.ones((1, 1, 2)), **kwargs)
 
 
 def test_normalize_rejects_weights_without_positive_sum():
   w = np.ones((2, 3, 2), np.float32)
   w[1, 2] = 0.0
   with pytest.raises(ValueError, match=r"weights\[\(1, 2\)\] sum to 0.0"):
-    schedule.normalize(jnp.asarray(w))
+    teacher_weighting.normalize(jnp.asarray(w))
   w[1, 2] = [-1.0, 2.0]
   with pytest.raises(ValueError, match=r"weights\[\(1, 2, 0\)\]=-1.0"):
-    schedule.normalize(jnp.asarray(w))
+    teacher_weighting.normalize(jnp.asarray(w))
 
 
 def test_apply_availability_renormalises_and_masks_empty_rows():
   rng = np.random.default_rng(3)
   w = rng.random((3, 4, 3)).astype(np.float32)
   available = np.array([[True, False, True], [False, False, False], [False, True, False]])
-  got, row_ok = schedule.apply_availability(jnp.asarray(w), jnp.asarray(available))
+  got, row_ok = teacher_weighting.apply_availability(jnp.asarray(w), jnp.asarray(available))
   expect = np.zeros_like(w)
   for b in range(3):
     keep = np.flatnonzero(available[b])
@@ -134,12 +137,12 @@ def test_weight_metrics_mean_over_masked_tokens():
   w[0, :, 0] = [1.0, 0.0, 0.5]
   w[0, :, 1] = 1 - w[0, :, 0]
   mask = np.array([[True, True, False]])
-  got = schedule.weight_metrics(w, mask, ["a", "b"])
+  got = teacher_weighting.weight_metrics(w, mask, ["a", "b"])
   assert got == {"weight/a": 0.5, "weight/b": 0.5}  # (1 + 0) / 2 and (0 + 1) / 2: exact
 
 
 def test_confidence_weights_under_jit_sum_to_one():
   scores = jnp.asarray(np.random.default_rng(4).normal(size=(2, 3, 5)), jnp.float32)
-  got = jax.jit(lambda s: schedule.confidence_weights(s, jnp.ones((2, 3), bool), per="token"))(
-      scores)
+  got = jax.jit(lambda s: teacher_weighting.confidence_weights(
+      s, jnp.ones((2, 3), bool), per="token"))(scores)
   np.testing.assert_allclose(np.asarray(got).sum(-1), 1.0, rtol=0, atol=8 * EPS32)
