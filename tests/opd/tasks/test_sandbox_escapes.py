@@ -213,14 +213,21 @@ def test_escapes_fail_as_the_program_in_user_mode(guard, deep_host_parser):
 
 def test_supervisor_ignores_the_programs_signals():
   """Under the filter, the supervisor itself ignores what reaches it: with a
-  filter that allows every call, signals from the program to pid 1 (by
-  ``kill`` and by ``pidfd_send_signal``; Python handles SIGINT, so pid 1's
-  protection alone would deliver it) are sent, and the run is still the
-  program's, ``ok``. Without the blocked signals: ``sandbox_error:KeyboardInterrupt``."""
+  filter that allows every call, signals from the program to pid 1 are sent
+  and the run is still the program's, ``ok``. By ``kill`` and
+  ``pidfd_send_signal`` (Python handles SIGINT, so pid 1's protection alone
+  would deliver it; without the blocked signals:
+  ``sandbox_error:KeyboardInterrupt``), and through an I/O owner (SIGIO and
+  SIGKILL, which that protection drops)."""
   sends = [f"import os, signal\nos.kill(1, signal.{name})\nprint('sent')\n"
            for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGALRM")]
   sends.append("import os, signal\n"
                "signal.pidfd_send_signal(os.pidfd_open(1), signal.SIGINT)\nprint('sent')\n")
+  # SIGIO, and SIGKILL as the I/O signal, for a pipe whose owner is made pid 1.
+  for sig in (0, 9):
+    sends.append("import fcntl, os, time\nr, w = os.pipe()\nfcntl.fcntl(r, fcntl.F_SETOWN, 1)\n"
+                 f"fcntl.fcntl(r, 10, {sig})\nfcntl.fcntl(r, fcntl.F_SETFL, os.O_ASYNC)\n"  # F_SETSIG
+                 "os.write(w, b'x')\ntime.sleep(0.1)\nprint('sent')\n")
   got = user_mode(False, sends, sends, allow_all_filter=True)
   assert "seccomp_filter" in got["enforced"]
   for r in got["single"] + got["batch"]:
