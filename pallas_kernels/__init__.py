@@ -14,7 +14,8 @@ For training, :func:`fused_reverse_kl_train` returns the scalar
 is its cross-entropy counterpart.
 
 Module map: ``api`` (public call, dispatch), ``train_loss`` (training
-entry, grads functions), ``train_ce``, ``inputs`` (validation),
+entry, chunked grads function), ``train_grads`` (the grads functions'
+contract and reference, below every implementation), ``train_ce``, ``inputs`` (validation),
 ``tile_math`` (online accumulators, shared by every path), ``chunked``,
 ``pallas_kl`` (+ ``pallas_kl_tiled``, ``pallas_kl_looped``), ``pallas_train``
 (+ ``pallas_train_looped``: the training entry's Pallas kernels), ``reference``,

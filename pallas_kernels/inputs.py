@@ -152,6 +152,20 @@ def check_inputs(student_hidden, student_head, teacher_hidden=(), teacher_heads=
   return Inputs(h_s, w_s, tuple(h_k), tuple(w_k), weights, mask, tau)
 
 
+def check_ids(ids, name: str, t: int, v: int) -> jax.Array:
+  """``ids`` [T] integer token ids in ``[0, V)`` (checked when concrete) as int32."""
+  ids = jnp.asarray(ids)
+  if ids.shape != (t,):
+    raise ValueError(f"{name}.shape={ids.shape}: expected [T]=({t},)")
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise ValueError(f"{name}.dtype={ids.dtype}: expected integer token ids")
+  if not isinstance(ids, jax.core.Tracer):
+    arr = np.asarray(ids)
+    if arr.size and (arr.min() < 0 or arr.max() >= v):
+      raise ValueError(f"{name} must lie in [0, V={v}); got min={arr.min()} max={arr.max()}")
+  return ids.astype(jnp.int32)
+
+
 def normalized_weights(weights: jax.Array, mask: jax.Array | None) -> jax.Array:
   """ŵ: weights renormalised to sum to 1 over the teachers present.
 

@@ -26,22 +26,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels import api, chunked, divergence, inputs as inputs_lib, reference
-
-
-def _check_ids(ids, name: str, t: int, v: int) -> jax.Array:
-  ids = jnp.asarray(ids)
-  if ids.shape != (t,):
-    raise ValueError(f"{name}.shape={ids.shape}: expected [T]=({t},)")
-  if not jnp.issubdtype(ids.dtype, jnp.integer):
-    raise ValueError(f"{name}.dtype={ids.dtype}: expected integer token ids")
-  if not isinstance(ids, jax.core.Tracer):
-    arr = np.asarray(ids)
-    if arr.size and (arr.min() < 0 or arr.max() >= v):
-      raise ValueError(f"{name} must lie in [0, V={v}); got min={arr.min()} max={arr.max()}")
-  return ids.astype(jnp.int32)
 
 
 def _chunk_v(impl: str, block_sizes) -> int:
@@ -74,7 +60,7 @@ def fused_cross_entropy(student_hidden, student_head, labels, mask=None, tempera
   """
   inp = inputs_lib.check_inputs(student_hidden, student_head, (), (), None, mask, temperature,
                                 need_weights=False)
-  labels = _check_ids(labels, "labels", inp.h_s.shape[0], inp.w_s.shape[1])
+  labels = inputs_lib.check_ids(labels, "labels", inp.h_s.shape[0], inp.w_s.shape[1])
   if impl == "reference":
     return reference.cross_entropy_reference(inp.h_s, inp.w_s, labels, inp.mask, inp.temperature)
   stats = api.stats_function(impl, block_sizes)(inp.h_s, inp.w_s, [], [], inp.temperature)
@@ -92,7 +78,7 @@ def fused_token_level_kl(student_hidden, student_head, teacher_hidden, teacher_h
   """
   inp = inputs_lib.check_inputs(student_hidden, student_head, teacher_hidden, teacher_heads,
                                 teacher_weights, mask, temperature)
-  tokens = _check_ids(tokens, "tokens", inp.h_s.shape[0], inp.w_s.shape[1])
+  tokens = inputs_lib.check_ids(tokens, "tokens", inp.h_s.shape[0], inp.w_s.shape[1])
   h_k, w_k = _teachers(inp)
   w_hat = inputs_lib.normalized_weights(jax.lax.stop_gradient(inp.weights), inp.mask)
   present = jnp.any(w_hat != 0, axis=1)

@@ -98,16 +98,13 @@ class BlockSizes:
     return cls(block_t=64, block_v=256, layout="tiled")
 
 
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
 
 def _fit(bs: BlockSizes, t: int, v: int, d_max: int, dtype) -> BlockSizes:
   """Shrinks blocks that are larger than the (rounded-up) arrays."""
   if bs.layout == "tiled":
     sub = 8 * max(1, 4 // jnp.dtype(dtype).itemsize)  # 8 rows f32, 16 bf16 per sublane tile
-    return dataclasses.replace(bs, block_t=min(bs.block_t, _round_up(t, sub)),
-                               block_v=min(bs.block_v, _round_up(v, 128)))
+    return dataclasses.replace(bs, block_t=min(bs.block_t, tile_math.round_up(t, sub)),
+                               block_v=min(bs.block_v, tile_math.round_up(v, 128)))
   p2 = lambda n: max(16, 1 << (n - 1).bit_length())
   return dataclasses.replace(bs, block_t=min(bs.block_t, p2(t)), block_v=min(bs.block_v, p2(v)),
                              block_d=min(bs.block_d, p2(d_max)),
@@ -157,11 +154,9 @@ def vocab_stats_pallas(h_s: jax.Array, w_s: jax.Array, h_k: Sequence[jax.Array],
   """Per-token :class:`~pallas_kernels.tile_math.Stats` with the Pallas kernels.
 
   Args:
-    h_s: [T, Ds] student hidden states.
-    w_s: [Ds, V] student head.
-    h_k: K arrays [T, Dt_k] teacher hidden states (K may be 0).
-    w_k: K arrays [Dt_k, V] teacher heads.
-    temperature: τ > 0 (static).
+    h_s, w_s, h_k, w_k, temperature: as
+      :func:`pallas_kernels.chunked.vocab_stats_chunked` (``[T, Ds]``,
+      ``[Ds, V]``, K arrays ``[T, Dt_k]`` and ``[Dt_k, V]``, static τ > 0).
     block_sizes: :class:`BlockSizes` (default: ``BlockSizes.get_default()``).
     interpret: run in Pallas interpret mode (default: on CPU).
 

@@ -144,9 +144,6 @@ def dw_kernel(*refs, k, vocab, padded_vocab, bt, bv, bd, inv_tau):
       dw_ref[pl.ds(d0, bd), :] += lax.dot_general(h, dz, _TN, preferred_element_type=_F32)
 
 
-def _round_up(x, m):
-  return -(-x // m) * m
-
 
 def _pad_to(a, shape):
   pads = [(0, s - d) for s, d in zip(shape, a.shape)]
@@ -154,10 +151,10 @@ def _pad_to(a, shape):
 
 
 def _pad_inputs(h_s, w_s, h_k, w_k, bt, bd, vp):
-  tp = _round_up(h_s.shape[0], bt)
+  tp = tile_math.round_up(h_s.shape[0], bt)
   mats = []
   for h, w in [(h_s, w_s), *zip(h_k, w_k)]:
-    dp = _round_up(h.shape[1], bd)
+    dp = tile_math.round_up(h.shape[1], bd)
     mats += [_pad_to(h, (tp, dp)), _pad_to(w, (dp, vp))]
   return mats
 

@@ -60,9 +60,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import pallas_train_looped as looped, tile_math
-from pallas_kernels.pallas_kl import BlockSizes, _round_up
-from pallas_kernels.tile_math import Stats
-from pallas_kernels.train_loss import TrainOut, weighted_loss
+from pallas_kernels.pallas_kl import BlockSizes
+from pallas_kernels.tile_math import Stats, round_up
+from pallas_kernels.train_grads import TrainOut, weighted_loss
 
 _F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))
@@ -102,12 +102,12 @@ class TrainBlockSizes(BlockSizes):
 def _fit(bs: TrainBlockSizes, t: int, v: int, dtype) -> TrainBlockSizes:
   """Shrinks blocks larger than the (rounded-up) arrays."""
   if bs.layout == "tiled":
-    bt = min(bs.block_t, _round_up(t, 8 * max(1, 4 // jnp.dtype(dtype).itemsize)))
-    bv = min(bs.block_v, _round_up(v, 128))
+    bt = min(bs.block_t, round_up(t, 8 * max(1, 4 // jnp.dtype(dtype).itemsize)))
+    bv = min(bs.block_v, round_up(v, 128))
   else:
     p2 = lambda n: max(16, 1 << (n - 1).bit_length())
     bt, bv = min(bs.block_t, p2(t)), min(bs.block_v, p2(v))
-  bc = min(_round_up(bs.block_c, bt), _round_up(t, bt))
+  bc = min(round_up(bs.block_c, bt), round_up(t, bt))
   return dataclasses.replace(bs, block_c=bc, block_t=bt, block_v=bv,
                              v_splits=min(bs.v_splits, -(-v // bv)))
 
@@ -239,11 +239,11 @@ def train_grads_core(h_s, w_s, h_k, w_k, w_hat, coef, *, inv_tau, bs, interpret,
   t, v, k = h_s.shape[0], w_s.shape[1], len(h_k)
   looped_layout, bc = bs.layout == "looped", bs.block_c
   bd = bs.block_d if looped_layout else 1  # widths padded to the looped layout's chunks
-  tp, vp = _round_up(t, bc), _round_up(v, bs.block_v * (bs.v_splits if looped_layout else 1))
+  tp, vp = round_up(t, bc), round_up(v, bs.block_v * (bs.v_splits if looped_layout else 1))
   pad = lambda a, shape: (a if a.shape == shape
                           else jnp.pad(a, [(0, n - d) for n, d in zip(shape, a.shape)]))
-  mats = [pad(m, (tp, _round_up(m.shape[1], bd))) for m in (h_s, *h_k)]
-  heads = [pad(w, (_round_up(w.shape[0], bd), vp)) for w in (w_s, *w_k)]
+  mats = [pad(m, (tp, round_up(m.shape[1], bd))) for m in (h_s, *h_k)]
+  heads = [pad(w, (round_up(w.shape[0], bd), vp)) for w in (w_s, *w_k)]
   chunks = lambda a: a.reshape(tp // bc, bc, *a.shape[1:])
   xs = ([chunks(m) for m in mats], chunks(pad(w_hat.astype(_F32), (tp, k))),
         chunks(pad(coef.astype(_F32), (tp,))))
@@ -308,7 +308,7 @@ def train_grads_pallas(h_s: jax.Array, w_s: jax.Array, h_k: Sequence[jax.Array],
     interpret: Pallas interpret mode (default: on CPU).
 
   Returns:
-    :class:`~pallas_kernels.train_loss.TrainOut`: ``loss`` [], ``kl`` [T, K],
+    :class:`~pallas_kernels.train_grads.TrainOut`: ``loss`` [], ``kl`` [T, K],
     ``ent`` [T] (f32), ``dh_s`` [T, Ds] / ``dw_s`` [Ds, V] in the input dtypes.
 
   Raises:

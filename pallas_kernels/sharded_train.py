@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from pallas_kernels import inputs as inputs_lib, pallas_train, tile_math
-from pallas_kernels.train_loss import check_coef, saved_gradient_vjp, weighted_loss
+from pallas_kernels.train_grads import weighted_loss
+from pallas_kernels.train_loss import check_coef, saved_gradient_vjp
 
 
 def _axes(token_axes) -> tuple:

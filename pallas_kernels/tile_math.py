@@ -43,6 +43,11 @@ import numpy as np
 NEG = -0.7 * float(np.finfo(np.float32).max)
 
 
+def round_up(x: int, m: int) -> int:
+  """The smallest multiple of ``m`` that is >= ``x`` (block padding)."""
+  return -(-x // m) * m
+
+
 def _sel(valid, a, b):
   """``where(valid, a, b)``; ``valid=None`` means every column is valid."""
   return a if valid is None else jnp.where(valid, a, b)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import chunked, inputs as inputs_lib, losses, reference, tile_math
+from pallas_kernels import chunked, inputs as inputs_lib, reference, tile_math
 from pallas_kernels import train_loss
 from pallas_kernels.train_loss import TrainChunkSizes
 
@@ -134,7 +134,7 @@ def fused_cross_entropy_train(student_hidden, student_head, labels, coef, temper
   inp = inputs_lib.check_inputs(student_hidden, student_head, (), (), None, None, temperature,
                                 need_weights=False)
   t = inp.h_s.shape[0]
-  labels = losses._check_ids(labels, "labels", t, inp.w_s.shape[1])
+  labels = inputs_lib.check_ids(labels, "labels", t, inp.w_s.shape[1])
   c = jax.lax.stop_gradient(train_loss.check_coef(coef, t))
   loss, nll = _ce_fn(impl, block_sizes, inp.temperature)(inp.h_s, inp.w_s, (labels, c))
   if not return_aux:

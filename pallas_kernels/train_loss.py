@@ -19,7 +19,9 @@ Head matmuls: ``1 + K`` logit products plus 2 gradient products, against
 recomputes every logit tile.
 
 Implementations are "grads functions" (:data:`GRADS_FUNCTIONS`, keyed by
-``impl``) with one signature::
+``impl``; the contract, ``TrainOut`` and the reference live in
+:mod:`pallas_kernels.train_grads`, below every implementation) with one
+signature::
 
     grads_fn(h_s, w_s, h_k, w_k, w_hat, coef, *, temperature, sizes, shared_head)
         -> TrainOut(loss, kl, ent, dh_s, dw_s)
@@ -63,45 +65,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels import api, chunked, inputs as inputs_lib, reference, tile_math
-
-
-class TrainOut(NamedTuple):
-  """Result of a grads function (see module docstring).
-
-  Attributes:
-    loss: [] float32 ``Σ_t c_t Σ_k ŵ_tk KL_tk``.
-    kl: [T, K] float32 per-teacher reverse KL of every token.
-    ent: [T] float32 student entropy of every token.
-    dh_s: [T, Ds] ``dloss/dh_s`` in the dtype of ``h_s``.
-    dw_s: [Ds, V] ``dloss/dW_s`` in the dtype of ``w_s``.
-  """
-  loss: jax.Array
-  kl: jax.Array
-  ent: jax.Array
-  dh_s: jax.Array
-  dw_s: jax.Array
-
-
-def weighted_loss(coef, w_hat, kl):
-  """``Σ_t c_t Σ_k ŵ_tk KL_tk``; an absent teacher adds an exact 0 even if its
-  KL were inf (``where``, not a bare product); NaN weights propagate."""
-  return jnp.sum(coef * jnp.sum(jnp.where(w_hat != 0, w_hat * kl, 0.0), axis=1))
-
-
-def train_grads_reference(h_s, w_s, h_k, w_k, w_hat, coef, *, temperature: float, sizes=None,
-                          shared_head: bool = False) -> TrainOut:
-  """Materialised ``[T, V]`` logits; gradients by ``jax.grad`` of the loss."""
-  del shared_head  # separate heads with equal values give the same result
-  if sizes is not None:
-    raise ValueError(f"block_sizes={sizes!r}: impl='reference' takes no block sizes")
-
-  def obj(h_s, w_s):
-    _, kl, ent = reference.reverse_kl_reference(h_s, w_s, h_k, w_k, w_hat, None, temperature)
-    return weighted_loss(coef, w_hat, kl), (kl, ent)
-
-  (loss, (kl, ent)), (dh, dw) = jax.value_and_grad(obj, argnums=(0, 1), has_aux=True)(h_s, w_s)
-  return TrainOut(loss, kl, ent, dh, dw)
+from pallas_kernels import api, chunked, inputs as inputs_lib, pallas_train, tile_math
+from pallas_kernels.train_grads import TrainOut, train_grads_reference, weighted_loss
 
 
 # Default memory budget of the chunk buffers: (2 + K)·32 MiB, i.e. the
@@ -331,13 +296,9 @@ def train_grads_chunked(h_s, w_s, h_k, w_k, w_hat, coef, *, temperature: float,
                   dw.astype(w_s.dtype))
 
 
-def _pallas(*args, **kwargs) -> TrainOut:
-  from pallas_kernels import pallas_train  # lazy: Pallas is imported only when asked for
-  return pallas_train.train_grads_pallas(*args, **kwargs)
-
-
 GRADS_FUNCTIONS: dict[str, Callable[..., TrainOut]] = {
-    "reference": train_grads_reference, "chunked": train_grads_chunked, "pallas": _pallas}
+    "reference": train_grads_reference, "chunked": train_grads_chunked,
+    "pallas": pallas_train.train_grads_pallas}
 
 
 def grads_function(impl: str) -> Callable[..., TrainOut]:

@@ -3,7 +3,9 @@
 Inside ``opd`` the subpackages are ranked as the data flow runs; a module may
 import its own subpackage or a lower-ranked one, never a higher one. The
 check parses every module's imports (function-local ones included), so a
-lazy import that runs back up is caught too.
+lazy import that runs back up is caught too. Within a layer, no module
+imports itself back through others (no import cycle), and no module reaches
+into another's underscore names.
 """
 import ast
 import pathlib
@@ -81,3 +83,131 @@ def test_checker_catches_upward_imports(tmp_path, monkeypatch, source, expect):
     (tmp_path / top).mkdir()
   monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
   assert any(expect in v for v in _violations())
+
+
+def _modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
+  """Dotted name -> file of every module of the four packages (a package is its __init__)."""
+  out = {}
+  for top in TOP:
+    for path in sorted((root / top).rglob("*.py")):
+      parts = path.relative_to(root).with_suffix("").parts
+      out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  return out
+
+
+def _import_graph(root: pathlib.Path) -> dict[str, set[str]]:
+  """Module -> the repo modules it imports (function-local imports included).
+
+  ``from pkg import name`` is an edge to ``pkg.name`` when that is a module,
+  else to ``pkg``; the implicit import of parent packages is not an edge.
+  """
+  mods = _modules(root)
+  graph = {m: set() for m in mods}
+  for mod, path in mods.items():
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+      if isinstance(node, ast.Import):
+        targets = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods
+                   else node.module for a in node.names]
+      else:
+        continue
+      graph[mod].update(t for t in targets if t in mods and t != mod)
+  return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
+  """The strongly connected components of more than one module (Tarjan, iterative)."""
+  index, low, on_stack, stack, out = {}, {}, set(), [], []
+  for start in sorted(graph):
+    if start in index:
+      continue
+    work = [(start, iter(sorted(graph[start])))]
+    index[start] = low[start] = len(index)
+    stack.append(start)
+    on_stack.add(start)
+    while work:
+      node, children = work[-1]
+      child = next(children, None)
+      if child is not None:
+        if child not in index:
+          index[child] = low[child] = len(index)
+          stack.append(child)
+          on_stack.add(child)
+          work.append((child, iter(sorted(graph[child]))))
+        elif child in on_stack:
+          low[node] = min(low[node], index[child])
+        continue
+      work.pop()
+      if work:
+        low[work[-1][0]] = min(low[work[-1][0]], low[node])
+      if low[node] == index[node]:
+        comp = []
+        while True:
+          member = stack.pop()
+          on_stack.discard(member)
+          comp.append(member)
+          if member == node:
+            break
+        if len(comp) > 1:
+          out.append(tuple(sorted(comp)))
+  return sorted(out)
+
+
+# Cycles that exist today (issue #24 assigns them); each entry must still be
+# a cycle, so the list only shrinks.
+KNOWN_CYCLES = {
+    ("opd.rollout.agent", "opd.rollout.episodes"),  # episodes.rollout runs agent episodes
+}
+
+
+def test_no_module_imports_itself_back():
+  found = set(_cycles(_import_graph(ROOT)))
+  assert not found - KNOWN_CYCLES, f"import cycles: {sorted(found - KNOWN_CYCLES)}"
+  assert not KNOWN_CYCLES - found, f"fixed, drop from KNOWN_CYCLES: {KNOWN_CYCLES - found}"
+
+
+def _private_uses(root: pathlib.Path) -> list[str]:
+  """``file:line: name`` for every underscore name a module takes from another
+  repo module: ``from m import _x`` or ``alias._x`` on an imported name."""
+  out = []
+  for mod, path in _modules(root).items():
+    tree = ast.parse(path.read_text(), filename=str(path))
+    bound = set()
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        bound.update((a.asname or a.name).split(".")[0] for a in node.names
+                     if a.name.split(".")[0] in TOP)
+      elif (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+            and node.module.split(".")[0] in TOP):
+        for a in node.names:
+          if a.name.startswith("_") and not a.name.startswith("__"):
+            out.append(f"{path.relative_to(root)}:{node.lineno}: {node.module}.{a.name}")
+          bound.add(a.asname or a.name)
+    for node in ast.walk(tree):
+      if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+          and not node.attr.startswith("__")):
+        base = node.value
+        while isinstance(base, ast.Attribute):
+          base = base.value
+        if isinstance(base, ast.Name) and base.id in bound:
+          out.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+  return out
+
+
+def test_no_module_uses_another_modules_underscore_names():
+  bad = _private_uses(ROOT)
+  assert not bad, "\n".join(bad)
+
+
+def test_cycle_and_private_checks_can_fail(tmp_path):
+  # Plant a two-module cycle and both kinds of private use in a fake tree.
+  for top in TOP:
+    (tmp_path / top).mkdir()
+    (tmp_path / top / "__init__.py").write_text("")
+  (tmp_path / "opd" / "a.py").write_text("def f():\n  from opd import b\n  return b._hidden\n")
+  (tmp_path / "opd" / "b.py").write_text("from opd.a import f\n_hidden = 1\n")
+  (tmp_path / "grm" / "c.py").write_text("from opd.b import _hidden\n")
+  assert _cycles(_import_graph(tmp_path)) == [("opd.a", "opd.b")]
+  assert sorted(_private_uses(tmp_path)) == ["grm/c.py:1: opd.b._hidden",
+                                             "opd/a.py:3: b._hidden"]
