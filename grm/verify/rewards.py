@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from grm.verify.format import Analysis, Generation, confirmed
-from opd.config.fields import check_float, set_field
+from opd.config.fields import check_fields
 from opd.tasks.proof_task import ProofCheck
 
 ALPHA, BETA = 0.76, 0.24
@@ -66,9 +66,7 @@ class GeneratorReward:
   beta: float = BETA
 
   def __post_init__(self):
-    for name in ("alpha", "beta"):
-      set_field(self, name, check_float("GeneratorReward", name, getattr(self, name),
-                                        min_value=0.0))
+    check_fields(self, "GeneratorReward", non_negative=("alpha", "beta"))
 
   def __call__(self, fmt, r_y, self_score, meta_z, label=None) -> np.ndarray:
     """``[B]`` R_format(Y, Z) · (α R_Y + β R_score(s', s) · R_meta(Z)); ``label`` s

@@ -104,22 +104,13 @@ class OPDLossConfig:
   gradient_in_forward: bool = True
 
   def __post_init__(self):
-    owner = "OPDLossConfig"
-    fields.set_field(self, "gradient_in_forward", fields.check_bool(
-        owner, "gradient_in_forward", self.gradient_in_forward))
-    fields.check_choice(owner, "estimator", self.estimator, ESTIMATORS)
-    fields.check_choice(owner, "aggregation", self.aggregation, AGGREGATIONS)
-    fields.check_choice(owner, "impl", self.impl, IMPLS)
-    fields.set_field(self, "top_k", fields.check_int(owner, "top_k", self.top_k, min_value=1))
-    for name in ("temperature", "teacher_temperature"):
-      fields.set_field(self, name, fields.check_float(
-          owner, name, getattr(self, name), min_value=0, min_exclusive=True))
-    for name, bounds in (("forward_kl_coef", dict(min_value=0)), ("grpo_coef", dict(min_value=0)),
-                         ("grpo_temperature", dict(min_value=0, min_exclusive=True)),
-                         ("grpo_clip_eps_low", dict(min_value=0, max_value=1,
-                                                    max_exclusive=True)),
-                         ("grpo_clip_eps_high", dict(min_value=0))):
-      fields.set_field(self, name, fields.check_float(owner, name, getattr(self, name), **bounds))
+    fields.check_fields(
+        self, "OPDLossConfig", ints={"top_k": 1},
+        positive=("temperature", "teacher_temperature", "grpo_temperature"),
+        non_negative=("forward_kl_coef", "grpo_coef", "grpo_clip_eps_high"),
+        floats={"grpo_clip_eps_low": dict(min_value=0, max_value=1, max_exclusive=True)},
+        bools=("gradient_in_forward",),
+        choices={"estimator": ESTIMATORS, "aggregation": AGGREGATIONS, "impl": IMPLS})
 
 
 def _check_batch(batch, k: int, widths: Sequence[int], grpo: bool):
