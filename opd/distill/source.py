@@ -13,9 +13,10 @@
    p's samples) become group-normalised advantages
    (``opd.rl.advantages.group_advantages``), put in the batch with the
    sampler's ``old_logprobs`` for the loss's GRPO term;
-3. builds the schedule's weights ``w [B, T, K]`` (routing by
-   ``Example.domain``, confidence or uniform), annealed to uniform over the
-   last ``anneal_steps`` of the run;
+3. builds the teacher weights ``w [B, T, K]``
+   (``opd.distill.teacher_weighting``: routing by ``Example.domain``,
+   confidence or uniform, as ``OPDConfig.schedule`` says), annealed to
+   uniform over the last ``anneal_steps`` of the run;
 4. asks the teachers once (``FaultTolerantTeachers`` behind a
    ``HiddenStateCache``: K forwards per rollout batch, or one per routed
    group with one-hot routing), so all ``updates_per_batch`` updates on the
