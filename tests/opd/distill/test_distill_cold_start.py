@@ -77,3 +77,34 @@ def test_prompts_without_a_teacher_or_verifier_are_rejected():
   bad = [math[0].__class__("nowhere", "x", "train", 1, "hi", (("assistant", "x"),), {})]
   with pytest.raises(ValueError, match="domain='nowhere', which has no verifier"):
     teacher_sft_pairs([teacher], bad, tokenizer=TOK, max_new_tokens=4)
+
+
+def test_a_correct_answer_cut_at_the_token_limit_is_rejected_and_counted():
+  """The teacher writes "Answer: 4" (right on these prompts) and would then
+  stop; with max_new_tokens = len("Answer: 4") it is cut before its stop
+  token: the answer is truncated, so it is never an SFT pair."""
+  examples = get_task("math").examples("train", 120, seed=0, difficulty=1)
+  fours = [ex for ex in examples if ex.reference_text == ANSWER][:3]
+  assert len(fours) == 3
+  # The premise: the verifier accepts the text the teacher writes on these prompts.
+  assert all(get_task("math").verify(ex, ANSWER).reward == 1.0 for ex in fours)
+  teacher = answering_teacher(int(rollout_lib.prompt_ids(TOK, fours[0])[-1]))
+  data = teacher_sft_pairs([teacher], fours, tokenizer=TOK, max_new_tokens=len(TOK.encode(ANSWER)),
+                           samples_per_prompt=2, batch_size=8)
+  assert data.pairs == [] and data.episodes == []
+  assert data.metrics["cold_start/math_teacher/answered"] == 6
+  assert data.metrics["cold_start/math_teacher/kept"] == data.metrics["cold_start/kept"] == 0
+  assert data.metrics["cold_start/rejected"] == data.metrics["cold_start/rejected/truncated"] == 6
+
+
+def test_a_generalist_answers_only_the_domains_without_a_specialist():
+  """A math specialist and a generalist (domain None): the math prompts go to
+  the specialist alone, the instruct prompts (no specialist) to the generalist."""
+  math = get_task("math").examples("train", 3, seed=0, difficulty=1)
+  instruct = get_task("instruct").examples("train", 2, seed=0, difficulty=1)
+  specialist = answering_teacher(int(rollout_lib.prompt_ids(TOK, math[0])[-1]))
+  generalist = Teacher("generalist", specialist.cfg, specialist.params, None)
+  data = teacher_sft_pairs([specialist, generalist], math + instruct, tokenizer=TOK,
+                           max_new_tokens=16, samples_per_prompt=2, batch_size=8)
+  assert data.metrics["cold_start/math_teacher/answered"] == 2 * len(math)
+  assert data.metrics["cold_start/generalist/answered"] == 2 * len(instruct)
