@@ -12,21 +12,83 @@
   later step arrives or on ``flush``/``close``. Text and histograms go to
   TensorBoard only.
 
+Crash safety (docs/DESIGN.md, "Failure model"): every emitted line is flushed
+to the OS at once, so a killed process loses at most the step in progress;
+``sync`` also fsyncs and returns the file's length, which
+``opd.training.loop.run`` stores with each checkpoint and, on resume, hands
+back to ``rewind``: rows written after that checkpoint are cut, so a
+killed-and-resumed run's log equals the uninterrupted run's. A torn last line
+(a crash in the middle of a write) is cut with a warning when a writer opens
+the file and skipped with a warning by ``read_metrics``.
+
 In a multi-host run every process may call the writer; only the process with
 ``jax.process_index() == 0`` writes, the others do nothing.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+log = logging.getLogger(__name__)
+
 METRICS_FILE = "metrics.jsonl"
+
+# The open writers of this process that keep a JSONL log (see ``open_writers``).
+_OPEN: "weakref.WeakSet[MetricWriter]" = weakref.WeakSet()
+
+
+def open_writers() -> list["MetricWriter"]:
+  """The writers of this process whose ``metrics.jsonl`` is open.
+
+  ``opd.training.loop.run`` syncs them at every checkpoint and rewinds them
+  on resume, whichever way the caller routes its metrics to them.
+  """
+  return [w for w in list(_OPEN) if w._jsonl is not None and not w._closed]
+
+
+def repair_torn_tail(path: str | os.PathLike) -> int:
+  """Cuts a last line that has no newline (a write a crash tore); returns the bytes cut.
+
+  Logs a warning naming the file and the dropped text. A missing file is left alone.
+  """
+  path = pathlib.Path(path)
+  try:
+    size = path.stat().st_size
+  except FileNotFoundError:
+    return 0
+  if size == 0:
+    return 0
+  with open(path, "rb+") as f:
+    f.seek(size - 1)
+    if f.read(1) == b"\n":
+      return 0
+    # Find the start of the last line.
+    pos, keep = size, 0
+    while pos > 0:
+      step = min(65536, pos)
+      f.seek(pos - step)
+      chunk = f.read(step)
+      nl = chunk.rfind(b"\n")
+      if nl >= 0:
+        keep = pos - step + nl + 1
+        break
+      pos -= step
+    f.seek(keep)
+    torn = f.read(size - keep)
+    f.truncate(keep)
+    f.flush()
+    os.fsync(f.fileno())
+  log.warning("%s: cut a torn last line (%d bytes, %r...) left by an interrupted write",
+              path, size - keep, torn[:80].decode("utf-8", "replace"))
+  return size - keep
 
 
 def is_main_process() -> bool:
@@ -92,6 +154,12 @@ class MetricWriter:
     self._events = None
     self._jsonl = None
     self._pending: dict[str, Any] | None = None
+    # The last emitted row and the offset it starts at: a later write for the
+    # same step (after a ``flush`` emitted it) rewrites that line merged,
+    # unless a ``sync`` has made it durable (its length may be in a
+    # checkpoint): then the later values go to a new line for that step.
+    self._last: tuple[dict[str, Any], int] | None = None
+    self._synced = 0
     self._closed = False
     if not self.is_main:
       return
@@ -100,7 +168,14 @@ class MetricWriter:
       from tensorboard.summary.writer.event_file_writer import EventFileWriter
       self._events = EventFileWriter(str(self.logdir))
     if jsonl:
-      self._jsonl = open(self.logdir / METRICS_FILE, "a")
+      repair_torn_tail(self.jsonl_path)
+      self._jsonl = open(self.jsonl_path, "a")
+      _OPEN.add(self)
+
+  @property
+  def jsonl_path(self) -> pathlib.Path:
+    """The absolute path of this writer's ``metrics.jsonl``."""
+    return (self.logdir / METRICS_FILE).absolute()
 
   def __enter__(self) -> "MetricWriter":
     return self
@@ -132,6 +207,13 @@ class MetricWriter:
     if self._jsonl is not None:
       if self._pending is not None and self._pending["step"] != step:
         self._write_pending()
+      if (self._pending is None and self._last is not None and self._last[0]["step"] == step
+          and self._last[1] >= self._synced):
+        row, start = self._last  # emitted by a flush: reopen that line
+        self._jsonl.flush()
+        self._jsonl.truncate(start)
+        self._jsonl.seek(start)
+        self._pending, self._last = dict(row), None
       if self._pending is None:
         self._pending = {"step": step, "wall_time": now}
       self._pending.update(values)
@@ -165,8 +247,47 @@ class MetricWriter:
   def _write_pending(self) -> None:
     # NaN/inf are kept (json writes NaN/Infinity, Python's json reads them):
     # a diverging loss is exactly what the log must show.
+    start = self._jsonl.tell()
     self._jsonl.write(json.dumps(self._pending) + "\n")
-    self._pending = None
+    self._jsonl.flush()  # a killed process loses at most the step in progress
+    self._last, self._pending = (self._pending, start), None
+
+  def sync(self) -> int | None:
+    """Writes the pending line, flushes and fsyncs; returns the JSONL length in
+    bytes (None when this process keeps no JSONL). Every row written so far
+    is then durable; ``rewind`` to this length restores this point."""
+    if self._closed or not self.is_main or self._jsonl is None:
+      return None
+    if self._pending is not None:
+      self._write_pending()
+    self._jsonl.flush()
+    os.fsync(self._jsonl.fileno())
+    self._synced = self._jsonl.tell()
+    return self._synced
+
+  def rewind(self, length: int) -> None:
+    """Cuts ``metrics.jsonl`` back to ``length`` bytes (a ``sync`` result),
+    dropping the pending row: the rows of steps a resumed run redoes.
+
+    A file shorter than ``length`` (lost or replaced since) is left as it is,
+    with a warning.
+    """
+    self._check_open()
+    if not self.is_main or self._jsonl is None:
+      return
+    self._pending, self._last = None, None
+    self._jsonl.flush()
+    size = self._jsonl.tell()
+    if size < length:
+      log.warning("%s holds %d bytes, less than the %d it held at the checkpoint being resumed; "
+                  "rows before it are missing from the log", self.jsonl_path, size, length)
+      return
+    if size > length:
+      self._jsonl.truncate(length)
+      self._jsonl.seek(length)
+      self._synced = min(self._synced, length)
+      log.info("%s: cut %d bytes of rows written after the resumed checkpoint",
+               self.jsonl_path, size - length)
 
   def flush(self) -> None:
     """Writes the pending JSONL line and flushes both files."""
@@ -185,23 +306,41 @@ class MetricWriter:
     self.flush()
     if self._jsonl is not None:
       self._jsonl.close()
+      _OPEN.discard(self)
     if self._events is not None:
       self._events.close()
     self._closed = True
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-  """Reads a ``metrics.jsonl`` (or the run directory holding one) into a list of dicts."""
+  """Reads a ``metrics.jsonl`` (or the run directory holding one) into a list of dicts.
+
+  A last line that is not JSON (torn by a crash in the middle of a write) is
+  skipped with a warning naming the file; a bad line before it raises
+  ``ValueError`` naming the file and line. Consecutive lines of one step (a
+  step's row written again after a checkpoint made it durable) are merged
+  into one dict, later values winning, as ``MetricWriter`` merges them in memory.
+  """
   path = pathlib.Path(path)
   if path.is_dir():
     path = path / METRICS_FILE
-  rows = []
   with open(path) as f:
-    for lineno, line in enumerate(f, 1):
-      if line.strip():
-        try:
-          rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-          raise ValueError(f"{path}:{lineno}: not a JSON object: {e}") from None
+    lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+  rows = []
+  for i, (lineno, line) in enumerate(lines):
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError as e:
+      if i == len(lines) - 1:
+        log.warning("%s:%d: skipped a torn last line (%s): %r", path, lineno, e,
+                    line[:80])
+        break
+      raise ValueError(f"{path}:{lineno}: not a JSON object: {e}") from None
+    if not isinstance(row, dict):
+      raise ValueError(f"{path}:{lineno}: not a JSON object: {line[:80]!r}")
+    if rows and "step" in row and rows[-1].get("step") == row["step"]:
+      rows[-1].update(row)
+    else:
+      rows.append(row)
   return rows
 

@@ -106,3 +106,64 @@ def test_closed_writer_raises(tmp_path):
   w.close()
   with pytest.raises(ValueError, match="is closed"):
     w.write_scalars(0, {"loss": 1.0})
+
+
+def test_torn_last_line_is_skipped_by_the_reader_and_cut_by_the_writer(tmp_path, caplog):
+  """A crash in the middle of a write leaves half a line: reading warns and
+  skips it (a closing plot never fails on it), reopening the log cuts it so
+  that the next row starts on a line of its own."""
+  with MetricWriter(tmp_path, is_main=True, tensorboard=False) as w:
+    for step in (1, 2):
+      w.write_scalars(step, {"loss": 1.0 / step})
+  path = tmp_path / METRICS_FILE
+  whole = path.read_text()
+  torn = json.dumps({"step": 3, "wall_time": 0.0, "loss": 0.25})[:17]
+  path.write_text(whole + torn)
+  with caplog.at_level("WARNING"):
+    rows = read_metrics(tmp_path)
+  assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 0.5)]
+  assert f"{path}:3: skipped a torn last line" in caplog.text
+  with caplog.at_level("WARNING"):
+    with MetricWriter(tmp_path, is_main=True, tensorboard=False) as w:
+      w.write_scalars(3, {"loss": 0.25})
+  assert f"{path}: cut a torn last line ({len(torn)} bytes" in caplog.text
+  assert path.read_text().startswith(whole)
+  assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [(1, 1.0), (2, 0.5), (3, 0.25)]
+  # A bad line that is not the last is not a torn write: it still raises.
+  path.write_text(whole.replace('"step": 2', '"step" 2'))
+  path.write_text(path.read_text() + json.dumps({"step": 3}) + "\n")
+  with pytest.raises(ValueError, match=f"{path}:2: not a JSON object"):
+    read_metrics(path)
+
+
+def test_sync_makes_rows_durable_and_rewind_cuts_back_to_it(tmp_path):
+  with MetricWriter(tmp_path, is_main=True, tensorboard=False) as w:
+    w.write_scalars(1, {"loss": 1.0})
+    w.write_scalars(2, {"loss": 2.0})
+    length = w.sync()
+    path = tmp_path / METRICS_FILE
+    synced = path.read_text()
+    assert len(synced.encode()) == length
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]  # the pending step 2 is written
+    w.write_scalars(3, {"loss": 3.0})
+    w.write_scalars(4, {"loss": 4.0})  # emits step 3's row, flushed at once
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    w.rewind(length)  # a resume from the checkpoint taken at the sync
+    assert path.read_text() == synced
+    w.write_scalars(3, {"loss": 30.0})
+    # A value for a step already synced goes to a new line; the reader merges it.
+    w.write_scalars(3, {"eval/loss": 31.0})
+  rows = read_metrics(path)
+  assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+  assert rows[2]["eval/loss"] == 31.0
+  assert len(path.read_text().splitlines()) == 3  # step 3's values merged before any sync
+
+
+def test_values_written_after_a_sync_for_the_synced_step_are_merged_by_the_reader(tmp_path):
+  with MetricWriter(tmp_path, is_main=True, tensorboard=False) as w:
+    w.write_scalars(5, {"loss": 1.0})
+    w.sync()  # a checkpoint of step 5
+    w.write_scalars(5, {"eval/final": 2.0})  # the job's post-run evaluation at the last step
+  assert len((tmp_path / METRICS_FILE).read_text().splitlines()) == 2
+  (row,) = read_metrics(tmp_path)
+  assert (row["step"], row["loss"], row["eval/final"]) == (5, 1.0, 2.0)
