@@ -1,6 +1,6 @@
 """Training checkpoints: state, data-iterator position and config, via Orbax.
 
-One checkpoint (a directory ``<root>/<step>/``) holds three items:
+One checkpoint (a directory ``<root>/<step>/``) holds four items:
 
 * ``state``: any pytree of ``jax.Array`` (normally a ``TrainState``: step,
   fp32 params, optimizer state, RNG), written sharded (each process writes
@@ -9,7 +9,10 @@ One checkpoint (a directory ``<root>/<step>/``) holds three items:
   give one with ``get_state()``);
 * ``config``: a JSON dict, the experiment config. By convention
   ``config["model"]`` is ``ModelConfig.to_dict()``; ``restore`` compares any
-  ``expected_config`` against it field by field.
+  ``expected_config`` against it field by field;
+* ``meta``: a JSON dict, the checksum of every array of ``state`` and the
+  caller's ``extra`` (the loop keeps its first-step metrics and the lengths
+  of its metric logs there).
 
 Guarantees:
 
@@ -25,6 +28,14 @@ Guarantees:
 * Resharding: ``restore(target)`` reads onto the shardings of ``target``
   (arrays or ``jax.ShapeDtypeStruct`` with ``sharding``), whatever mesh the
   checkpoint was written from.
+* Integrity: ``save`` stores a 64-bit checksum of every array of the state
+  (``tree_checksums``: computed on device from the global values, so it is
+  the same whatever the mesh); ``restore`` and ``load_params`` recompute it on
+  what they read and raise ``CheckpointCorruptError`` naming the step and the
+  array on a mismatch (any single flipped bit is caught). The error names the
+  previous checkpoint; ``quarantine`` moves a corrupt step aside so that a
+  relaunch resumes from that one. Checkpoints written before the checksums
+  existed restore unchecked, with a warning.
 * Loud failures: a shape or config mismatch raises ``ValueError`` naming the
   field and both values; an unreadable (corrupted) checkpoint raises
   ``CheckpointCorruptError`` naming its path. Restoring never deletes or
@@ -39,6 +50,8 @@ import os
 from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers
 
@@ -53,28 +66,84 @@ class _QuietOrbax(logging.Filter):
   keep them."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
+    if "/orbax/" not in record.pathname:
+      return True
+    # An unranked save under keep_best is deliberate (CheckpointManager.save).
+    return (record.levelno >= logging.WARNING
+            and "did not provide metrics" not in record.getMessage())
 
 
 if not os.environ.get("OPD_VERBOSE_ORBAX"):
   logging.getLogger("absl").addFilter(_QuietOrbax())
 PyTree = Any
 
-_ITEMS = ("state", "data", "config")
 
 
 class CheckpointCorruptError(RuntimeError):
-  """A checkpoint exists but cannot be read back."""
+  """A checkpoint exists but cannot be read back, or reads back other values
+  than were saved. ``step`` and ``leaf`` (the array, for a checksum mismatch)
+  say where; ``previous`` is the newest earlier committed step, or None."""
+
+  def __init__(self, message: str, *, step: int | None = None, leaf: str | None = None,
+               previous: int | None = None):
+    super().__init__(message)
+    self.step, self.leaf, self.previous = step, leaf, previous
 
 
 @dataclasses.dataclass
 class Restored:
-  """What ``CheckpointManager.restore`` returns."""
+  """What ``CheckpointManager.restore`` returns (``extra``: what ``save`` got as ``extra``)."""
   step: int
   state: PyTree
   data_state: dict
   config: dict
   path: str
+  extra: dict = dataclasses.field(default_factory=dict)
+
+
+_GOLDEN = 0x9E3779B9
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+  """Two uint32 words of the bits of ``x`` and their positions. Sums of uint32
+  wrap, exactly and in any order, so the value does not depend on the
+  sharding; word 0 weights element i by the odd number 2i+1, so flipping any
+  one bit changes it (by an odd multiple of a power of two below 2**32), and
+  word 1 mixes each element nonlinearly (murmur3's finaliser) against swaps."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    bits = x.astype(jnp.uint32)
+  else:
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}.get(x.dtype.itemsize)
+    if unsigned is None:
+      raise ValueError(f"cannot checksum an array of dtype {x.dtype}")
+    bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+  bits = bits.reshape(-1)
+  idx = jnp.arange(bits.size, dtype=jnp.uint32)
+  word0 = jnp.sum(bits * (2 * idx + 1), dtype=jnp.uint32)
+  h = bits ^ (idx * jnp.uint32(_GOLDEN))
+  h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+  h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+  h = h ^ (h >> 16)
+  return jnp.stack([word0, jnp.sum(h, dtype=jnp.uint32)])
+
+
+_tree_checksum = jax.jit(lambda tree: jax.tree.map(_leaf_checksum, tree))
+
+
+def tree_checksums(tree: PyTree) -> dict[str, str]:
+  """``{"dotted.leaf.path": 16 hex digits}`` for every array of ``tree`` (see
+  ``_leaf_checksum``); the same for the same values on any mesh."""
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  names = [".".join(_path_key(k) for k in path) for path, _ in leaves]
+  arrays = [x if isinstance(x, jax.Array) else jnp.asarray(x) for _, x in leaves]
+  sums = _tree_checksum(arrays)
+  out = {}
+  for name, words in zip(names, sums):
+    w = np.asarray(words.addressable_data(0))  # replicated: every process holds it
+    out[name] = f"{int(w[0]):08x}{int(w[1]):08x}"
+  return out
 
 
 def _type_handler_registry(replica_parallel: bool):
@@ -154,7 +223,14 @@ class CheckpointManager:
     policies = [checkpoint_managers.LatestN(n=max_to_keep)]
     best_fn = None
     if keep_best:
-      best_fn = lambda m: float(m[best_metric])
+      worst = float("inf") if best_mode == "min" else float("-inf")
+
+      def best_fn(m):
+        # Saves without the metric (save_every off the eval cadence) are
+        # saved without metrics; older ones may hold others: rank them last.
+        value = float(m.get(best_metric, worst)) if isinstance(m, Mapping) else worst
+        return worst if value != value else value
+
       policies.append(checkpoint_managers.BestN(
           get_metric_fn=best_fn, reverse=best_mode == "min", n=keep_best,
           keep_checkpoints_without_metrics=False))
@@ -171,7 +247,7 @@ class CheckpointManager:
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     registry.add("state", ocp.args.PyTreeSave, state_handler)
     registry.add("state", ocp.args.PyTreeRestore, state_handler)
-    for item in ("data", "config"):
+    for item in ("data", "config", "meta"):
       json_handler = ocp.JsonCheckpointHandler()
       registry.add(item, ocp.args.JsonSave, json_handler)
       registry.add(item, ocp.args.JsonRestore, json_handler)
@@ -195,11 +271,31 @@ class CheckpointManager:
   def step_path(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
 
+  def previous_step(self, step: int) -> int | None:
+    """The newest committed step before ``step``, or None."""
+    older = [s for s in self.all_steps() if s < step]
+    return older[-1] if older else None
+
+  def quarantine(self, step: int) -> str:
+    """Moves checkpoint ``step`` aside to ``<root>/<step>.corrupt[.N]`` (never
+    deleted: kept for inspection) so that the newest remaining step is the one
+    a relaunch resumes from; returns the new path."""
+    self._resolve_step(step)
+    src = self.step_path(step)
+    dst, n = f"{src}.corrupt", 1
+    while os.path.exists(dst):
+      dst, n = f"{src}.corrupt.{n}", n + 1
+    os.rename(src, dst)
+    self.reload()
+    log.warning("moved checkpoint %s aside to %s", src, dst)
+    return dst
+
   # -- save ------------------------------------------------------------------
 
   def save(self, step: int, state: PyTree, *, data_state: Mapping | None = None,
-           config: Mapping | None = None, metrics: Mapping[str, float] | None = None) -> None:
-    """Writes checkpoint ``step``; raises ValueError if it already exists.
+           config: Mapping | None = None, metrics: Mapping[str, float] | None = None,
+           extra: Mapping | None = None) -> None:
+    """Writes checkpoint ``step``; raises ValueError if it already exists on disk.
 
     Args:
       step: the step number (normally ``int(state.step)``).
@@ -207,20 +303,27 @@ class CheckpointManager:
       data_state: JSON dict, e.g. ``iterator.get_state()``.
       config: JSON dict, e.g. ``{"model": model_cfg.to_dict(), ...}``.
       metrics: scalars; ``metrics[best_metric]`` ranks checkpoints for
-        ``keep_best``.
+        ``keep_best`` (a save without it is kept by ``max_to_keep`` only).
+      extra: JSON dict restored as ``Restored.extra``.
     """
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
       raise ValueError(f"step must be a non-negative int, got {step!r}")
     data = _json_or_raise(data_state, "data_state")
     cfg = _json_or_raise(config, "config")
+    more = _json_or_raise(extra, "extra")
     if metrics is not None:
       metrics = {k: float(v) for k, v in metrics.items()}
-    if step in self.all_steps():
+      if self.best_metric not in metrics:
+        metrics = None  # unranked (see best_fn)
+    # The disk, not this manager's list: another process may have committed it.
+    if os.path.exists(self.step_path(step)):
       raise ValueError(f"checkpoint step {step} already exists at {self.step_path(step)}; "
                        "refusing to overwrite it")
+    meta = {"checksums": tree_checksums(state), "extra": more}
     self._mngr.save(step, args=ocp.args.Composite(
         state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data),
-        config=ocp.args.JsonSave(cfg)), metrics=metrics, force=True)
+        config=ocp.args.JsonSave(cfg), meta=ocp.args.JsonSave(meta)), metrics=metrics,
+        force=True)
     log.info("checkpoint %s %s", self.step_path(step),
              "committing in the background" if self.async_save else "committed")
 
@@ -279,6 +382,7 @@ class CheckpointManager:
         raise ValueError(f"checkpoint {path} was saved with a different config: {detail}")
     abstract = abstract_like(target)
     self._check_shapes(step, abstract)
+    meta = self._read_meta(step)
     try:
       out = self._mngr.restore(step, args=ocp.args.Composite(
           state=ocp.args.PyTreeRestore(
@@ -286,10 +390,53 @@ class CheckpointManager:
           data=ocp.args.JsonRestore()))
     except Exception as e:
       raise CheckpointCorruptError(
-          f"cannot restore checkpoint {path}: {type(e).__name__}: {e}") from e
+          f"cannot restore checkpoint {path}: {type(e).__name__}: {e}{self._offer(step)}",
+          step=step, previous=self.previous_step(step)) from e
+    self._verify(step, out.state, meta)
     log.info("restored checkpoint %s", path)
     return Restored(step=step, state=out.state, data_state=dict(out.data or {}), config=config,
-                    path=path)
+                    path=path, extra=dict((meta or {}).get("extra") or {}))
+
+  def _offer(self, step: int) -> str:
+    prev = self.previous_step(step)
+    if prev is None:
+      return "; there is no earlier checkpoint to fall back to"
+    return (f"; the previous checkpoint is step {prev} ({self.step_path(prev)}): move "
+            f"{self.step_path(step)} aside (CheckpointManager.quarantine, or "
+            f"`mv {self.step_path(step)} {self.step_path(step)}.corrupt`) and relaunch to "
+            "resume from it")
+
+  def _read_meta(self, step: int) -> dict | None:
+    """The ``meta`` item of ``step``; None for a checkpoint written without one."""
+    if not os.path.isdir(os.path.join(self.step_path(step), "meta")):
+      log.warning("checkpoint %s has no checksums (written before they existed): restored "
+                  "unverified", self.step_path(step))
+      return None
+    try:
+      meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    except Exception as e:
+      raise CheckpointCorruptError(
+          f"cannot read the checksums of checkpoint {self.step_path(step)}: "
+          f"{type(e).__name__}: {e}{self._offer(step)}", step=step,
+          previous=self.previous_step(step)) from e
+    if not isinstance(meta, Mapping) or not isinstance(meta.get("checksums"), Mapping):
+      raise CheckpointCorruptError(
+          f"checkpoint {self.step_path(step)} has a malformed meta item{self._offer(step)}",
+          step=step, previous=self.previous_step(step))
+    return dict(meta)
+
+  def _verify(self, step: int, state: PyTree, meta: dict | None) -> None:
+    """Raises ``CheckpointCorruptError`` naming the first array of ``state``
+    whose checksum differs from the one saved with ``step``."""
+    if meta is None:
+      return
+    saved = meta["checksums"]
+    for name, got in tree_checksums(state).items():
+      if name in saved and saved[name] != got:
+        raise CheckpointCorruptError(
+            f"checkpoint {self.step_path(step)} (step {step}) is corrupt: array {name} reads "
+            f"back with checksum {got}, but {saved[name]} was saved{self._offer(step)}",
+            step=step, leaf=name, previous=self.previous_step(step))
 
   def _resolve_step(self, step: int | None) -> int:
     steps = self.all_steps()
@@ -374,7 +521,9 @@ def load_params(directory: str | os.PathLike, model_cfg, *, step: int | None = N
               partial_restore=True)))
     except Exception as e:
       raise CheckpointCorruptError(
-          f"cannot restore params from checkpoint {path}: {type(e).__name__}: {e}") from e
+          f"cannot restore params from checkpoint {path}: {type(e).__name__}: {e}",
+          step=step) from e
+    mngr._verify(step, out.state, mngr._read_meta(step))
     return out.state["params"]
   finally:
     mngr.close()

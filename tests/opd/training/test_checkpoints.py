@@ -236,3 +236,104 @@ def test_async_save_commits_after_wait(tmp_path):
   restored = CheckpointManager(tmp_path).restore(abstract_like({"w": jnp.asarray(values)}))
   np.testing.assert_array_equal(np.asarray(restored.state["w"]), values)
   assert restored.data_state == {"pos": 3}
+
+
+def _random_bits(rng, shape):
+  """float32 arrays of uniformly random bit patterns: incompressible, so the
+  checkpoint stores their bytes as they are and a test can find them."""
+  return rng.integers(0, 2 ** 32, shape, dtype=np.uint32).view(np.float32)
+
+
+def _flip_bit_of(root, array, byte=700, bit=4):
+  """Flips one bit of ``array``'s bytes where the checkpoint under ``root`` stores them."""
+  needle = np.asarray(array).tobytes()[byte:byte + 64]
+  for dirpath, _, files in os.walk(root):
+    for name in files:
+      path = os.path.join(dirpath, name)
+      data = bytearray(open(path, "rb").read())
+      at = data.find(needle)
+      if at >= 0:
+        data[at] ^= 1 << bit
+        open(path, "wb").write(bytes(data))
+        return path
+  raise AssertionError(f"the bytes of the array are nowhere under {root}")
+
+
+def test_a_flipped_bit_is_detected_naming_step_and_array(tmp_path):
+  """Orbax reads a flipped bit in a stored array back without complaint (the
+  issue's Adam second moment at 6.4e29); the checksums saved with the step catch it."""
+  rng = np.random.default_rng(0)
+  device = jax.devices()[0]
+  state = {"params": {"w": jax.device_put(_random_bits(rng, (64, 64)), device)},
+           "opt": {"nu": jax.device_put(_random_bits(rng, (64, 64)), device)}}
+  mngr = CheckpointManager(tmp_path)
+  mngr.save(1, state)
+  mngr.save(2, state)
+  _flip_bit_of(tmp_path / "2", state["opt"]["nu"])
+  before = _listing(tmp_path)
+  with pytest.raises(CheckpointCorruptError) as err:
+    CheckpointManager(tmp_path).restore(abstract_like(state))
+  message = str(err.value)
+  assert f"checkpoint {tmp_path / '2'} (step 2) is corrupt: array opt.nu" in message
+  assert f"the previous checkpoint is step 1 ({tmp_path / '1'})" in message
+  assert (err.value.step, err.value.leaf, err.value.previous) == (2, "opt.nu", 1)
+  assert _listing(tmp_path) == before  # nothing deleted or moved by restoring
+  # The previous step is intact, and quarantine makes it the latest.
+  older = CheckpointManager(tmp_path).restore(abstract_like(state), 1).state
+  np.testing.assert_array_equal(np.asarray(older["opt"]["nu"]), np.asarray(state["opt"]["nu"]))
+  mngr = CheckpointManager(tmp_path)
+  assert mngr.quarantine(2) == str(tmp_path / "2.corrupt")
+  assert mngr.all_steps() == [1] and CheckpointManager(tmp_path).latest_step() == 1
+
+
+def test_checksums_do_not_depend_on_the_mesh_and_see_every_single_bit():
+  from opd.training.checkpoints import _leaf_checksum, tree_checksums
+  rng = np.random.default_rng(1)
+  values = rng.standard_normal((8, 6)).astype(np.float32)
+  one = jax.device_put(values, jax.devices()[0])
+  mesh = sharding.make_mesh((2, 2, 2))
+  spread = jax.device_put(values, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+      ("data", "fsdp"), "tensor")))
+  assert tree_checksums({"x": one}) == tree_checksums({"x": spread})
+  # Every one of the 8 * 6 * 32 single-bit flips changes the checksum.
+  base = tree_checksums({"x": one})["x"]
+  bits = values.view(np.uint32)
+  flipped = np.repeat(bits[None], bits.size * 32, axis=0).reshape(bits.size * 32, -1)
+  idx = np.arange(bits.size * 32)
+  flipped[idx, idx // 32] ^= (np.uint32(1) << (idx % 32).astype(np.uint32))
+  words = np.asarray(jax.jit(jax.vmap(_leaf_checksum))(
+      flipped.view(np.float32).reshape((-1,) + values.shape)))
+  sums = {f"{int(a):08x}{int(b):08x}" for a, b in words}
+  assert base not in sums
+
+
+def test_save_refuses_a_step_another_manager_committed(tmp_path):
+  """The existence check reads the disk, not the manager's list: a second
+  manager opened before the first one's save must not overwrite it."""
+  first, second = CheckpointManager(tmp_path), CheckpointManager(tmp_path)
+  first.save(1, {"w": jnp.ones(3)})
+  before = _listing(tmp_path)
+  with pytest.raises(ValueError, match=f"checkpoint step 1 already exists at {tmp_path / '1'}"):
+    second.save(1, {"w": jnp.zeros(3)})
+  assert _listing(tmp_path) == before
+  np.testing.assert_array_equal(
+      np.asarray(CheckpointManager(tmp_path).restore(abstract_like({"w": jnp.ones(3)})).state["w"]),
+      np.ones(3))
+
+
+def test_keep_best_with_saves_that_have_no_eval_metric(tmp_path):
+  """save_every=2, eval_every=5: most saves carry no eval/loss. They are kept
+  by max_to_keep only, the best evaluated one by keep_best, and a relaunch
+  (a new manager reading the directory) keeps working."""
+  evals = {10: 3.0, 20: 1.0}
+  kw = dict(max_to_keep=2, keep_best=1, best_metric="eval/loss", best_mode="min")
+  mngr = CheckpointManager(tmp_path, **kw)
+  x = {"w": jnp.zeros(2)}
+  metrics = lambda step: {"loss": 1.0, **({"eval/loss": evals[step]} if step in evals else {})}
+  for step in range(2, 16, 2):
+    mngr.save(step, x, metrics=metrics(step))
+  assert mngr.all_steps() == [10, 12, 14]
+  mngr = CheckpointManager(tmp_path, **kw)  # the relaunch
+  for step in range(16, 24, 2):
+    mngr.save(step, x, metrics=metrics(step))
+  assert mngr.all_steps() == [20, 22]  # step 20 is both the best and among the newest
