@@ -176,8 +176,8 @@ def apply_overrides(config: ml_collections.ConfigDict,
     expected = _field_type(parent, key)
     if is_text:
       text = value.strip()
-      if expected is None and text == "None":
-        value = None
+      if text == "None" and expected is not str:
+        value = None  # e.g. optim.clip_norm=None; the field's dataclass says if None is valid
       elif expected is None:
         try:
           value = ast.literal_eval(text)

@@ -13,6 +13,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from opd.config.fields import check_choice, check_float, check_int, set_field
@@ -37,7 +38,8 @@ class OptimConfig:
     weight_decay: decoupled weight decay, applied to params with ndim >= 2
       only (not to norm scales and biases).
     b1, b2, eps: Adam moments' decay rates and denominator epsilon.
-    clip_norm: clip the gradient to this global norm; None disables.
+    clip_norm: clip the gradient to this global norm; None disables (on the
+      command line: ``--config.optim.clip_norm=None``).
     grad_accum_steps: microbatches per update; ``make_train_step`` takes it
       from the optimizer ``make_optimizer`` builds from this config.
   """
@@ -73,6 +75,14 @@ class OptimConfig:
                                              min_exclusive=True, allow_none=True))
     set_field(self, "grad_accum_steps", check_int(own, "grad_accum_steps", self.grad_accum_steps,
                                                   min_value=1))
+    # The step computes in float32: a value that overflows there (lr=1e39 is
+    # inf) would turn every parameter into inf/NaN on the first update.
+    f32_max = float(np.finfo(np.float32).max)
+    for name in ("lr", "weight_decay", "eps", "clip_norm"):
+      value = getattr(self, name)
+      if value is not None and abs(value) > f32_max:
+        raise ValueError(f"{own}.{name}={value!r} is not finite in float32 (max {f32_max:.4g}), "
+                         "the precision the train step computes in")
 
   def replace(self, **changes) -> "OptimConfig":
     return dataclasses.replace(self, **changes)

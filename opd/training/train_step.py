@@ -24,10 +24,12 @@ copy; ``init_train_state`` casts floating params to ``master_dtype``); the
 model casts them to its compute dtype (``ModelConfig.dtype``, e.g. bf16)
 inside ``apply``, so gradients arrive in fp32.
 
-Non-finite guard: when the loss or the gradient global norm is NaN/inf the
-update is discarded inside the jitted step (the returned state equals the
-input state, ``step`` included) and ``metrics["finite"]`` is False, with
-``loss_finite`` / ``grads_finite`` saying which; ``raise_if_nonfinite`` turns
+Non-finite guard: when the loss, the gradient global norm, or any updated
+parameter or optimizer-state value (an overflowing update: a learning rate of
+1e39 is inf in float32) is NaN/inf, the update is discarded inside the jitted
+step (the returned state equals the input state, ``step`` included) and
+``metrics["finite"]`` is False, with ``loss_finite`` / ``grads_finite`` /
+``update_finite`` saying which; ``raise_if_nonfinite`` turns
 that into a ``NonFiniteError`` on the host (``opd.training.loop.run`` calls it).
 
 Multi-host: every function here works with several processes; each process
@@ -67,16 +69,22 @@ PyTree = Any
 LossFn = Callable[[PyTree, PyTree, Array], tuple[Array, Mapping[str, Array]]]
 
 # Metric names the step itself writes; a loss_fn may not reuse them.
-RESERVED_METRICS = ("loss", "grad_norm", "lr", "finite", "loss_finite", "grads_finite")
+RESERVED_METRICS = ("loss", "grad_norm", "lr", "finite", "loss_finite", "grads_finite",
+                    "update_finite")
 
 
 class NonFiniteError(FloatingPointError):
-  """A step produced a NaN/inf loss or gradient; its update was not applied."""
+  """A step produced a NaN/inf loss, gradient or updated parameter/optimizer
+  state; its update was not applied."""
 
-  def __init__(self, step: int, loss_finite: bool, grads_finite: bool, loss: float | None = None):
+  def __init__(self, step: int, loss_finite: bool, grads_finite: bool, loss: float | None = None,
+               update_finite: bool = True):
     self.step, self.loss = step, loss
     self.loss_finite, self.grads_finite = loss_finite, grads_finite
+    self.update_finite = update_finite
     bad = [name for name, ok in (("loss", loss_finite), ("gradients", grads_finite)) if not ok]
+    if not bad and not update_finite:  # an overflow in the update itself
+      bad = ["updated parameters or optimizer state"]
     super().__init__(
         f"non-finite {' and '.join(bad) or 'values'} at step {step} (loss={loss}); the update "
         "was not applied and the state is the one from before this step")
@@ -278,6 +286,13 @@ def _injected_lr(opt_state) -> Array | None:
   return found[0] if len(found) == 1 else None
 
 
+def _all_finite(tree) -> Array:
+  """True when every floating value of ``tree`` is finite."""
+  checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
+  return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
+
+
 def _grad_accum_steps(optimizer, requested: int | None) -> int:
   """N for ``make_train_step``: the optimizer's config, else ``requested``, else 1."""
   requested = check_int("make_train_step", "grad_accum_steps", requested, min_value=1,
@@ -326,8 +341,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
     ``step``. Its metrics (replicated, fp32) hold the loss_fn's metrics plus
     ``loss``, ``grad_norm`` (before clipping), ``lr`` (the rate used by this
     update, when the optimizer injects ``learning_rate``), ``finite``,
-    ``loss_finite`` and ``grads_finite``. When ``finite`` is False the state
-    is returned unchanged.
+    ``loss_finite``, ``grads_finite`` and ``update_finite`` (every updated
+    parameter and optimizer-state value finite). When ``finite`` is False the
+    state is returned unchanged.
   """
   rules = sharding_lib.validate_rules(rules)
   n_micro = _grad_accum_steps(optimizer, grad_accum_steps)
@@ -398,11 +414,13 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
     updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
     new = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                         opt_state=new_opt)
+    update_ok = _all_finite((new.params, new.opt_state))
+    ok = ok & update_ok
     # Discard the whole update (step count, moments, params) on NaN/inf.
     out = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
     metrics = {k: jnp.asarray(v, jnp.float32) for k, v in user_metrics.items()}
     metrics.update(loss=loss, grad_norm=grad_norm, finite=ok, loss_finite=loss_ok,
-                   grads_finite=grads_ok)
+                   grads_finite=grads_ok, update_finite=update_ok)
     lr = _injected_lr(new_opt)
     if lr is not None:
       metrics["lr"] = jnp.asarray(lr, jnp.float32)
@@ -442,4 +460,5 @@ def raise_if_nonfinite(metrics: Mapping[str, Any], step: int) -> None:
     return
   loss = float(np.asarray(metrics["loss"]))
   raise NonFiniteError(step, bool(np.asarray(metrics["loss_finite"])),
-                       bool(np.asarray(metrics["grads_finite"])), loss)
+                       bool(np.asarray(metrics["grads_finite"])), loss,
+                       bool(np.asarray(metrics.get("update_finite", True))))

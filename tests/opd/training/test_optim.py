@@ -6,6 +6,8 @@ The accumulation test uses a loss that is NOT a mean over rows, the square of
 the batch-mean residual, so the mean of microbatch gradients differs from
 the full-batch gradient: a step that ignored the count would fail it.
 """
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -129,3 +131,36 @@ def test_optim_config_stores_numpy_numbers_as_python():
   assert make_optimizer(cfg).grad_accum_steps == 2
   with pytest.raises(ValueError, match="make_optimizer needs an OptimConfig, got dict"):
     make_optimizer({"lr": 0.1})
+
+
+@pytest.mark.parametrize("field,value", [("lr", 1e39), ("weight_decay", 4e38), ("clip_norm", 1e40)])
+def test_values_that_overflow_float32_are_refused(field, value):
+  """1e39 is a fine float64 but inf in float32, the step's precision: the
+  first update would make every parameter inf/NaN."""
+  assert value > np.finfo(np.float32).max  # the premise: float32(value) is inf
+  message = f"OptimConfig.{field}={value!r} is not finite in float32"
+  with pytest.raises(ValueError, match=re.escape(message)):
+    OptimConfig(**{field: value})
+  largest = float(np.finfo(np.float32).max)
+  assert OptimConfig(**{field: largest}).__getattribute__(field) == largest
+
+
+def test_clip_norm_none_on_the_command_line_disables_clipping():
+  """docs: experiments/configs/README.md lists clip_norm; OptimConfig says None disables it."""
+  from opd.config.fields import from_group, to_group
+  from opd.config.overrides import apply_overrides
+  import ml_collections
+  config = ml_collections.ConfigDict({"optim": to_group(OptimConfig, lr=1e-3)})
+  assert config.optim.clip_norm == 1.0
+  apply_overrides(config, ["optim.clip_norm=None"])
+  cfg = from_group(OptimConfig, config.optim, "config.optim")
+  assert cfg.clip_norm is None
+  # Without clipping the optimizer is AdamW alone (its state is the injected
+  # hyperparameters' state), not a chain that starts with clip_by_global_norm.
+  params = {"w": jnp.zeros(2)}
+  assert hasattr(make_optimizer(cfg).init(params), "hyperparams")
+  assert not hasattr(make_optimizer(cfg.replace(clip_norm=1.0)).init(params), "hyperparams")
+  # A field that cannot be None still names itself.
+  apply_overrides(config, ["optim.lr=None"])
+  with pytest.raises(ValueError, match=r"lr"):
+    from_group(OptimConfig, config.optim, "config.optim")
