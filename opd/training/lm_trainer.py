@@ -92,7 +92,8 @@ def train_lm(model_cfg: ModelConfig, batches: Iterator[Mapping[str, np.ndarray]]
              checkpoint_dir: str | pathlib.Path | None = None,
              on_metrics: Callable[[int, dict[str, float]], None] | None = None,
              extra_eval: Callable[[Any], Mapping[str, float]] | None = None,
-             run_config: Mapping[str, Any] | None = None) -> TrainState:
+             run_config: Mapping[str, Any] | None = None,
+             first_metrics: dict | None = None) -> TrainState:
   """Trains ``model_cfg`` on ``batches`` for ``loop.steps`` updates.
 
   Args:
@@ -111,12 +112,22 @@ def train_lm(model_cfg: ModelConfig, batches: Iterator[Mapping[str, np.ndarray]]
       prefixed ``eval/``, in the same dict on eval steps).
     extra_eval: ``extra_eval(params) -> metrics`` run with the held-out loss
       (e.g. generation-based task scores during SFT).
-    run_config: JSON dict saved with each checkpoint (its ``"model"`` entry
-      must match on resume).
+    run_config: JSON dict saved with each checkpoint; on resume the whole
+      of it must match the checkpoint's (``opd.training.loop.run``).
+    first_metrics: filled with step 1's metrics at key 1, the original run's
+      after a resume (``opd.training.loop.run``).
 
   Returns:
     The final ``TrainState``.
+
+  Raises:
+    ValueError: ``optim.warmup_steps`` exceeds ``loop.steps`` (the run would
+      end before its learning rate reaches ``optim.lr``).
   """
+  if optim.warmup_steps > loop.steps:
+    raise ValueError(f"OptimConfig.warmup_steps={optim.warmup_steps} exceeds LMTrainConfig.steps="
+                     f"{loop.steps}: the run would end before the warmup does (the rate never "
+                     f"reaches lr={optim.lr})")
   loss_fn = lm_loss(model_cfg, fused=loop.fused_loss)
   optimizer = make_optimizer(optim)
   state, shardings = init_train_state(model_cfg, optimizer, mesh, rules, rng=seed, params=params)
@@ -147,7 +158,7 @@ def train_lm(model_cfg: ModelConfig, batches: Iterator[Mapping[str, np.ndarray]]
         on_metrics=on_metrics, eval_fn=eval_fn if has_eval else None,
         eval_every=loop.eval_every if has_eval else 0,
         prepare_batch=functools.partial(shard_batch, mesh=mesh, rules=rules),
-        progress=loop.progress)
+        progress=loop.progress, first_metrics=first_metrics)
   finally:
     if manager is not None:
       manager.close()

@@ -25,15 +25,36 @@ Checkpoints, the same in every trainer: with a ``checkpoint_manager``,
 ``save_every`` 0 or None saves only after the last step. Eval likewise:
 every ``eval_every`` steps (0 or None: none in between) and after the last.
 
-NaN/inf: the step itself discards a non-finite update, and ``run`` raises
+NaN/inf: the step itself discards a non-finite update (loss, gradients, or
+the updated parameters and optimizer state), and ``run`` raises
 ``NonFiniteError`` naming the step (1-based, as metrics are reported)
 before anything is saved, so the last good checkpoint on disk is untouched.
 The exception carries the state as ``err.state``.
+
+Crash safety (docs/DESIGN.md, "Failure model"):
+
+* Metric logs: at every save the open ``MetricWriter``s of the process are
+  synced (fsync) and their lengths stored in the checkpoint; a resume cuts
+  them back to those lengths, so a killed-and-resumed run's
+  ``metrics.jsonl`` equals the uninterrupted run's.
+* First-step figures: ``first_metrics`` is saved with every checkpoint and
+  restored on resume, so "the loss at step 1" is the original run's.
+* Config: on resume the whole ``config`` is compared with the checkpoint's;
+  every differing field is named, and only those in ``allow_config_change``
+  (argument, or ``allowed_config_changes`` around the call) may differ.
+* SIGTERM: the step in progress finishes, a checkpoint of it is saved, the
+  logs synced, and ``Terminated`` (a ``SystemExit`` with status 143 =
+  128 + SIGTERM) is raised with a message naming the step.
+* A checkpoint that fails its checksums raises ``CheckpointCorruptError``
+  naming the step, the array and the previous checkpoint; with
+  ``fall_back_on_corrupt`` the corrupt step is moved aside
+  (``<step>.corrupt``) and the previous one is used, with a warning.
 """
 from __future__ import annotations
 
 import logging
 import pathlib
+import sys
 import time
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -43,12 +64,15 @@ import numpy as np
 from opd.config.fields import check_int
 from opd.training.checkpoints import CheckpointManager
 from opd.training.metrics_writer import MetricWriter
+from opd.training.resume import (TERMINATED_STATUS, SigtermFlag, Terminated,
+                                 allowed_config_changes, context_allowances, resume, rewind_logs,
+                                 synced_writers)
 from opd.training.train_step import NonFiniteError, TrainState, raise_if_nonfinite
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RolloutSource", "run", "run_trainer", "resume", "NonFiniteError"]
-
+__all__ = ["RolloutSource", "run", "run_trainer", "resume", "NonFiniteError", "Terminated",
+           "allowed_config_changes", "TERMINATED_STATUS"]
 
 @runtime_checkable
 class RolloutSource(Protocol):
@@ -87,31 +111,6 @@ def _host_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
   return out
 
 
-def resume(state: TrainState, checkpoint_manager: CheckpointManager | None, data_iterator=None, *,
-           expected_config: Mapping | None = None) -> TrainState:
-  """Restores the latest checkpoint onto ``state``'s shardings, if there is one.
-
-  The batch source's position is restored too (``set_state``). Returns
-  ``state`` itself when the directory holds no checkpoint.
-
-  Raises:
-    ValueError: the checkpoint holds a source position but ``data_iterator``
-      has no ``set_state`` (re-reading data from the start silently would bias
-      the run).
-  """
-  if checkpoint_manager is None or checkpoint_manager.latest_step() is None:
-    return state
-  restored = checkpoint_manager.restore(state, expected_config=expected_config)
-  if restored.data_state:
-    if data_iterator is None or not hasattr(data_iterator, "set_state"):
-      raise ValueError(f"checkpoint {restored.path} holds a data iterator position "
-                       f"{restored.data_state} but the data iterator "
-                       f"{type(data_iterator).__name__} has no set_state()")
-    data_iterator.set_state(restored.data_state)
-  log.info("resumed from %s (step %d)", restored.path, restored.step)
-  return restored.state
-
-
 def _check_source(source) -> bool:
   """Whether ``source`` is a ``RolloutSource`` (else a plain iterator)."""
   if not hasattr(source, "next_batch"):
@@ -134,7 +133,9 @@ def _mean_metrics(per_update: Sequence[Mapping[str, float]]) -> dict[str, float]
 def run(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState, Mapping]],
         data_iterator: Iterator | RolloutSource, num_steps: int, *,
         checkpoint_manager: CheckpointManager | None = None, save_every: int | None = None,
-        config: Mapping | None = None, match_config: Sequence[str] = ("model",),
+        config: Mapping | None = None, match_config: Sequence[str] | None = None,
+        allow_config_change: Sequence[str] = (), fall_back_on_corrupt: bool = False,
+        first_metrics: dict | None = None,
         on_metrics: Callable[[int, dict[str, float]], None] | None = None,
         writer: MetricWriter | None = None,
         eval_fn: Callable[[TrainState], Mapping[str, Any]] | None = None,
@@ -158,8 +159,18 @@ def run(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState
     save_every: save after every this many steps and after the last one
       (0 or None: only after the last); needs ``checkpoint_manager``.
     config: JSON dict saved with each checkpoint.
-    match_config: the ``config`` entries that must equal the checkpoint's on
-      resume (those present in ``config``).
+    match_config: the top-level ``config`` entries compared with the
+      checkpoint's on resume; None (the default): the whole config.
+    allow_config_change: dotted config fields (or groups) that may differ
+      from the checkpoint's on resume, each logged; ``train.steps`` also
+      names ``experiment.train.steps``. Added to those of an enclosing
+      ``allowed_config_changes``.
+    fall_back_on_corrupt: resume from the previous checkpoint when the latest
+      fails its checksums (it is moved aside, not deleted); else raise.
+    first_metrics: a dict saved with every checkpoint and restored on
+      resume: before a fresh run the caller may put figures measured before
+      training at key 0; ``run`` adds step 1's metrics at key 1. After a
+      resume it holds the original run's (keys as ints).
     on_metrics: ``on_metrics(step, metrics)`` with python floats after each
       step (``step`` = steps done so far); on eval steps the eval metrics are
       included, prefixed ``eval/``.
@@ -173,10 +184,13 @@ def run(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState
       showing the metric ``progress_key``.
 
   Raises:
-    NonFiniteError: a step had a NaN/inf loss or gradient; names the step.
-      Nothing is saved for that step; ``err.state`` is the state the
+    NonFiniteError: a step had a NaN/inf loss, gradient or update; names the
+      step. Nothing is saved for that step; ``err.state`` is the state the
       discarded update left (equal to the state before it).
-    ValueError: bad arguments, or an abstract ``state`` with no checkpoint.
+    Terminated: SIGTERM arrived; the last finished step was saved first.
+    ValueError: bad arguments, a config that differs from the checkpoint's,
+      or an abstract ``state`` with no checkpoint.
+    CheckpointCorruptError: see ``resume``.
   """
   num_steps = check_int("run", "num_steps", num_steps, min_value=0)
   save_every = check_int("run", "save_every", save_every, min_value=0, allow_none=True) or 0
@@ -188,8 +202,18 @@ def run(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState
   is_source = _check_source(data_iterator)
   updates = int(data_iterator.updates_per_batch) if is_source else 1
 
-  expected = {k: config[k] for k in match_config if k in config} if config else None
-  state = resume(state, checkpoint_manager, data_iterator, expected_config=expected or None)
+  if first_metrics is not None and not isinstance(first_metrics, dict):
+    raise ValueError(f"first_metrics must be a dict (run fills it), got "
+                     f"{type(first_metrics).__name__}")
+  context_allow, context_fall_back = context_allowances()
+  allow = tuple(allow_config_change) + context_allow
+  compared = None
+  if config:
+    compared = dict(config) if match_config is None else \
+        {k: config[k] for k in match_config if k in config}
+  state, restored = resume(state, checkpoint_manager, data_iterator, config=compared,
+                           allow_config_change=allow,
+                           fall_back_on_corrupt=fall_back_on_corrupt or context_fall_back)
   if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state)):
     raise ValueError("state is abstract (ShapeDtypeStructs) but there is no checkpoint to resume "
                      f"from under {getattr(checkpoint_manager, 'directory', None)}")
@@ -198,6 +222,14 @@ def run(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState
     raise ValueError(f"state.step={done_updates} is not a multiple of updates_per_batch="
                      f"{updates}: the checkpoint was written with another updates_per_batch")
   start = step = done_updates // updates
+  firsts = first_metrics if first_metrics is not None else {}
+  if restored is not None:
+    saved_first = restored.extra.get("first_metrics") or {}
+    if saved_first:
+      firsts.clear()
+      firsts.update({int(k): dict(v) for k, v in saved_first.items()})
+    if start < num_steps:  # rows after the checkpoint are redone: cut them
+      rewind_logs(writer, restored.extra.get("logs") or {})
   position = (lambda: data_iterator.get_state()) if hasattr(data_iterator, "get_state") \
       else (lambda: None)
   bar = None
@@ -207,8 +239,20 @@ def run(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState
 
   manager = checkpoint_manager
   last_saved = start if manager is not None and manager.latest_step() == start else None
+
+  def save(metrics=None):
+    logs = {}
+    for w in synced_writers(writer):  # every row so far durable before the checkpoint names it
+      length = w.sync()
+      if length is not None:
+        logs[str(w.jsonl_path)] = length
+    manager.save(step, state, data_state=position(), config=config, metrics=metrics,
+                 extra={"first_metrics": {str(k): v for k, v in firsts.items()}, "logs": logs})
+
+  sigterm = SigtermFlag()
   try:
-    while step < num_steps:
+    sigterm.__enter__()
+    while step < num_steps and not sigterm.hit:
       t0 = time.perf_counter()
       if is_source:
         out = data_iterator.next_batch(state, step)
@@ -237,6 +281,8 @@ def run(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState
         metrics = data_iterator.step_metrics(host_metrics, metrics, batch_time_s=t1 - t0,
                                              train_time_s=time.perf_counter() - t1)
       step += 1
+      if step == 1:
+        firsts[1] = dict(metrics)
       if eval_fn is not None and ((eval_every and step % eval_every == 0) or step == num_steps):
         metrics.update({f"eval/{k}": v for k, v in _host_scalars(eval_fn(state)).items()})
       if writer is not None:
@@ -251,17 +297,27 @@ def run(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState
         if progress_key in metrics:
           bar.set_postfix({progress_key: f"{metrics[progress_key]:.4f}"})
       if manager is not None and ((save_every and step % save_every == 0) or step == num_steps):
-        manager.save(step, state, data_state=position(), config=config, metrics=metrics)
+        save(metrics)
         last_saved = step
+    if manager is not None:
+      if last_saved != step and step > start:  # SIGTERM, or the source ran out
+        save()
+        last_saved = step
+      manager.wait()
   finally:
+    sigterm.__exit__()
     if bar is not None:
       bar.close()
     if writer is not None:
       writer.flush()
-  if manager is not None:
-    if last_saved != step and step > start:  # the source ran out before num_steps
-      manager.save(step, state, data_state=position(), config=config)
-    manager.wait()
+  if sigterm.hit:
+    where = (f"saved checkpoint {manager.step_path(last_saved)}" if last_saved is not None else
+             "no checkpoint manager: nothing saved" if manager is None else
+             "no step was finished since the last checkpoint")
+    message = (f"received SIGTERM: stopped after step {step} of {num_steps} ({where}); exiting "
+               f"with status {TERMINATED_STATUS}; relaunch the same command to resume")
+    print(message, file=sys.stderr, flush=True)
+    raise Terminated(message, last_saved)
   return state
 
 
@@ -279,7 +335,8 @@ def run_trainer(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[Tr
   is flushed by ``run``, never closed here), collects every step's metrics
   into the returned history, and passes ``eval_fn`` the params (not the
   state). ``run_kwargs`` go to ``run`` (``save_every``, ``config``,
-  ``match_config``, ``eval_every``, ``progress``, ``desc``, ...). GRPO and
+  ``match_config``, ``allow_config_change``, ``first_metrics``, ``eval_every``,
+  ``progress``, ``desc``, ...). GRPO and
   distillation are this call with their own source and loss.
   """
   manager = (CheckpointManager(checkpoint_dir, max_to_keep=keep_checkpoints)

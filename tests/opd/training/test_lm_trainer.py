@@ -144,3 +144,12 @@ def test_lm_train_config_accepts_numpy_ints():
   loop = LMTrainConfig(steps=np.int64(5), save_every=np.int32(2))
   assert (loop.steps, loop.save_every) == (5, 2) and type(loop.steps) is int
   assert loop == LMTrainConfig(steps=5, save_every=2)
+
+
+def test_warmup_longer_than_the_run_is_refused_naming_both_fields(tmp_path):
+  mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
+  with pytest.raises(ValueError,
+                     match=r"OptimConfig\.warmup_steps=10 exceeds LMTrainConfig\.steps=5"):
+    train_lm(CFG, iter([]), OptimConfig(lr=1e-3, warmup_steps=10), LMTrainConfig(steps=5),
+             mesh=mesh, rules=sharding.DEFAULT_RULES, checkpoint_dir=tmp_path)
+  assert list(tmp_path.iterdir()) == []  # refused before any work
