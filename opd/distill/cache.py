@@ -31,12 +31,15 @@ class CachedBatch:
       did not answer).
     available: [B, K] bool, which teacher answered for which row.
     skipped: ``{name: reason}`` for teachers skipped for the whole batch.
+    messages: ``{name: detail}`` of every fault of the batch (whole-batch
+      skips and non-finite rows; the fault layer has logged them).
   """
   key: Hashable
   names: tuple[str, ...]
   hidden: tuple[jax.Array, ...]
   available: np.ndarray
   skipped: dict[str, str]
+  messages: dict[str, str] = dataclasses.field(default_factory=dict)
 
   @property
   def batch_ok(self) -> bool:
@@ -92,7 +95,7 @@ class HiddenStateCache:
     if self.sharding is not None:
       hidden = tuple(jax.device_put(h, self.sharding) for h in hidden)
     self._entry = CachedBatch(key, names, hidden, np.asarray(answers.available),
-                              dict(answers.skipped))
+                              dict(answers.skipped), dict(answers.messages))
     self.computes += 1
     return self._entry
 

@@ -83,3 +83,21 @@ def test_loss_batch_renormalises_after_skips_and_rejects_empty_weights():
   w[1, 3] = 0.0
   with pytest.raises(ValueError, match=r"weights\[\(1, 3\)\] sum to 0.0"):
     loss_batch(batch, cached, w)
+
+
+def test_a_cached_batch_keeps_its_fault_messages():
+  """The cache used to keep the skip reasons only and drop the messages."""
+  def down(tokens, mask):
+    raise ConnectionError("t1's server refused the connection")
+
+  def nan_row(tokens, mask):
+    h = np.ones((B, T, 4), np.float32)
+    h[1, 0, 2] = np.nan
+    return h
+
+  ft = FaultTolerantTeachers({"t0": nan_row, "t1": down}, {"t0": 4, "t1": 4}, deadline_s=5.0)
+  cached = HiddenStateCache(ft).get("k", np.zeros((B, T), np.int32), np.ones((B, T), bool))
+  assert cached.skipped == {"t1": "error"}
+  assert cached.messages == {"t0": "non-finite hidden states in rows [1]",
+                             "t1": "ConnectionError: t1's server refused the connection"}
+  np.testing.assert_array_equal(cached.available, [[True, False], [False, False]])

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from opd.distill import FaultTolerantTeachers, SkipCounter, apply_availability, call_with_deadline
+from opd.distill.faults import TeacherFaultError
 
 EPS32 = np.finfo(np.float32).eps
 B, T, V = 4, 6, 32
@@ -193,3 +194,82 @@ def test_routed_call_asks_each_teacher_about_its_rows_only():
   assert got["skips/total"] == 1 and answers.skipped == {}
   with pytest.raises(ValueError, match=r"teacher_of_row must lie in \[0, K=3\); got \[0, 3\]"):
     ft(tokens, np.ones((B, T), bool), teacher_of_row=np.array([0, 3, 0, 0]))
+
+
+def test_each_fault_message_is_logged_once_then_counted(caplog):
+  """The first fault per (teacher, reason) is logged with its message; later
+  ones are counted (a count line at the 10th), never dropped."""
+  def raises(tok, m):
+    raise RuntimeError("teacher OOM at layer 3")
+
+  ft = FaultTolerantTeachers({"good": lambda t, m: _hidden(0, 8), "bad": raises},
+                             {"good": 8, "bad": 8}, deadline_s=DEADLINE)
+  with caplog.at_level("WARNING", logger="opd.distill.faults"):
+    for _ in range(12):  # < the default window of 20
+      ft(np.zeros((B, T), np.int32), np.ones((B, T), bool))
+  lines = [r.getMessage() for r in caplog.records]
+  full = [s for s in lines if "teacher OOM at layer 3" in s]
+  assert len(full) == 2, lines  # the first fault in full, then the 10th's count line
+  assert "'bad' skipped (error)" in full[0] and "skips/bad/error" in full[0]
+  assert "10 'error' faults so far" in full[1]
+  assert not any("'good'" in s for s in lines)
+  assert ft.counter.metrics(ft.names)["skips/bad/error"] == 12
+
+
+def test_a_non_finite_head_is_a_fault_of_its_teacher_on_every_batch(caplog):
+  """A NaN in W_k: the teacher is never called, skipped as ``nonfinite`` with
+  the head named in the message, and the loss gets its head zeroed."""
+  called = []
+  heads = {"good": np.ones((8, V), np.float32), "nan_head": np.ones((6, V), np.float32)}
+  heads["nan_head"][2, 5] = np.nan
+
+  def nan_head(tok, m):
+    called.append(1)
+    return _hidden(3, 6)
+
+  ft = FaultTolerantTeachers({"good": lambda t, m: _hidden(0, 8), "nan_head": nan_head},
+                             {"good": 8, "nan_head": 6}, deadline_s=DEADLINE, heads=heads,
+                             window=0)
+  with caplog.at_level("WARNING", logger="opd.distill.faults"):
+    for _ in range(3):
+      answers = ft(np.zeros((B, T), np.int32), np.ones((B, T), bool))
+      assert answers.skipped == {"nan_head": "nonfinite"} and answers.batch_ok
+      np.testing.assert_array_equal(answers.available, [[True, False]] * B)
+  assert not called
+  assert "W_k(6, 32) has 1 non-finite entries (first at [2, 5])" in caplog.text
+  assert ft.counter.metrics(ft.names)["skips/nan_head/nonfinite"] == 3
+  want = np.ones((6, V), np.float32)
+  want[2, 5] = 0.0
+  np.testing.assert_array_equal(ft.heads["nan_head"], want)
+  np.testing.assert_array_equal(ft.heads["good"], heads["good"])
+
+
+def test_a_teacher_unanswered_for_a_whole_window_stops_with_its_message():
+  """Window 3: two failures, an answer (the streak restarts), then three
+  failures in a row raise TeacherFaultError naming the teacher and the fault."""
+  outcomes = iter([False, False, True, False, False, False])
+
+  def sometimes(tok, m):
+    if not next(outcomes):
+      raise ConnectionError("server at /tmp/t.sock dropped the connection")
+    return _hidden(1, 4)
+
+  ft = FaultTolerantTeachers({"flaky": sometimes, "steady": lambda t, m: _hidden(2, 4)},
+                             {"flaky": 4, "steady": 4}, deadline_s=DEADLINE, window=3)
+  for _ in range(5):
+    ft(np.zeros((B, T), np.int32), np.ones((B, T), bool))
+  with pytest.raises(TeacherFaultError, match=r"teacher 'flaky' answered none of its rows on the "
+                     r"last 3 batches .*fault window 3.*dropped the connection"):
+    ft(np.zeros((B, T), np.int32), np.ones((B, T), bool))
+  with pytest.raises(ValueError, match="window=-1"):
+    FaultTolerantTeachers({"a": None}, {"a": 4}, deadline_s=1, window=-1)
+
+
+def test_token_ids_outside_the_vocabulary_are_bad_input_not_a_fault():
+  ft = FaultTolerantTeachers({"a": lambda t, m: _hidden(0, 4)}, {"a": 4}, deadline_s=DEADLINE,
+                             vocab_size=V)
+  tokens = np.zeros((B, T), np.int32)
+  tokens[1, 2] = V
+  with pytest.raises(ValueError, match=r"ids in \[0, 32\] outside \[0, V=32\)"):
+    ft(tokens, np.ones((B, T), bool))
+  assert ft.counter.metrics(ft.names)["skips/total"] == 0
