@@ -111,6 +111,8 @@ class OPDConfig:
     updates_per_batch: optimizer updates on each rollout batch (all served
       from the one hidden-state cache entry).
     deadline_s: seconds each teacher call may take before it is skipped.
+    fault_window: a teacher that answers none of its rows on this many
+      consecutive batches stops the run (``TeacherFaultError``; 0: never).
     cache_dtype: storage dtype of cached teacher hidden states.
     diag_every: diagnostics every this many steps (0: never).
     diag_tokens: response tokens sampled for the diagnostics.
@@ -138,6 +140,7 @@ class OPDConfig:
   grpo_clip_eps_high: float = GRPOConfig.clip_eps_high
   updates_per_batch: int = 1
   deadline_s: float = 60.0
+  fault_window: int = 20
   cache_dtype: str = "bfloat16"
   diag_every: int = 10
   diag_tokens: int = 256
@@ -148,7 +151,8 @@ class OPDConfig:
     check_rollout_fields(self, owner)
     fields.check_fields(
         self, owner, ints={"anneal_steps": 0, "top_k": 1, "updates_per_batch": 1,
-                           "diag_every": 0, "diag_tokens": 1},
+                           "diag_every": 0, "diag_tokens": 1,
+                           "fault_window": 0},
         positive=("kl_temperature", "teacher_temperature", "confidence_temperature",
                   "deadline_s"),
         non_negative=("forward_kl_coef", "grpo_coef", "grpo_clip_eps_high"),

@@ -11,6 +11,13 @@ hold params only. Metrics: the source's (module docstring of
 ``make_heldout_eval`` measures what distillation should lower: the reverse
 KL ``KL(p_s ‖ q_k)`` of each teacher on the student's own responses to
 held-out prompts of the teacher's domain.
+
+Both ask the teachers through the fault layer (``opd.distill.faults``): a
+teacher that raises, hangs, answers a wrong shape or non-finite states, or
+whose output head is non-finite, is skipped (its message logged, its head
+zeroed for the loss) and training and evaluation go on; a teacher that
+answered none of ``OPDConfig.fault_window`` consecutive training batches
+stops the run with ``TeacherFaultError``.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ import numpy as np
 
 import pallas_kernels
 from opd import rollout as rollout_lib
-from opd.distill.faults import FaultTolerantTeachers, TeacherFn
+from opd.distill.faults import FaultTolerantTeachers, SkipCounter, TeacherFn
 from opd.distill.loss import make_opd_loss
 from opd.distill.source import OPDConfig, OPDSource, make_hidden_fn
 from opd.distill.teachers import Teacher, TeacherPool
@@ -74,6 +81,8 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
     ValueError: bad arguments (naming them); with several jax processes, a
       ``TeacherPool`` placed on other processes' devices.
     NonFiniteError: a NaN/inf loss or gradient; nothing saved for that step.
+    TeacherFaultError: a teacher answered none of its rows on
+      ``cfg.fault_window`` consecutive batches.
 
   Several jax processes: the step trains on ``mesh`` (all processes'
   devices); rollouts, teacher forwards and diagnostics run in every process
@@ -89,13 +98,11 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
   host_mesh = distributed.host_work_mesh(mesh)
   pool = teachers if isinstance(teachers, TeacherPool) else TeacherPool(
       teachers, student_cfg.vocab_size, host_mesh, rules=rules)
-  asked = FaultTolerantTeachers.from_pool(pool, deadline_s=cfg.deadline_s)
-  unknown = sorted(set(teacher_fns or {}) - set(pool.names))
-  if unknown:
-    raise ValueError(f"teacher_fns names {unknown} are not teachers; teachers: {list(pool.names)}")
-  asked.teachers.update(teacher_fns or {})
+  asked = _fault_layer(pool, cfg, teacher_fns, SkipCounter("opd"), cfg.fault_window)
+  # A non-finite head is a fault of its teacher: the loss gets it zeroed (its weight is 0).
+  safe_heads = tuple(asked.heads[n] for n in pool.names)
   source = OPDSource(student_cfg, cfg, PromptStream(prompts, seed=seed), teachers=asked,
-                     heads=pool.heads, domains=[t.domain for t in pool.teachers],
+                     heads=safe_heads, domains=[t.domain for t in pool.teachers],
                      total_steps=steps, tokenizer=tokenizer, mesh=pool.mesh, rules=rules,
                      seed=seed, train_mesh=mesh)
   optimizer = make_optimizer(optim)
@@ -103,7 +110,7 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
                                       params=params)
   # With several processes the heads live on this process's devices: the
   # step (on every process's devices) takes them as host constants.
-  heads = [np.asarray(h) for h in pool.heads] if multi else pool.heads
+  heads = [np.asarray(h) for h in safe_heads] if multi else safe_heads
   loss_fn = make_opd_loss(student_cfg, heads, cfg.loss_config(), teacher_names=pool.names)
   step_fn = make_train_step(loss_fn, optimizer, mesh, shardings, rules=rules)
   state, history = train_loop.run_trainer(
@@ -117,9 +124,22 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
   return OPDRun(state, history)
 
 
+def _fault_layer(pool: TeacherPool, cfg: OPDConfig, teacher_fns, counter: SkipCounter,
+                 window: int) -> FaultTolerantTeachers:
+  """The pool's teachers (``teacher_fns`` replacing some) behind deadlines and screens."""
+  asked = FaultTolerantTeachers.from_pool(pool, deadline_s=cfg.deadline_s, counter=counter,
+                                          window=window)
+  unknown = sorted(set(teacher_fns or {}) - set(pool.names))
+  if unknown:
+    raise ValueError(f"teacher_fns names {unknown} are not teachers; teachers: {list(pool.names)}")
+  asked.teachers.update(teacher_fns or {})
+  return asked
+
+
 def make_heldout_eval(student_cfg: ModelConfig, pool: TeacherPool, prompts: Sequence[Example],
                       cfg: OPDConfig, *, tokenizer, mesh, rules=sharding_lib.DEFAULT_RULES,
-                      seed: int = 1) -> Callable[[Any], dict[str, float]]:
+                      seed: int = 1, teacher_fns: Mapping[str, TeacherFn] | None = None
+                      ) -> Callable[[Any], dict[str, float]]:
   """``fn(params) -> {"rkl/<teacher>": mean KL(p_s ‖ q_k)}`` on held-out prompts.
 
   The student samples one response per prompt (a fixed key, so successive
@@ -127,6 +147,11 @@ def make_heldout_eval(student_cfg: ModelConfig, pool: TeacherPool, prompts: Sequ
   ``cfg.kl_temperature`` is averaged over the response tokens of the prompts
   in the teacher's domain (all prompts for a teacher without one), from
   ``pallas_kernels.fused_reverse_kl``'s per-teacher ``kl``.
+
+  The teachers are asked through the fault layer (``cfg.deadline_s``;
+  ``teacher_fns`` as in ``train_opd``): a faulty teacher's KL is averaged
+  over the rows it answered, and is NaN when it answered none (the fault is
+  logged as ``held-out eval``); a fault never stops the evaluation.
   """
   prompts = list(prompts)
   if not prompts:
@@ -140,6 +165,8 @@ def make_heldout_eval(student_cfg: ModelConfig, pool: TeacherPool, prompts: Sequ
     if not r.any():
       raise ValueError(f"no held-out prompt is in teacher {name!r}'s domain "
                        f"{pool.teacher(name).domain!r}")
+  # window=0: evaluation reports a teacher that never answers (NaN), it does not stop.
+  asked = _fault_layer(pool, cfg, teacher_fns, SkipCounter("held-out eval"), window=0)
 
   def fn(params) -> dict[str, float]:
     if jax.process_count() > 1:
@@ -151,16 +178,20 @@ def make_heldout_eval(student_cfg: ModelConfig, pool: TeacherPool, prompts: Sequ
         pad_id=tokenizer.pad_id)
     b, t = host["tokens"].shape
     h_s = hidden_fn(params, host["tokens"], host["mask"]).reshape(b * t, -1)
-    h_k = [np.asarray(pool.hidden_rows(n, host["tokens"], host["mask"])).reshape(b * t, -1)
-           for n in pool.names]
+    answers = asked(host["tokens"], host["mask"])
+    h_k = [np.asarray(answers.hidden[n]).reshape(b * t, -1) for n in pool.names]
     mask = jnp.asarray(host["loss_mask"].reshape(-1) > 0)
     k = len(pool.names)
     _, aux = pallas_kernels.fused_reverse_kl(
-        h_s, head_matrix(student_cfg, params), h_k, pool.heads, jnp.full((b * t, k), 1.0 / k),
-        mask=mask, temperature=cfg.kl_temperature, return_aux=True)
+        h_s, head_matrix(student_cfg, params), h_k, [asked.heads[n] for n in pool.names],
+        jnp.full((b * t, k), 1.0 / k), mask=mask, temperature=cfg.kl_temperature,
+        return_aux=True)
     kl = np.asarray(aux["kl"]).reshape(b, t, k)
     lm = host["loss_mask"] > 0
-    return {f"rkl/{n}": float(kl[rows[n]][..., i][lm[rows[n]]].mean())
-            for i, n in enumerate(pool.names)}
+    out = {}
+    for i, n in enumerate(pool.names):
+      r = rows[n] & answers.available[:, i]
+      out[f"rkl/{n}"] = float(kl[r][..., i][lm[r]].mean()) if lm[r].any() else float("nan")
+    return out
 
   return fn

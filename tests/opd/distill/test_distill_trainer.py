@@ -21,7 +21,7 @@ import pytest
 
 from opd.distill import trainer as trainer_lib
 from opd.distill.loss import make_opd_loss
-from opd.distill.faults import FaultTolerantTeachers
+from opd.distill.faults import FaultTolerantTeachers, TeacherFaultError
 from opd.distill.source import OPDConfig, OPDSource
 from opd.distill.teachers import Teacher, TeacherPool
 from opd.distill.trainer import make_heldout_eval, train_opd
@@ -332,3 +332,75 @@ def test_a_sharded_opd_step_equals_the_single_device_step(student, teachers, mon
   scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(g1))
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g8)):
     np.testing.assert_allclose(b, a, atol=n * EPS32 * scale, rtol=0)
+
+
+def _with_nan_head(t):
+  head = np.array(t.params["lm_head"])
+  head[5, 17] = np.nan
+  return Teacher(t.name, t.cfg, {**t.params, "lm_head": head}, t.domain)
+
+
+def test_a_teacher_with_a_nan_head_is_skipped_and_logged_and_the_run_goes_on(
+    mesh, student, teachers, caplog):
+  """``tb``'s head holds one NaN: the loss used to be NaN and the run stopped
+  at step 1 (NonFiniteError). Now ``tb`` is a ``nonfinite`` fault on every
+  batch (logged with its message), ``ta`` carries all the weight and the
+  held-out eval reports ``tb`` as NaN and ``ta`` as without the fault."""
+  broken = [teachers[0], _with_nan_head(teachers[1])]
+  pool = TeacherPool(broken, V, mesh)
+  held_out = prompts(2, "test")
+  evaluate = make_heldout_eval(STUDENT, pool, held_out, OPD, tokenizer=TOK, mesh=mesh)
+  clean = make_heldout_eval(STUDENT, TeacherPool(teachers, V, mesh), held_out, OPD,
+                            tokenizer=TOK, mesh=mesh)(student)
+  with caplog.at_level("WARNING", logger="opd.distill.faults"):
+    got = evaluate(student)
+    run = _run(student, pool, mesh, 2, cfg=OPD.replace(schedule="uniform"))
+  assert np.isnan(got["rkl/tb"]) and got["rkl/ta"] == clean["rkl/ta"]  # same program, same data
+  assert int(run.state.step) == 2 and pool.forward_count["tb"] == 0
+  for s, m in enumerate(run.history, start=1):
+    assert np.isfinite(m["train/loss"]) and m["train/opd_tokens"] > 0
+    assert m["weight/ta"] == pytest.approx(1.0) and m["weight/tb"] == 0.0
+    assert m["skips/tb/nonfinite"] == s and m["opd/skipped_step"] == 0
+  assert "opd: teacher 'tb' skipped (nonfinite): output head W_k(48, 270) has 1 non-finite" \
+      in caplog.text
+  assert "held-out eval: teacher 'tb' skipped (nonfinite)" in caplog.text
+
+
+def test_a_teacher_raising_in_the_heldout_eval_is_survived(mesh, student, teachers, caplog,
+                                                          monkeypatch):
+  """The held-out eval called the pool outside the fault layer: any teacher
+  fault there killed the job. Now ``tb``'s crash is logged and its KL is NaN;
+  ``ta``'s is what a fault-free eval gives."""
+  pool = TeacherPool(teachers, V, mesh)
+  held_out = prompts(2, "test")
+  evaluate = make_heldout_eval(STUDENT, pool, held_out, OPD, tokenizer=TOK, mesh=mesh)
+  clean = evaluate(student)
+  inner = pool._forward
+
+  def tb_crashes(name, tokens, mask):
+    if name == "tb":
+      raise RuntimeError("tb: device lost")
+    return inner(name, tokens, mask)
+
+  monkeypatch.setattr(pool, "_forward", tb_crashes)
+  with caplog.at_level("WARNING", logger="opd.distill.faults"):
+    got = evaluate(student)
+  assert np.isnan(got["rkl/tb"]) and got["rkl/ta"] == clean["rkl/ta"] and clean["rkl/tb"] > 0
+  assert "held-out eval: teacher 'tb' skipped (error): RuntimeError: tb: device lost" \
+      in caplog.text
+
+
+def test_a_teacher_unanswered_for_a_whole_window_stops_the_run(mesh, student, teachers):
+  """``tb`` fails every call; with ``fault_window=2`` the run stops in step 2's
+  batch with a message naming it, instead of distilling without it."""
+  def dead(tokens, mask):
+    raise ConnectionRefusedError("tb's server is gone")
+
+  done = []
+  with pytest.raises(TeacherFaultError, match=r"teacher 'tb' answered none of its rows on the "
+                     r"last 2 batches .*tb's server is gone.*OPDConfig.fault_window"):
+    _run(student, teachers, mesh, 5, cfg=OPD.replace(schedule="uniform", fault_window=2),
+         teacher_fns={"tb": dead}, on_metrics=lambda s, m: done.append(s))
+  assert done == [1]
+  with pytest.raises(ValueError, match="fault_window"):
+    OPDConfig(fault_window=-1)
