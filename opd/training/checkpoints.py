@@ -119,8 +119,13 @@ def _leaf_checksum(x: jax.Array) -> jax.Array:
     if unsigned is None:
       raise ValueError(f"cannot checksum an array of dtype {x.dtype}")
     bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
-  bits = bits.reshape(-1)
-  idx = jnp.arange(bits.size, dtype=jnp.uint32)
+  # The row-major position of each element (mod 2**32), built without a
+  # reshape so that a sharded array is never gathered.
+  idx, stride = jnp.zeros(bits.shape, jnp.uint32), 1
+  for dim in reversed(range(bits.ndim)):
+    idx = idx + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, dim) * jnp.uint32(
+        stride % 2 ** 32)
+    stride *= bits.shape[dim]
   word0 = jnp.sum(bits * (2 * idx + 1), dtype=jnp.uint32)
   h = bits ^ (idx * jnp.uint32(_GOLDEN))
   h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)

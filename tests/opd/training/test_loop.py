@@ -4,6 +4,7 @@ for both kinds of batch source (a plain iterator and a ``RolloutSource``).
 One tiny model on one device; the compiled step is shared by every test.
 (Resume across a process exit is tested in test_checkpoints.py.)
 """
+import json
 import os
 
 import grain
@@ -332,7 +333,6 @@ def test_first_metrics_come_from_the_first_step_after_a_resume(setup, tmp_path):
 
 
 def test_a_corrupt_latest_checkpoint_names_the_previous_one_or_falls_back(setup, tmp_path):
-  import json
   from opd.training.checkpoints import CheckpointCorruptError
   mngr = CheckpointManager(tmp_path, max_to_keep=3)
   straight = run(setup["fresh"](), setup["step"], ListIterator(_batches(4)), 4,
