@@ -115,13 +115,14 @@ def permutation(n: int, seed) -> tuple[int, ...]:
   sample)``, so every (example, sample) draws its own order; ``None`` gives
   the identity (no shuffling).
   """
-  n = _check_n(n)
+  n = check_n(n)
   if seed is None:
     return tuple(range(n))
   return tuple(int(i) for i in np.random.default_rng(seed).permutation(n))
 
 
-def _check_n(n) -> int:
+def check_n(n) -> int:
+  """``n`` (a response count) as an int, or ValueError unless it is an int >= 1."""
   if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
     raise ValueError(f"n={n!r} must be an int >= 1 (the number of responses)")
   return int(n)
@@ -182,7 +183,7 @@ def build_prompt(query: str, responses: Sequence[str], *, seed=None,
     raise ValueError(f"query must be a str, got {type(query).__name__}")
   if isinstance(responses, str) or not all(isinstance(r, str) for r in responses):
     raise ValueError(f"responses must be a sequence of str, got {responses!r:.80}")
-  n = _check_n(len(responses))
+  n = check_n(len(responses))
   order = permutation(n, seed)
   parts = [_INSTRUCTION.format(n=n), "", "[Query]", _shown(query), "[End of Query]"]
   for p, i in enumerate(order):

@@ -26,7 +26,7 @@ import re
 from typing import Iterable
 
 from grm.format import (CRITIQUE_HEADER, MAX_SCORE, MIN_SCORE, PRINCIPLES_HEADER, SCORES_PREFIX,
-                        Principle, _check_n)
+                        Principle, check_n)
 
 REASONS = ("not_text", "empty", "scores_not_last", "no_scores_line", "malformed_scores",
            "wrong_count", "out_of_range")
@@ -97,7 +97,7 @@ def parse_judgement(text, n: int) -> Judgement:
     A ``Judgement``: valid with n scores in the shown order, or invalid
     with a reason code (module docstring).
   """
-  n = _check_n(n)
+  n = check_n(n)
   if not isinstance(text, str):
     return _invalid("not_text")
   if not text.strip():

@@ -295,7 +295,7 @@ def _routing_weights():
 
 def _grpo_setups(spec, policies, domains, mesh, rules) -> list[tuple[str, dict]]:
   from experiments import common as job_common
-  from experiments.sft import domain_examples
+  from opd.tasks import domain_examples
   from opd import rollout as rollout_lib
   from opd.config.fields import from_group
   from opd.models import to_model_config
@@ -327,7 +327,7 @@ def _grpo_setups(spec, policies, domains, mesh, rules) -> list[tuple[str, dict]]
 
 def _opd_setup(v4, policies, mesh, rules) -> dict:
   from experiments import common as job_common
-  from experiments.sft import domain_examples
+  from opd.tasks import domain_examples
   from opd import rollout as rollout_lib
   from opd.distill import OPDConfig, Teacher, TeacherPool
   from opd.distill.cache import HiddenStateCache

@@ -226,7 +226,7 @@ class Task(abc.ABC):
 
   def verify_batch(self, examples: Sequence[Example], responses: Sequence[Any]) -> list[Reward]:
     """``verify`` over pairs; domains with slow verifiers parallelise this."""
-    _check_batch(examples, responses)
+    check_batch(examples, responses)
     return [self.verify(e, r) for e, r in zip(examples, responses)]
 
   def make_env(self) -> "Env":
@@ -247,7 +247,8 @@ class Task(abc.ABC):
                        f"not {self.domain!r}")
 
 
-def _check_batch(examples: Sequence[Any], responses: Sequence[Any]):
+def check_batch(examples: Sequence[Any], responses: Sequence[Any]) -> None:
+  """ValueError unless there is one response per example."""
   if len(examples) != len(responses):
     raise ValueError(f"got {len(examples)} examples but {len(responses)} responses")
 
@@ -332,7 +333,7 @@ def safe_verify_batch(task: Task, examples: Sequence[Any], responses: Sequence[A
     VerifierFailureError: ``max_error_fraction`` is given and this batch's
       error fraction exceeds it.
   """
-  _check_batch(examples, responses)
+  check_batch(examples, responses)
   batch_stats = RewardStats()
   try:
     for example in examples:

@@ -34,7 +34,7 @@ from opd.tasks.sandbox.api import (KERNEL_ISOLATION, IsolationUnavailable, Sandb
                                    SandboxLimits, SandboxResult)
 from opd.tasks.sandbox.batch import run_python_batch
 from opd.tasks.sandbox.harness import function_program, literal, read_results
-from opd.tasks.base import Draft, Example, Reward, Task, _check_batch, malformed
+from opd.tasks.base import Draft, Example, Reward, Task, check_batch, malformed
 
 N_TESTS = 6
 _RESULT_MARK = "@@RESULTS@@"
@@ -210,7 +210,7 @@ class CodeTask(Task):
     batched sandbox runs (``opd.tasks.sandbox.batch``: one set-up per batch,
     each program still alone in its own process, uid and work directory, and
     the result a single run would give)."""
-    _check_batch(examples, responses)
+    check_batch(examples, responses)
     programs = [self._program(e, r) for e, r in zip(examples, responses)]
     todo = [i for i, p in enumerate(programs) if not isinstance(p, Reward)]
     sandbox = self.sandbox if todo else None  # created on first use, as in verify

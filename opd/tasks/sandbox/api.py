@@ -96,7 +96,7 @@ from collections.abc import Mapping, Sequence
 from opd.config.fields import check_float, check_int, set_field
 from opd.tasks.sandbox import cgroup, outcome, seccomp
 from opd.tasks.sandbox import launcher as sandbox_launcher
-from opd.tasks.sandbox.launcher import _blocked_ancestor
+from opd.tasks.sandbox.launcher import blocked_ancestor
 
 ISOLATION_LEVELS = ("namespaces-root", "namespaces-user", "rlimits")
 UID_BASE = 0x5A000000  # per-run uids come from [UID_BASE, UID_BASE + 2**20)
@@ -436,7 +436,7 @@ def _level_problem(level: str, sandbox_uid: int | None = None) -> str | None:
     # No mount namespace to expose the interpreter with: the per-run uid must
     # read it as it is, since rlimits never runs a program as root.
     for prefix in {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)}:
-      if blocked := _blocked_ancestor(prefix, sandbox_uid or UID_BASE):
+      if blocked := blocked_ancestor(prefix, sandbox_uid or UID_BASE):
         return (f"it would have to run programs as root: the sandbox uid cannot enter {blocked}, "
                 f"which holds the interpreter {prefix} (use a Python other users can read, or "
                 "a namespaces level)")

@@ -87,7 +87,7 @@ def _enter_namespaces(cfg: dict):
   _write_proc("/proc/self/gid_map", f"0 {gid} 1")
 
 
-def _blocked_ancestor(path: str, uid: int) -> str | None:
+def blocked_ancestor(path: str, uid: int) -> str | None:
   """The highest directory on ``path`` that ``uid`` may not traverse, if any."""
   parts = [p for p in path.split("/") if p]
   for i in range(len(parts) + 1):

@@ -23,7 +23,7 @@ from opd.tasks.sandbox import api as sandbox_api
 from opd.tasks.sandbox import cgroup
 from opd.tasks.sandbox.api import (KERNEL_ISOLATION, UID_BASE, IsolationUnavailable, Sandbox,
                                    SandboxLimits, isolation_report)
-from opd.tasks.sandbox.launcher import _blocked_ancestor
+from opd.tasks.sandbox.launcher import blocked_ancestor
 
 LIMITS = SandboxLimits(cpu_s=2, wall_s=3.0)
 LEVELS = [level for level, state in isolation_report().items() if state == "available"]
@@ -302,7 +302,7 @@ def test_weak_isolation_is_refused_without_opt_in(caplog, monkeypatch):
   isolation refuses a weaker sandbox unless explicitly (and loudly) allowed."""
   if os.geteuid() == 0:
     prefix = os.path.realpath(sys.base_prefix)
-    if _blocked_ancestor(prefix, UID_BASE):
+    if blocked_ancestor(prefix, UID_BASE):
       with pytest.raises(IsolationUnavailable, match="root"):
         Sandbox(LIMITS, isolation="rlimits")
     else:  # the interpreter is readable: rlimits runs under the per-run uid
