@@ -73,13 +73,15 @@ def run(config, workdir: str) -> dict:
       fused_loss=config.train.fused_loss)
   log.info("pretrain: %s params, %d docs, %d held-out batches", f"{model_cfg.num_params():,}",
            len(texts), len(eval_batches))
+  first: dict = {}  # step 1's metrics, restored from the checkpoint on a resume
   with MetricWriter(workdir) as writer:
     logger = common.Logger(writer, every=config.train.log_every)
     state = lm_trainer.train_lm(
         model_cfg, train_iter, optim, loop, mesh=mesh, rules=rules, seed=config.seed,
         eval_batches=eval_batches, checkpoint_dir=f"{workdir}/checkpoints",
         on_metrics=logger, run_config={"model": model_cfg.to_dict(),
-                                       "experiment": config_to_dict(config)})
+                                       "experiment": config_to_dict(config)},
+        first_metrics=first)
     final_eval = lm_trainer.evaluate_loss(lm_trainer.lm_loss(model_cfg), state.params,
                                           eval_batches, mesh, rules)
     step = int(state.step)
@@ -96,7 +98,7 @@ def run(config, workdir: str) -> dict:
   result = {
       "steps": int(state.step),
       "params": model_cfg.num_params(),
-      "train_loss_first": train_losses[0] if train_losses else float("nan"),
+      "train_loss_first": first[1]["loss"] if 1 in first else float("nan"),
       "train_loss_final": sum(tail) / len(tail),
       "eval_loss": final_eval["loss"],
       "eval_accuracy": final_eval.get("accuracy", float("nan")),
