@@ -33,7 +33,7 @@ from opd.distill.cache import CachedBatch, HiddenStateCache, loss_batch
 from opd.distill.diagnostics import (logit_diagnostics, sample_response_positions,
                                      teacher_diagnostics)
 from opd.distill.faults import (REASONS, FaultTolerantTeachers, SkipCounter, TeacherAnswers,
-                                call_with_deadline)
+                                TeacherFaultError, call_with_deadline)
 from opd.distill.loss import ESTIMATORS, OPDLossConfig, make_opd_loss
 from opd.distill import merging, offpolicy
 from opd.distill.merging import average_params, task_arithmetic, task_vectors
@@ -52,6 +52,7 @@ __all__ = [
     "cold_start", "teacher_sft_pairs", "merging", "offpolicy", "average_params",
     "task_arithmetic", "task_vectors", "OffPolicyConfig", "train_offpolicy_kd",
     "PLACEMENTS", "REASONS", "RemoteTeacher", "SkipCounter", "Teacher", "TeacherAnswers",
+    "TeacherFaultError",
     "TeacherPool", "anneal", "apply_availability", "cache", "call_with_deadline",
     "check_teachers", "confidence_scores", "confidence_weights", "diagnostics", "faults",
     "logit_diagnostics", "loss", "loss_batch", "make_opd_loss", "normalize", "routing_weights",
