@@ -370,7 +370,9 @@ def run_baselines(config, workdir: str) -> dict:
   paths = resolve_inputs(config, root, mesh, rules, teachers=needs_teachers)
   out = {}
   for job in chosen:
-    metrics = common.run_stage(job, RUNS[job], stage_config(config, job, paths), root / job)
+    ckpts = [paths.get("base"), paths.get("student"), *paths.get("teachers", {}).values()]
+    metrics = common.run_stage(job, RUNS[job], stage_config(config, job, paths), root / job,
+                               [pathlib.Path(p).parent for p in ckpts if p])
     out.update({f"{job}/{k}": v for k, v in metrics.items()})
   out["wall_s"] = timer.seconds
   return out

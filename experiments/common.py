@@ -8,11 +8,15 @@ in ``opd``. Nothing here holds training logic.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import hashlib
 import json
 import logging
 import pathlib
 import time
+import uuid
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -21,6 +25,7 @@ import numpy as np
 from opd.config.fields import from_group
 from opd.config.overrides import config_mismatches, config_to_dict
 from opd.parallel import sharding
+from opd.training.files import atomic_write_json, read_json
 from opd.training.metrics_writer import MetricWriter, read_metrics
 from opd.models import ModelConfig
 from opd.text.tokenizers import ByteTokenizer, check_vocab
@@ -161,8 +166,9 @@ class Timer:
 
 
 def write_json(path: str | pathlib.Path, obj) -> None:
+  """``obj`` as JSON at ``path``, written atomically by the main process only."""
   if jax.process_index() == 0:
-    pathlib.Path(path).write_text(json.dumps(obj, indent=2, default=float))
+    atomic_write_json(path, obj, default=float)
 
 
 def enable_compilation_cache(path: str | None = None) -> str | None:
@@ -184,12 +190,31 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
 
 
 FINAL = "final_metrics.json"  # a finished stage's metrics (as the launcher writes)
+RECORD = "stage.json"  # a stage's record: its config's digest and its inputs' records' digests
 
 
 # Fields added to a stage config after stages were written, with the value
 # that reproduces what those stages did: a saved ``config.json`` without the
 # field matches a stage config holding exactly that value (and no other).
 ADDED_FIELDS = {"opd.teacher_temperature": 1.0, "generator.refine_fraction": 0.0}
+
+# ``--rerun_downstream`` (experiments.launch): a stage whose inputs changed is
+# moved aside and rerun instead of refused.
+_RERUN_DOWNSTREAM = contextvars.ContextVar("rerun_downstream", default=False)
+
+
+@contextlib.contextmanager
+def stage_options(*, rerun_downstream: bool = False):
+  """Within the block, stale stages are rerun (``True``) or refused (``False``)."""
+  token = _RERUN_DOWNSTREAM.set(bool(rerun_downstream))
+  try:
+    yield
+  finally:
+    _RERUN_DOWNSTREAM.reset(token)
+
+
+class StaleStageError(ValueError):
+  """A finished (or started) stage read inputs that have changed since."""
 
 
 def stage_mismatches(saved, cfg) -> list[tuple[str, Any, Any]]:
@@ -206,78 +231,165 @@ def cached_json(path: pathlib.Path, make) -> dict:
   """``make()``'s JSON result, saved to ``path`` once; later calls read it (a
   rerun of an interrupted stage skips the parts that finished)."""
   if path.exists():
-    return json.loads(path.read_text())
+    return read_json(path)
   out = make()
   write_json(path, out)
   return out
 
 
-def run_stage(name: str, fn, cfg, workdir: pathlib.Path) -> dict:
-  """Runs one stage unless it already finished; returns its final metrics.
+def _sha256(data: bytes) -> str:
+  return hashlib.sha256(data).hexdigest()
 
-  A stage directory left by an earlier run (finished or interrupted) is
-  reused only when its ``config.json`` matches this run's stage config;
-  otherwise a ``ValueError`` names the differing fields and nothing is
-  touched (a changed config must not silently reuse stale results). Every
-  pipeline job (specialists, v4, baselines, grm) builds its stages with it.
+
+def record_digest(stage_dir: pathlib.Path) -> str | None:
+  """The digest downstream stages record for a finished stage, None if unfinished.
+
+  It hashes the stage's record (its config digest, its own inputs' digests and
+  a run id drawn when it finished), so a rerun of the stage, even under the
+  same config, or of anything upstream of it, changes it. A stage finished
+  before records existed hashes its final metrics and their write time.
   """
+  done = stage_dir / FINAL
+  if not done.exists():
+    return None
+  rec = stage_dir / RECORD
+  if rec.exists() and read_json(rec, expect=dict).get("run_id"):
+    return _sha256(rec.read_bytes())
+  return "legacy:" + _sha256(done.read_bytes() + str(done.stat().st_mtime_ns).encode())
+
+
+def _write_record(stage_dir: pathlib.Path, name: str, cfg, inputs: Mapping[str, str | None],
+                  finished: bool) -> None:
+  cfg_text = json.dumps(config_to_dict(cfg), sort_keys=True)
+  write_json(stage_dir / RECORD, {
+      "name": name, "config_sha256": _sha256(cfg_text.encode()), "inputs": dict(inputs),
+      "run_id": uuid.uuid4().hex if finished else None,
+      "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()) if finished else None})
+
+
+def stale_inputs(stage_dir: pathlib.Path, inputs: Sequence[pathlib.Path]) -> list[str]:
+  """The inputs (upstream stage directories) that changed since ``stage_dir`` read them.
+
+  A stage's record lists the digest of every input as it was when the stage
+  started; an input whose digest differs now was rerun (or deleted) since. A
+  stage finished before records existed is stale when an input finished
+  after it. A stage never started has nothing stale.
+  """
+  rec_path = stage_dir / RECORD
+  if rec_path.exists():
+    seen = read_json(rec_path, expect=dict).get("inputs", {})
+    return [str(p) for p in inputs if str(p) in seen and seen[str(p)] != record_digest(p)]
+  done = stage_dir / FINAL
+  if not done.exists():
+    return []
+  return [str(p) for p in inputs if (p / FINAL).exists()
+          and (p / FINAL).stat().st_mtime_ns > done.stat().st_mtime_ns]
+
+
+def _check_saved_config(name: str, cfg, workdir: pathlib.Path) -> None:
   saved_path = workdir / "config.json"
   if saved_path.exists():
-    bad = stage_mismatches(json.loads(saved_path.read_text()), cfg)
+    bad = stage_mismatches(read_json(saved_path, expect=dict), cfg)
     if bad:
       detail = "; ".join(f"{k}: was {have!r}, now {want!r}" for k, have, want in bad[:5])
       more = f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""
       raise ValueError(f"{workdir} holds the '{name}' stage of a run with another config "
                        f"({detail}{more}); use a new --workdir or delete that directory")
+
+
+def _refuse_or_move_aside(name: str, workdir: pathlib.Path, stale: Sequence[str]) -> None:
+  if not _RERUN_DOWNSTREAM.get():
+    raise StaleStageError(
+        f"stage '{name}' ({workdir}) was built on upstream stage(s) {', '.join(stale)} that "
+        "changed since (rerun or rebuilt): its results are stale; launch with "
+        "--rerun_downstream to rerun it and the stages after it")
+  aside = workdir.with_name(f"{workdir.name}.stale-{time.strftime('%Y%m%dT%H%M%S')}-"
+                            f"{uuid.uuid4().hex[:6]}")
+  workdir.rename(aside)
+  print(f"[stage] {name}: upstream {', '.join(stale)} changed; old results moved to {aside}, "
+        "rerunning (--rerun_downstream)", flush=True)
+
+
+def run_stage(name: str, fn, cfg, workdir: pathlib.Path,
+              inputs: Sequence[str | pathlib.Path] = ()) -> dict:
+  """Runs one stage unless it already finished; returns its final metrics.
+
+  A stage directory left by an earlier run (finished or interrupted) is
+  reused only when its ``config.json`` matches this run's stage config
+  (else a ``ValueError`` names the differing fields and nothing is touched)
+  and the records of its ``inputs`` (the upstream stage directories it reads)
+  are those it was built on (else ``StaleStageError`` names them; under
+  ``stage_options(rerun_downstream=True)`` the old directory is moved aside
+  and the stage reruns). Every file is written atomically.
+  """
+  workdir = pathlib.Path(workdir)
+  inputs = [pathlib.Path(p) for p in inputs]
+  _check_saved_config(name, cfg, workdir)
+  stale = stale_inputs(workdir, inputs)
+  if stale:
+    _refuse_or_move_aside(name, workdir, stale)
   done = workdir / FINAL
+  seen = {str(p): record_digest(p) for p in inputs}
   if done.exists():
+    if not (workdir / RECORD).exists():  # finished before records: adopt its inputs as read
+      _write_record(workdir, name, cfg, seen, finished=True)
     print(f"[stage] {name}: done earlier ({done})", flush=True)
-    return json.loads(done.read_text())
+    return read_json(done, expect=dict)
   print(f"[stage] {name} → {workdir}", flush=True)
   workdir.mkdir(parents=True, exist_ok=True)
   write_json(workdir / "config.json", config_to_dict(cfg))
+  if not (workdir / RECORD).exists():  # a resumed stage keeps the inputs it started on
+    _write_record(workdir, name, cfg, seen, finished=False)
   metrics = fn(cfg, str(workdir))
   write_json(done, metrics)
+  _write_record(workdir, name, cfg, read_json(workdir / RECORD, expect=dict)["inputs"],
+                finished=True)
   return metrics
 
 
-def check_upstream(root: pathlib.Path, name: str, upstream) -> None:
-  """Raises a ``ValueError`` when the finished stage ``root/name`` is older than
-  one of its finished ``upstream`` stages (``root/<stage>``): that one was rerun
-  after ``name`` read it, so ``name``'s results are stale. A stage config holds
-  only the groups its stage reads, so a changed config of an upstream stage
-  does not reach it; this catches the rerun instead. Unfinished stages pass."""
-  done = root / name / FINAL
-  if not done.exists():
-    return
-  newer = [u for u in upstream if (root / u / FINAL).exists()
-           and (root / u / FINAL).stat().st_mtime_ns > done.stat().st_mtime_ns]
-  if newer:
-    raise ValueError(f"{root / name} finished before its upstream stage(s) {', '.join(newer)} "
-                     f"were rerun: its results are stale; delete {root / name} (and the "
-                     "stages after it) and launch again")
-
-
-def stage_matches(workdir: pathlib.Path, cfg) -> bool:
-  """``workdir`` holds a finished stage whose ``config.json`` matches ``cfg``."""
+def stage_matches(workdir: pathlib.Path, cfg, inputs: Sequence[pathlib.Path] = ()) -> bool:
+  """``workdir`` holds a finished stage whose ``config.json`` matches ``cfg``,
+  built on the current records of ``inputs``."""
   saved = workdir / "config.json"
   if not (saved.exists() and (workdir / FINAL).exists()):
     return False
-  return not stage_mismatches(json.loads(saved.read_text()), cfg)
+  return (not stage_mismatches(read_json(saved, expect=dict), cfg)
+          and not stale_inputs(workdir, inputs))
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """One stage of a pipeline, for :meth:`Stages.run_all`.
+
+  Attributes:
+    name: the stage's name; its directory is ``root / name`` and its final
+      metrics come back as ``name/<metric>``.
+    fn: ``fn(cfg, workdir) -> dict`` of final metrics.
+    cfg: the stage config (only the groups the stage reads).
+    upstream: names of the earlier stages whose outputs it reads.
+    check: ``check(cfg)`` raising ``ValueError`` on a bad stage config; run
+      for every stage before the first one starts.
+  """
+  name: str
+  fn: Any
+  cfg: Any
+  upstream: tuple[str, ...] = ()
+  check: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Stages:
-  """Where a pipeline's stages live: its own root, and finished runs to reuse.
+  """The one stage runner: where a pipeline's stages live, and finished runs to reuse.
 
-  ``run(name, fn, cfg, rel)`` returns ``(metrics, directory)``. The stage is
-  read from the first root in ``reuse`` whose ``rel`` holds it finished under
-  the same stage config (nothing is written there), else it runs (or resumes)
-  in ``root / rel`` through :func:`run_stage`. Stage configs name their
-  inputs by path, so a stage is reused only when its inputs were too: a
-  lever that changes OPD reruns OPD and what follows it, and reads the
-  specialists and the cold start from the run it was started from
-  (``--config.reuse_from``).
+  ``run(name, fn, cfg, rel, inputs)`` returns ``(metrics, directory)``. The
+  stage is read from the first root in ``reuse`` whose ``rel`` holds it
+  finished under the same stage config and inputs (nothing is written there),
+  else it runs (or resumes) in ``root / rel`` through :func:`run_stage`.
+  Stage configs name their inputs by path, so a stage is reused only when its
+  inputs were too: a lever that changes OPD reruns OPD and what follows it,
+  and reads the specialists and the cold start from the run it was started
+  from (``--config.reuse_from``). ``run_all`` runs a fixed list of
+  :class:`Stage` s in order (the grm, mathv2 and gencluster jobs).
   """
   root: pathlib.Path
   reuse: tuple[pathlib.Path, ...] = ()
@@ -293,17 +405,65 @@ class Stages:
         raise ValueError(f"reuse_from={str(r)!r} is the workdir itself")
     return cls(root, roots)
 
-  def find(self, cfg, rel: str) -> pathlib.Path | None:
+  def find(self, cfg, rel: str, inputs: Sequence[pathlib.Path] = ()) -> pathlib.Path | None:
     """The reuse root's directory holding stage ``rel`` finished under ``cfg``."""
     for r in self.reuse:
-      if stage_matches(r / rel, cfg):
+      if stage_matches(r / rel, cfg, [pathlib.Path(p) for p in inputs]):
         return r / rel
     return None
 
-  def run(self, name: str, fn, cfg, rel: str) -> tuple[dict, pathlib.Path]:
-    found = self.find(cfg, rel)
+  def run(self, name: str, fn, cfg, rel: str,
+          inputs: Sequence[str | pathlib.Path] = ()) -> tuple[dict, pathlib.Path]:
+    found = self.find(cfg, rel, inputs)
     if found is not None:
       print(f"[stage] {name}: reused from {found}", flush=True)
-      return json.loads((found / FINAL).read_text()), found
+      return read_json(found / FINAL, expect=dict), found
     d = self.root / rel
-    return run_stage(name, fn, cfg, d), d
+    return run_stage(name, fn, cfg, d, inputs), d
+
+  def plan(self, stages: Sequence[Stage], skip: Sequence[str] = ()) -> list[str]:
+    """Checks a stage list before anything runs; returns the names that will run.
+
+    Every stage's ``check`` runs first. A finished stage whose upstream is
+    unfinished or stale will be stale once that upstream reruns: refused here
+    (before hours of earlier stages) unless ``--rerun_downstream``.
+    """
+    names = [s.name for s in stages]
+    for s in stages:
+      bad = [u for u in s.upstream if u not in names[:names.index(s.name)]]
+      if bad:
+        raise ValueError(f"stage {s.name!r} reads {bad}, which are not earlier stages")
+      if s.check is not None:
+        s.check(s.cfg)
+    will_run: list[str] = []
+    for s in stages:
+      d = self.root / s.name
+      if s.name in skip:
+        continue
+      if not (d / FINAL).exists():
+        will_run.append(s.name)
+        continue
+      changed = [u for u in s.upstream if u in will_run]
+      changed += stale_inputs(d, [self.root / u for u in s.upstream if u not in will_run])
+      if changed and not _RERUN_DOWNSTREAM.get():
+        raise StaleStageError(
+            f"stage '{s.name}' ({d}) is finished but its upstream stage(s) "
+            f"{', '.join(map(str, changed))} will rerun or changed since: its results would be "
+            "stale; launch with --rerun_downstream to rerun it and the stages after it")
+      if changed:
+        will_run.append(s.name)
+    return will_run
+
+  def run_all(self, stages: Sequence[Stage], skip: Sequence[str] = ()) -> dict[str, float]:
+    """Runs ``stages`` in order after :meth:`plan`, except those in ``skip``
+    (the caller says why); returns every stage's numeric final metrics as
+    ``<stage>/<metric>``."""
+    self.plan(stages, skip)
+    out = {}
+    for s in stages:
+      if s.name in skip:
+        continue
+      metrics, _ = self.run(s.name, s.fn, s.cfg, s.name, [self.root / u for u in s.upstream])
+      out.update({f"{s.name}/{k}": v for k, v in metrics.items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return out

@@ -82,11 +82,12 @@ def run_teachers(config, root: pathlib.Path) -> dict[str, pathlib.Path]:
                             train=config.base.train, data=config.base.data), base)
     common.run_stage(f"teacher {arm}: SFT", sft_job.run,
                      _stage(config, "sft", config.seed, init=_ckpt(base), optim=config.sft.optim,
-                            train=config.sft.train, data=config.sft.data), sft)
+                            train=config.sft.train, data=config.sft.data), sft, [base])
     common.run_stage(f"teacher {arm}: GRPO", grpo_job.run,
                      _stage(config, "grpo", config.seed, init=_ckpt(sft), grpo=config.grpo,
                             optim=config.grpo_optim, train=config.grpo_train,
-                            data=config.grpo_data, agent_reward=config.agent_reward), grpo)
+                            data=config.grpo_data, agent_reward=config.agent_reward), grpo,
+                     [sft])
     out[arm] = grpo
   return out
 
@@ -276,10 +277,10 @@ def run(config, workdir: str) -> dict:
   root = pathlib.Path(workdir)
   teachers = run_teachers(config, root)
   common.run_stage("student: short SFT of base A", sft_job.run, student_config(config, root),
-                   root / "student")
+                   root / "student", [root / "base_a"])
   for arm in ARMS:
     common.run_stage(f"OPD from teacher {arm}", distill_job.run_opd, opd_config(config, root, arm),
-                     root / f"opd_{arm.lower()}")
+                     root / f"opd_{arm.lower()}", [root / "student", teachers[arm]])
   models = {ROWS["teacher_A"]: teachers["A"], ROWS["teacher_B"]: teachers["B"],
             ROWS["student"]: root / "student", ROWS["opd_A"]: root / "opd_a",
             ROWS["opd_B"]: root / "opd_b"}
@@ -289,7 +290,8 @@ def run(config, workdir: str) -> dict:
   eval_stage = ml_collections.ConfigDict(dict(job="compat_eval", eval=_copy(config.eval),
                                               models=[str(v) for v in models.values()],
                                               pipeline=_copy(config)))
-  common.run_stage("compat evaluation", _evaluate(config, models), eval_stage, out_dir)
+  common.run_stage("compat evaluation", _evaluate(config, models), eval_stage, out_dir,
+                   list(models.values()))
   results = {r.name: r for r in ev.load_results(str(out_dir / "results.json"))}
   metrics = (config.report_metric, f"mean@{config.eval.num_samples}")
   scores = {key: {m: _cell(results[row].score(config.domain, m)) for m in metrics}

@@ -101,7 +101,8 @@ def _stage_policy(ctx: _Ctx, workdir: pathlib.Path) -> dict:
   sft_dir = workdir / "sft"
   sft = c.policy.sft
   metrics = common.run_stage("policy: code SFT", sft_job.run, _stage_config(
-      c, "sft", init=base, optim=sft.optim, train=sft.train, data=sft.data), sft_dir)
+      c, "sft", init=base, optim=sft.optim, train=sft.train, data=sft.data), sft_dir,
+      inputs=[pathlib.Path(base).parent])
   path = str(sft_dir / "checkpoints")
   common.write_json(workdir / "policy.json", {"checkpoint": path, "base": base})
   return {"policy": path, "model_driven": 1, "sft_eval_loss": metrics.get("eval_loss")}
@@ -418,7 +419,7 @@ STAGES = (("policy", _stage_policy, ("policy",)),
           ("rank", _stage_rank, ("judge", "tournament")),
           ("report", _stage_report, ("submission",)))
 
-# The stages each one reads (``common.check_upstream``: a rerun upstream makes it stale).
+# The stages each one reads (``common.Stages.run_all``: a rerun upstream makes it stale).
 UPSTREAM = {"samples": ("policy", "problems"), "inputs": ("problems", "samples"),
             "execute": ("problems", "samples", "inputs"), "judge": ("policy",),
             "rank": ("problems", "execute", "judge"),
@@ -429,14 +430,11 @@ def run(config, workdir: str) -> dict:
   timer = common.Timer()
   root = pathlib.Path(workdir)
   ctx = _Ctx.for_run(config, root)
-  out = {}
-  for name, fn, groups in STAGES:
-    common.check_upstream(root, name, UPSTREAM.get(name, ()))
-    cfg = _stage_config(config, f"gencluster_{name}", **{g: config[g] for g in groups})
-    metrics = common.run_stage(name, lambda _c, w, fn=fn: fn(ctx, pathlib.Path(w)), cfg,
-                               root / name)
-    out.update({f"{name}/{k}": v for k, v in metrics.items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool)})
+  out = common.Stages.of(root).run_all([
+      common.Stage(name, lambda _c, w, fn=fn: fn(ctx, pathlib.Path(w)),
+                   _stage_config(config, f"gencluster_{name}", **{g: config[g] for g in groups}),
+                   UPSTREAM.get(name, ()))
+      for name, fn, groups in STAGES])
   out["wall_s"] = timer.seconds
   print((root / "report" / "report.md").read_text(), flush=True)
   return out

@@ -40,6 +40,17 @@ _JOBS: dict[str, Target] = {
     "gencluster": "experiments.gencluster:run",
 }
 
+# name -> "module:function" of its job-start check (``validate``), where it has one.
+_CHECKS: dict[str, Target] = {
+    "pretrain": "experiments.job_checks:check_lm",
+    "sft": "experiments.job_checks:check_lm",
+    "grpo": "experiments.job_checks:check_grpo",
+    "specialists": "experiments.job_checks:check_specialists",
+    "cold_start": "experiments.job_checks:check_cold_start",
+    "opd": "experiments.job_checks:check_opd",
+    "v4": "experiments.job_checks:check_v4",
+}
+
 
 def _describe(target: Target) -> str:
   if isinstance(target, str):
@@ -47,7 +58,8 @@ def _describe(target: Target) -> str:
   return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', repr(target))}"
 
 
-def register(name: str, target: Target, *, overwrite: bool = False) -> None:
+def register(name: str, target: Target, *, overwrite: bool = False,
+             check: Target | None = None) -> None:
   """Adds a job.
 
   Args:
@@ -56,6 +68,8 @@ def register(name: str, target: Target, *, overwrite: bool = False) -> None:
     overwrite: replace an existing job of that name; otherwise registering a
       different target under a taken name raises (re-registering the same
       target, e.g. when a module is imported twice, is fine).
+    check: its job-start check, ``check(config)`` raising ``ValueError``
+      (``"module:function"`` or the function; see ``validate``).
   """
   if not isinstance(name, str) or not name.isidentifier():
     raise ValueError(f"job name must be an identifier, got {name!r}")
@@ -70,6 +84,8 @@ def register(name: str, target: Target, *, overwrite: bool = False) -> None:
     raise ValueError(f"job {name!r} is already registered as {_describe(_JOBS[name])}; "
                      f"pass overwrite=True to replace it with {_describe(target)}")
   _JOBS[name] = target
+  if check is not None:
+    _CHECKS[name] = check
 
 
 def known_jobs() -> dict[str, str]:
@@ -77,11 +93,22 @@ def known_jobs() -> dict[str, str]:
   return {name: _describe(t) for name, t in sorted(_JOBS.items())}
 
 
+def validate(config) -> None:
+  """Runs ``config.job``'s job-start check (every config group the job, and each
+  stage of a pipeline, will read; ``experiments.job_checks``), if it has one.
+  The launcher calls it before it records the config or starts the job."""
+  if config.job in _CHECKS:
+    _resolve(config.job, _CHECKS[config.job])(config)
+
+
 def get_job(name: str) -> JobFn:
   """Imports and returns the job function registered as ``name``."""
   if name not in _JOBS:
     raise ValueError(f"unknown job {name!r} (config.job); known jobs: {sorted(_JOBS)}")
-  target = _JOBS[name]
+  return _resolve(name, _JOBS[name])
+
+
+def _resolve(name: str, target: Target) -> JobFn:
   if callable(target):
     return target
   module_name, _, fn_name = target.partition(":")

@@ -9,15 +9,22 @@ Flags:
                                               first; they may register extra jobs
   --jax_distributed                           call jax.distributed.initialize() with
                                               cluster auto-detection (Cloud TPU, SLURM)
+  --allow_config_change=a.b,c                 config fields (or groups) a relaunch may
+                                              change against DIR/config.json (logged)
+  --rerun_downstream                          rerun pipeline stages whose upstream
+                                              stages changed instead of refusing them
 
 Without --jax_distributed, ``opd.parallel.distributed.initialize_from_env()`` joins a
 multi-process job described by ``OPD_COORDINATOR``, ``OPD_NUM_PROCESSES`` and
 ``OPD_PROCESS_ID`` (and does nothing when they are unset).
 
-The launcher writes ``DIR/config.json`` (the resolved config), runs the job
+The launcher takes DIR's lock (one run per workdir: a second launch is
+refused naming the holder), compares the resolved config with the
+``DIR/config.json`` of an earlier launch (every differing field is named),
+runs the job's start-up checks, then writes ``DIR/config.json``, runs the job
 named by ``config.job`` (see ``experiments/jobs.py``) and writes the metrics
-it returns to ``DIR/final_metrics.json``. Both files are written by the main
-process only.
+it returns to ``DIR/final_metrics.json``. Both files are written atomically,
+by the main process only.
 """
 from __future__ import annotations
 
@@ -33,6 +40,8 @@ from ml_collections import config_flags
 
 from experiments import jobs
 from opd.config import overrides as config_utils
+from opd.training import workdir as workdir_lib
+from opd.training.files import atomic_write_json
 
 CONFIG_FILE = "config.json"
 FINAL_METRICS_FILE = "final_metrics.json"
@@ -54,14 +63,27 @@ def _final_metrics_json(metrics: Any, job: str) -> dict[str, Any]:
   return out
 
 
-def launch(config, workdir: str | pathlib.Path, *, jobs_modules: Sequence[str] = ()) -> dict:
+def launch(config, workdir: str | pathlib.Path, *, jobs_modules: Sequence[str] = (),
+           allow_config_change: Sequence[str] = (), rerun_downstream: bool = False) -> dict:
   """Runs ``config.job`` in ``workdir`` and returns its final metrics.
+
+  The main process holds the workdir's lock (``opd.training.workdir``) from
+  before it reads anything there until the job returns or fails, so a second
+  launch on the same directory is refused with the holder named. Before the
+  job starts, the whole resolved config is compared with the ``config.json``
+  an earlier launch left (fields outside ``allow_config_change`` that differ
+  are refused, all named) and the job's own start-up checks run
+  (``jobs.validate``); only then is ``config.json`` written, atomically.
 
   Args:
     config: the resolved ``ml_collections.ConfigDict``; it is locked before
       the job sees it, so a misspelt new field raises instead of being added.
     workdir: the run directory (created if missing).
     jobs_modules: modules to import before looking up the job.
+    allow_config_change: dotted config fields (or groups) a relaunch may
+      change, e.g. ``("train.steps",)``; each change is logged.
+    rerun_downstream: a pipeline stage whose upstream stages changed is
+      rerun (its old directory moved aside) instead of refused.
 
   Returns:
     The job's final metrics, as written to ``workdir/final_metrics.json``.
@@ -72,17 +94,28 @@ def launch(config, workdir: str | pathlib.Path, *, jobs_modules: Sequence[str] =
     raise ValueError(f"the config has no field 'job'; set config.job to one of "
                      f"{sorted(jobs.known_jobs())}")
   job = jobs.get_job(config.job)
-  from opd.training.metrics_writer import is_main_process  # imports jax, so only once needed
+  from experiments import common  # noqa: PLC0415 (imports jax)
+  from opd.training.metrics_writer import is_main_process  # noqa: PLC0415
   workdir = pathlib.Path(workdir)
   main = is_main_process()
-  if main:
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / CONFIG_FILE).write_text(
-        json.dumps(config_utils.config_to_dict(config), indent=2, sort_keys=True) + "\n")
-  config.lock()
-  metrics = _final_metrics_json(job(config, str(workdir)), config.job)
-  if main:
-    (workdir / FINAL_METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+  lock = workdir_lib.WorkdirLock(workdir) if main else None
+  if lock is not None:
+    lock.acquire()
+  try:
+    resolved = config_utils.config_to_dict(config)
+    if main:
+      workdir_lib.check_config(workdir, resolved, allow_change=allow_config_change)
+    config.lock()
+    jobs.validate(config)
+    if main:
+      workdir_lib.record_config(workdir, resolved)
+    with common.stage_options(rerun_downstream=rerun_downstream):
+      metrics = _final_metrics_json(job(config, str(workdir)), config.job)
+    if main:
+      atomic_write_json(workdir / FINAL_METRICS_FILE, metrics, sort_keys=True)
+  finally:
+    if lock is not None:
+      lock.release()
   return metrics
 
 
@@ -137,11 +170,16 @@ def _define_flags():
   distributed = flags.DEFINE_bool("jax_distributed", False,
                                   "Call jax.distributed.initialize() first (multi-host with "
                                   "cluster auto-detection).")
-  return config, workdir, modules, distributed
+  allow = flags.DEFINE_list("allow_config_change", [], "Config fields (or groups) a relaunch "
+                            "may change against the workdir's config.json, e.g. train.steps.")
+  rerun = flags.DEFINE_bool("rerun_downstream", False, "Rerun pipeline stages whose upstream "
+                            "stages changed (their old directories are moved aside) instead of "
+                            "refusing them.")
+  return config, workdir, modules, distributed, allow, rerun
 
 
 def main() -> None:
-  config, workdir, modules, distributed = _define_flags()
+  config, workdir, modules, distributed, allow, rerun = _define_flags()
   flags.mark_flags_as_required(["config"])
 
   def run(argv):
@@ -155,7 +193,8 @@ def main() -> None:
     else:
       from opd.parallel import distributed as opd_distributed
       opd_distributed.initialize_from_env()
-    metrics = launch(config.value, workdir.value, jobs_modules=modules.value)
+    metrics = launch(config.value, workdir.value, jobs_modules=modules.value,
+                     allow_config_change=allow.value, rerun_downstream=rerun.value)
     print(json.dumps(metrics, sort_keys=True))
 
   app.run(run, flags_parser=parse_flags_or_exit)

@@ -419,7 +419,7 @@ STAGES = (("data", _stage_data, ("data",)),
           ("generator_rl", _stage_generator_rl, ("rl", "grpo", "grpo_optim", "sample")),
           ("evaluate", _stage_evaluate, ("eval", "sample")))
 
-# The stages each one reads (``common.check_upstream``: a rerun upstream makes it stale).
+# The stages each one reads (``common.Stages.run_all``: a rerun upstream makes it stale).
 UPSTREAM = {"base": ("data",), "generator_sft": ("base",), "verifier_sft": ("data", "base"),
             "meta_sft": ("data", "base"), "verifier_rl": ("data", "verifier_sft"),
             "verifier_rl_meta": ("data", "verifier_sft", "meta_sft"),
@@ -431,13 +431,10 @@ def run(config, workdir: str) -> dict:
   timer = common.Timer()
   root = pathlib.Path(workdir)
   ctx = _Ctx.for_run(config, root)
-  out = {}
-  for name, fn, groups in STAGES:
-    common.check_upstream(root, name, UPSTREAM.get(name, ()))
-    cfg = _stage_config(config, f"mathv2_{name}", **{g: config[g] for g in groups})
-    metrics = common.run_stage(name, lambda _c, w, fn=fn: fn(ctx, pathlib.Path(w)), cfg,
-                               root / name)
-    out.update({f"{name}/{k}": v for k, v in metrics.items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool)})
+  out = common.Stages.of(root).run_all([
+      common.Stage(name, lambda _c, w, fn=fn: fn(ctx, pathlib.Path(w)),
+                   _stage_config(config, f"mathv2_{name}", **{g: config[g] for g in groups}),
+                   UPSTREAM.get(name, ()))
+      for name, fn, groups in STAGES])
   out["wall_s"] = timer.seconds
   return out

@@ -65,7 +65,7 @@ def _steps(train, optim, config, domain: str, field: str):
 PER_DOMAIN_FIELDS = ("sft_steps", "grpo_steps", "grpo_lr")  # 0 means the shared value
 
 
-def _check_per_domain(config) -> None:
+def check_per_domain(config) -> None:
   """``config.per_domain``: known domains and fields, values >= 0 (ml-collections
   already refuses a float for the int step counts)."""
   for d, group in config.get("per_domain", {}).items():
@@ -83,7 +83,7 @@ def run(config, workdir: str, reuse=()) -> dict:
   timer = common.Timer()
   stages = common.Stages.of(workdir, reuse)
   domains = tuple(config.domains)
-  _check_per_domain(config)
+  check_per_domain(config)
   stage_metrics: dict[str, dict] = {}
 
   stage_metrics["base"], base_dir = stages.run(
@@ -97,7 +97,8 @@ def run(config, workdir: str, reuse=()) -> dict:
     stage_metrics[f"sft_{d}"], sft_dir = stages.run(
         f"{d}: SFT", sft_job.run,
         _stage_config(config, "sft", init=str(base_dir / "checkpoints"), optim=sft_optim,
-                      train=sft_train, data=_copy(config.sft.data, domains=(d,))), f"{d}/sft")
+                      train=sft_train, data=_copy(config.sft.data, domains=(d,))), f"{d}/sft",
+        [base_dir])
     grpo_train, _ = _steps(config.grpo_train, None, config, d, "grpo_steps")
     grpo_lr = config.get("per_domain", {}).get(d, {}).get("grpo_lr")
     grpo_optim = _copy(config.grpo_optim, lr=grpo_lr) if grpo_lr else config.grpo_optim
@@ -106,7 +107,7 @@ def run(config, workdir: str, reuse=()) -> dict:
         _stage_config(config, "grpo", init=str(sft_dir / "checkpoints"), grpo=config.grpo,
                       optim=grpo_optim, train=grpo_train,
                       data=_copy(config.grpo_data, domains=(d,)),
-                      agent_reward=config.agent_reward), f"{d}/grpo")
+                      agent_reward=config.agent_reward), f"{d}/grpo", [sft_dir])
     dirs[d] = {"sft": sft_dir, "grpo": grpo_dir}
 
   eval_cfg = ml_collections.ConfigDict(dict(
@@ -114,7 +115,8 @@ def run(config, workdir: str, reuse=()) -> dict:
       sharding_rules=config.sharding_rules,
       eval=_copy(config.eval), report_metric=config.report_metric, base=str(base_dir),
       models={d: {k: str(v) for k, v in dirs[d].items()} for d in domains}))
-  metrics, out_dir = stages.run("specialists evaluation", _evaluate, eval_cfg, "results")
+  metrics, out_dir = stages.run("specialists evaluation", _evaluate, eval_cfg, "results",
+                                [base_dir, *(p for d in domains for p in dirs[d].values())])
   print((out_dir / "report.md").read_text(), flush=True)
   print(f"[specialists] heatmap: {out_dir / 'heatmap.png'}\n"
         f"[specialists] tables: {out_dir / 'results.md'}", flush=True)

@@ -5,7 +5,9 @@ The config file's ``get_sweep(arg)`` returns a list of override dicts
 own ``python -m experiments.launch`` subprocess in ``DIR/<run_name>`` (so a
 crash in one run is recorded and the sweep goes on), one after another.
 A run whose ``final_metrics.json`` already exists is not run again unless
-``--rerun``. At the end the sweep writes ``DIR/sweep_summary.{csv,md,json}``
+``--rerun``. The sweep holds ``DIR``'s lock for its life (a second sweep on
+the same directory is refused, naming the holder) and every run holds its
+own; every summary file is written atomically. At the end the sweep writes ``DIR/sweep_summary.{csv,md,json}``
 (each run's overrides, status and final metrics) and ``DIR/sweep_summary.png``
 (each final metric against the swept value, then the training curves from
 each run's ``metrics.jsonl`` when present).
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
+import io
 import math
 import os
 import pathlib
@@ -32,6 +34,8 @@ from typing import Any
 from experiments.launch import FINAL_METRICS_FILE
 from opd.config import overrides as config_utils
 from opd.training import metrics_writer
+from opd.training.files import atomic_write_json, atomic_write_text, read_json
+from opd.training.workdir import WorkdirLock
 
 SUMMARY = "sweep_summary"
 MAX_PLOTTED = 6
@@ -110,7 +114,15 @@ def run_sweep(config_spec: str, workdir: str | os.PathLike, *, max_runs: int | N
     flags_per_run.append([f"--config.{k}={_format_value(k, v)}" for k, v in overrides.items()])
 
   workdir = pathlib.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
+  with WorkdirLock(workdir):  # one sweep per directory; each run locks its own
+    results = _run_entries(spec, sweep, flags_per_run, workdir, jobs_modules, run_timeout,
+                           rerun, env)
+    write_summary(results, workdir, metrics=metrics)
+  return results
+
+
+def _run_entries(spec, sweep, flags_per_run, workdir: pathlib.Path, jobs_modules, run_timeout,
+                 rerun, env) -> list[RunResult]:
   results = []
   for i, (overrides, run_flags) in enumerate(zip(sweep, flags_per_run)):
     name = run_name(i, overrides)
@@ -118,7 +130,7 @@ def run_sweep(config_spec: str, workdir: str | os.PathLike, *, max_runs: int | N
     final = run_dir / FINAL_METRICS_FILE
     if final.exists() and not rerun:
       results.append(RunResult(name, overrides, "cached", 0, 0.0,
-                               json.loads(final.read_text()), str(run_dir)))
+                               read_json(final, expect=dict), str(run_dir)))
       continue
     run_dir.mkdir(parents=True, exist_ok=True)
     if final.exists():
@@ -138,14 +150,13 @@ def run_sweep(config_spec: str, workdir: str | os.PathLike, *, max_runs: int | N
       except subprocess.TimeoutExpired:
         returncode, status = None, "timeout"
     seconds = time.time() - start
-    run_metrics = json.loads(final.read_text()) if status == "ok" else {}
+    run_metrics = read_json(final, expect=dict) if status == "ok" else {}
     if status != "ok":
       tail = (run_dir / "log.txt").read_text().strip().splitlines()[-3:]
       print(f"[sweep] {name} {status} (returncode {returncode}); see {run_dir / 'log.txt'}:\n  "
             + "\n  ".join(tail), flush=True)
     results.append(RunResult(name, overrides, status, returncode, seconds, run_metrics,
                              str(run_dir)))
-  write_summary(results, workdir, metrics=metrics)
   return results
 
 
@@ -159,7 +170,7 @@ def _columns(results: Sequence[RunResult]) -> tuple[list[str], list[str]]:
 
 def write_summary(results: Sequence[RunResult], workdir: str | os.PathLike, *,
                   metrics: Sequence[str] | None = None) -> dict[str, pathlib.Path]:
-  """Writes ``sweep_summary.{csv,md,json,png}`` and returns their paths."""
+  """Writes ``sweep_summary.{csv,md,json,png}`` (each atomically) and returns their paths."""
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   override_keys, metric_keys = _columns(results)
@@ -168,18 +179,19 @@ def write_summary(results: Sequence[RunResult], workdir: str | os.PathLike, *,
            *(r.overrides.get(k, "") for k in override_keys),
            *(r.metrics.get(k, "") for k in metric_keys)] for r in results]
   paths = {ext: workdir / f"{SUMMARY}.{ext}" for ext in ("csv", "md", "json", "png")}
-  with open(paths["csv"], "w", newline="") as f:
-    writer = csv.writer(f)
-    writer.writerow(header)
-    writer.writerows(rows)
+  table = io.StringIO(newline="")
+  writer = csv.writer(table)
+  writer.writerow(header)
+  writer.writerows(rows)
+  atomic_write_text(paths["csv"], table.getvalue())
 
   def cell(x):
     return f"{x:.6g}" if isinstance(x, float) else str(x)
 
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
-  paths["md"].write_text("\n".join(lines) + "\n")
-  paths["json"].write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=2) + "\n")
+  atomic_write_text(paths["md"], "\n".join(lines) + "\n")
+  atomic_write_json(paths["json"], [dataclasses.asdict(r) for r in results])
 
   if metrics is None:
     metrics = [k for k in metric_keys

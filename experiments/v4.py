@@ -143,13 +143,13 @@ def run_students(config, stages: common.Stages, grpo_dirs,
   """Cold start → OPD → annealing for every seed; ``{seed: {stage: run dir}}``."""
   out = {}
   for seed in config.student_seeds:
-    dirs, init = {}, _ckpt(base_dir)
+    dirs, init, read = {}, _ckpt(base_dir), base_dir
     for stage in STUDENT_STAGES:
       fn = distill_job.run_cold_start if stage == "cold_start" else distill_job.run_opd
       _, d = stages.run(f"student seed {seed}: {stage}", fn,
                         student_stage_config(config, stage, grpo_dirs, init, seed),
-                        f"student/seed{seed}/{stage}")
-      dirs[stage], init = d, _ckpt(d)
+                        f"student/seed{seed}/{stage}", [read, *grpo_dirs.values()])
+      dirs[stage], init, read = d, _ckpt(d), d
     out[seed] = dirs
   return out
 
@@ -182,7 +182,8 @@ def run_baselines(config, stages: common.Stages, grpo_dirs, base_dir: pathlib.Pa
     cfg = baselines_job.stage_config(bl, job, paths)
     if student_side:
       cfg.model = _copy(student_model(config))
-    _, out[job] = stages.run(f"baseline {job}", baselines_job.RUNS[job], cfg, f"baselines/{job}")
+    _, out[job] = stages.run(f"baseline {job}", baselines_job.RUNS[job], cfg, f"baselines/{job}",
+                             [p for p in (base, cold_start, *grpo_dirs.values()) if p])
   return out
 
 
@@ -226,7 +227,8 @@ def evaluate_models(config, stages: common.Stages, models: dict[str, pathlib.Pat
         domains=tuple(config.specialists.domains),
         model=_copy(student_model(config) if name in student_rows else config.specialists.model),
         model_dir=str(run_dir), name=name))
-    _, d = stages.run(f"evaluation: {name}", _evaluate_one(config), cfg, f"eval/{_slug(name)}")
+    _, d = stages.run(f"evaluation: {name}", _evaluate_one(config), cfg, f"eval/{_slug(name)}",
+                      [run_dir])
     results += ev.load_results(str(d / "results.json"))
   return results
 

@@ -61,6 +61,8 @@ Measured (2 shared cores, load ~10): tiny estimator sweep in one process
 compilation cache); full size at the demo's 80 steps, 4–12 min per run
 through experiments.sweep on the shared machine (~4 min alone).
 """
+import copy
+
 import ml_collections
 
 from experiments.configs import pretrain as pretrain_config
@@ -81,7 +83,9 @@ TINY_ABLATION_STEPS = 16  # the smallest that leaves loss_fluctuation a few step
 
 
 def _teacher(model, init, domain):
-  return ml_collections.ConfigDict(dict(init=init, domain=domain, model=model))
+  """A teacher's group with its own copy of ``model``: an override of one
+  teacher's model must never change another's (a shared ConfigDict would)."""
+  return ml_collections.ConfigDict(dict(init=init, domain=domain, model=copy.deepcopy(model)))
 
 
 def _parse(arg):

@@ -8,6 +8,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -121,3 +122,120 @@ def test_cli_unknown_override_is_a_clear_error(tmp_path):
           "field 'lrr' (did you mean 'lr'?)") in proc.stderr
   assert "Traceback" not in proc.stderr
   assert not any(tmp_path.iterdir())
+
+
+# --- one owner per workdir, config checked before it is recorded (issue 33) ------------------
+
+def _fit_reference(config, workdir):
+  """What an undisturbed run of ``config`` returns, computed in another directory."""
+  return launch._final_metrics_json(line_fit_job.run(config, str(workdir)), "line_fit")
+
+
+def test_two_concurrent_launches_one_refused_the_other_intact(tmp_path):
+  """A second launch while the first still runs is refused naming the first's
+  pid and host; the first finishes with its own config, metrics and log rows."""
+  import gated_job  # noqa: F401 (registers gated_line_fit for the in-process launch)
+  import socket
+  from opd.training.workdir import WorkdirBusyError
+  from subprocess_env import one_device_env
+  work, gate = tmp_path / "run", tmp_path / "gate"
+  gate.mkdir()
+  env = one_device_env(GATE_DIR=str(gate))
+  env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+  cmd = [sys.executable, "-m", "experiments.launch", f"--config={CONFIG}:steps=30",
+         f"--workdir={work}", "--config.job=gated_line_fit", "--jobs_module=gated_job"]
+  first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=env)
+  try:
+    for _ in range(2400):  # up to 120 s for the first launch to reach its job
+      if (gate / "started").exists() or first.poll() is not None:
+        break
+      time.sleep(0.05)
+    assert (gate / "started").exists(), first.communicate()[1][-2000:]
+    saved = (work / launch.CONFIG_FILE).read_bytes()
+    second = config_utils.load_config(f"{CONFIG}:steps=30")
+    second.job, second.optim.lr = "gated_line_fit", 0.05
+    with pytest.raises(WorkdirBusyError, match=rf"in use by pid {first.pid} on host "
+                                               rf"'{socket.gethostname()}'"):
+      launch.launch(second, work)
+    assert (work / launch.CONFIG_FILE).read_bytes() == saved  # the refused launch wrote nothing
+  finally:
+    (gate / "go").write_text("")
+    out, err = first.communicate(timeout=120)
+  assert first.returncode == 0, err[-2000:]
+  config = config_utils.load_config(f"{CONFIG}:steps=30")
+  expected = _fit_reference(config, tmp_path / "reference")
+  assert json.loads(out.strip().splitlines()[-1]) == expected
+  assert json.loads((work / launch.FINAL_METRICS_FILE).read_text()) == expected
+  config.job = "gated_line_fit"
+  assert json.loads((work / launch.CONFIG_FILE).read_text()) == config_utils.config_to_dict(config)
+  def rows(d):  # wall_time differs between runs; step and loss must not
+    return [{k: v for k, v in json.loads(line).items() if k != "wall_time"}
+            for line in (d / "metrics.jsonl").read_text().splitlines()]
+
+  assert rows(work) == rows(tmp_path / "reference") and len(rows(work)) == 31
+
+
+def test_relaunch_with_a_changed_config_is_refused_naming_the_field(tmp_path):
+  config = config_utils.load_config(f"{CONFIG}:steps=20")
+  launch.launch(config, tmp_path)
+  before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+  changed = config_utils.load_config(f"{CONFIG}:steps=20")
+  changed.optim.lr, changed.data.noise = 0.2, 0.3
+  from opd.training.workdir import ConfigChangedError
+  with pytest.raises(ConfigChangedError, match=r"data.noise: was 0.1, now 0.3; optim.lr: was "
+                                               r"0.1, now 0.2.*--allow_config_change="
+                                               r"data.noise,optim.lr"):
+    launch.launch(changed, tmp_path)
+  after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+  assert after == before  # config.json, final metrics and the log untouched
+  # Allowing one of the two fields is not enough.
+  with pytest.raises(ConfigChangedError, match=r"data.noise: was 0.1, now 0.3\. "):
+    launch.launch(changed, tmp_path, allow_config_change=["optim.lr"])
+  with pytest.raises(ValueError, match=r"\['optim.lrr'\] name no config field"):
+    launch.launch(changed, tmp_path, allow_config_change=["optim.lrr"])
+  assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+
+
+def test_allow_config_change_lets_the_named_field_through_with_a_log_line(tmp_path):
+  """Through the CLI: ``--allow_config_change=train.steps`` continues the run
+  under the new step count, logs the change and keeps the old config."""
+  from subprocess_env import one_device_env
+  config = config_utils.load_config(f"{CONFIG}:steps=10")
+  launch.launch(config, tmp_path)
+  old = (tmp_path / launch.CONFIG_FILE).read_text()
+  env = one_device_env()
+  env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+  cmd = [sys.executable, "-m", "experiments.launch", f"--config={CONFIG}:steps=10",
+         f"--workdir={tmp_path}", "--config.train.steps=25", "--jobs_module=line_fit_job"]
+  refused = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+  assert refused.returncode != 0
+  assert "train.steps: was 10, now 25" in refused.stderr
+  proc = subprocess.run(cmd + ["--allow_config_change=train.steps"], capture_output=True,
+                        text=True, env=env, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "config field train.steps changes from 10 to 25 (--allow_config_change)" in proc.stderr
+  config.train.steps = 25
+  assert json.loads((tmp_path / launch.CONFIG_FILE).read_text()) == \
+      config_utils.config_to_dict(config)
+  kept = list(tmp_path.glob("config.before-*.json"))
+  assert len(kept) == 1 and kept[0].read_text() == old
+  assert json.loads((tmp_path / launch.FINAL_METRICS_FILE).read_text()) == \
+      _fit_reference(config, tmp_path / "reference")
+
+
+def test_job_start_checks_run_before_the_config_is_recorded(tmp_path):
+  """A job's start-up check (``jobs.validate``) refuses a bad config before
+  ``config.json`` is written or the job starts."""
+  calls = []
+
+  def check(config):
+    if config.optim.lr > 1:
+      raise ValueError(f"config.optim.lr={config.optim.lr} diverges")
+
+  jobs.register("test_checked_fit", lambda config, workdir: calls.append(1) or {}, check=check)
+  config = config_utils.load_config(CONFIG)
+  config.job, config.optim.lr = "test_checked_fit", 2.0
+  with pytest.raises(ValueError, match=r"config.optim.lr=2.0 diverges"):
+    launch.launch(config, tmp_path)
+  assert not calls and not (tmp_path / launch.CONFIG_FILE).exists()

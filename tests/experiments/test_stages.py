@@ -1,4 +1,5 @@
 """``experiments.common.Stages``: finished stages of another run are read, never rerun or written."""
+import dataclasses
 import json
 
 import ml_collections
@@ -123,3 +124,110 @@ def test_grm_stage_configs_hold_the_benchmark_sampling_fields_only():
   assert all(kept[k] == c.benchmark[k] for k in kept)
   assert "ks" in c.benchmark  # the job's own config is left whole
   assert grm_job._without(c.rft, "rft", grm_job.BENCHMARK_ONLY) is c.rft
+
+
+# --- crash-safe records and content-addressed stages (issue 33) ------------------------------
+
+def test_a_torn_stage_json_names_its_path(tmp_path):
+  from opd.training.files import ResultFileError
+  calls = []
+  common.run_stage("s", _counting_fn(calls), _cfg(), tmp_path / "a")
+  final = tmp_path / "a" / common.FINAL
+  final.write_text(final.read_text()[:5])  # what an in-place write cut by a crash leaves
+  with pytest.raises(ResultFileError, match=rf"result file '{final}' is not valid JSON"):
+    common.run_stage("s", _counting_fn(calls), _cfg(), tmp_path / "a")
+  part = tmp_path / "part.json"
+  part.write_text('{"acc')
+  with pytest.raises(ResultFileError, match=rf"result file '{part}' is not valid JSON"):
+    common.cached_json(part, lambda: {"acc": 1})
+  assert len(calls) == 1
+
+
+def _chain(calls, lr=1e-3):
+  """base -> sft -> grpo -> results (which reads base and grpo), each a counting stage."""
+  def stage(name, *upstream):
+    def fn(cfg, workdir):
+      calls.append(name)
+      return {"run": len(calls)}
+    return common.Stage(name, fn, _cfg(lr=lr, job=name), upstream)
+  return [stage("base"), stage("sft", "base"), stage("grpo", "sft"),
+          stage("results", "base", "grpo")]
+
+
+def test_a_rebuilt_base_refuses_the_stages_built_on_the_old_one(tmp_path):
+  """Deleting base/ and relaunching used to retrain the base and reuse SFT,
+  GRPO and the results built on the old one; now the launch is refused before
+  anything runs, naming the stage and its upstream, or with
+  ``--rerun_downstream`` every stage after the base reruns."""
+  import shutil
+  calls = []
+  stages = common.Stages.of(tmp_path)
+  first = stages.run_all(_chain(calls))
+  assert calls == ["base", "sft", "grpo", "results"]
+  assert common.Stages.of(tmp_path).run_all(_chain(calls)) == first and len(calls) == 4
+  shutil.rmtree(tmp_path / "base")
+  with pytest.raises(common.StaleStageError, match=r"stage 'sft' .* upstream stage\(s\) base "
+                                                   r"will rerun"):
+    stages.run_all(_chain(calls))
+  assert len(calls) == 4 and not (tmp_path / "base").exists()  # refused before any work
+  with common.stage_options(rerun_downstream=True):
+    again = stages.run_all(_chain(calls))
+  assert calls[4:] == ["base", "sft", "grpo", "results"]
+  assert again == {f"{n}/run": 5 + i for i, n in enumerate(["base", "sft", "grpo", "results"])}
+  aside = sorted(p.name.split(".stale-")[0] for p in tmp_path.glob("*.stale-*"))
+  assert aside == ["grpo", "results", "sft"]  # the old results moved aside, not deleted
+
+
+def test_an_upstream_rerun_under_the_same_config_is_detected_stage_by_stage(tmp_path):
+  """The pipelines that build stages one by one (specialists, v4) pass the
+  directories each stage reads: a rerun upstream changes its record's digest."""
+  import shutil
+  calls = []
+  stages = common.Stages.of(tmp_path)
+  _, base = stages.run("base", _counting_fn(calls), _cfg(), "base")
+  stages.run("sft", _counting_fn(calls), _cfg(init=str(base)), "sft", [base])
+  digest = common.record_digest(base)
+  shutil.rmtree(base)
+  stages.run("base", _counting_fn(calls), _cfg(), "base")  # same config, new run
+  assert common.record_digest(base) != digest
+  with pytest.raises(common.StaleStageError, match=rf"stage 'sft' .* upstream stage\(s\) {base} "
+                                                   r"that changed"):
+    stages.run("sft", _counting_fn(calls), _cfg(init=str(base)), "sft", [base])
+  assert len(calls) == 3
+
+  def interrupted(cfg, workdir):
+    raise RuntimeError("killed")
+
+  # A stage interrupted mid-run keeps the inputs it started on: resuming it
+  # after its upstream changed is refused as well.
+  with pytest.raises(RuntimeError, match="killed"):
+    stages.run("grpo", interrupted, _cfg(), "grpo", [tmp_path / "sft"])
+  shutil.rmtree(tmp_path / "sft")
+  with common.stage_options(rerun_downstream=True):
+    stages.run("sft", _counting_fn(calls), _cfg(init=str(base)), "sft", [base])
+  with pytest.raises(common.StaleStageError, match=r"stage 'grpo'"):
+    stages.run("grpo", _counting_fn(calls), _cfg(), "grpo", [tmp_path / "sft"])
+
+
+def test_a_reused_stage_must_have_been_built_on_the_current_inputs(tmp_path):
+  src, calls = tmp_path / "src", []
+  _, base = common.Stages.of(src).run("base", _counting_fn(calls), _cfg(), "base")
+  common.Stages.of(src).run("sft", _counting_fn(calls), _cfg(), "sft", [base])
+  assert common.Stages.of(tmp_path / "dst", [src]).find(_cfg(), "sft", [base]) == src / "sft"
+  (base / common.RECORD).unlink()
+  (base / common.FINAL).unlink()
+  common.run_stage("base", _counting_fn(calls), _cfg(), base)  # rebuilt in place
+  assert common.Stages.of(tmp_path / "dst", [src]).find(_cfg(), "sft", [base]) is None
+
+
+def test_stage_checks_run_before_the_first_stage(tmp_path):
+  calls = []
+
+  def check(cfg):
+    raise ValueError(f"config.benchmark.ks={cfg.lr!r} bad")
+
+  chain = _chain(calls)
+  chain[-1] = dataclasses.replace(chain[-1], check=check)
+  with pytest.raises(ValueError, match=r"config.benchmark.ks=0.001 bad"):
+    common.Stages.of(tmp_path / "run").run_all(chain)
+  assert not calls and not (tmp_path / "run").exists()

@@ -91,3 +91,20 @@ def test_summary_without_a_numeric_axis(tmp_path):
   assert matplotlib.image.imread(paths["png"]).ndim == 3
   with pytest.raises(ValueError, match=r"metrics \['acc'\] are not final metrics of any run"):
     sweep.write_summary(results, tmp_path, metrics=["acc"])
+
+
+def test_a_locked_sweep_directory_and_a_torn_cached_run_are_refused(tmp_path):
+  """A second sweep on a directory another one holds is refused before any
+  run starts; a cached run whose final metrics were torn names the file."""
+  from opd.training.files import ResultFileError
+  from opd.training.workdir import WorkdirBusyError, WorkdirLock
+  with WorkdirLock(tmp_path):  # as a sweep in progress holds it
+    with pytest.raises(WorkdirBusyError, match=rf"workdir '{tmp_path}' is in use by pid "
+                                               rf"{os.getpid()}"):
+      sweep.run_sweep(CONFIG, tmp_path, max_runs=1, jobs_modules=["line_fit_job"])
+  assert [p.name for p in tmp_path.iterdir()] == [".lock"]  # no run directory, no summary
+  final = tmp_path / sweep.run_name(0, {"optim.lr": 0.05}) / "final_metrics.json"
+  final.parent.mkdir()
+  final.write_text('{"final_loss": 0.0')  # a non-atomic write cut by a crash
+  with pytest.raises(ResultFileError, match=rf"result file '{final}' is not valid JSON"):
+    sweep.run_sweep(CONFIG, tmp_path, max_runs=1, jobs_modules=["line_fit_job"])
