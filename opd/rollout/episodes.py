@@ -40,6 +40,7 @@ import numpy as np
 from opd import tasks as tasks_lib
 from opd.models import ModelConfig
 from opd.parallel import sharding as shd
+from opd.rollout.constraint import TokenAutomaton
 from opd.rollout.sampler import SamplingConfig, generate
 from opd.tasks import AgentRewardConfig, AgentTask, Example, Reward, RewardStats, Task
 from opd.text.tokenizers import END, EOS
@@ -86,7 +87,8 @@ class Completion:
 
 def sample(model_cfg: ModelConfig, params, tokenizer, prompts: Sequence[np.ndarray], rng,
            sampling: SamplingConfig, *, batch_size: int | None = None, prompt_bucket: int = 32,
-           mesh=None, rules=None) -> list[Completion]:
+           mesh=None, rules=None, constraint: TokenAutomaton | None = None,
+           patterns: Sequence[int] | None = None) -> list[Completion]:
   """Samples one completion per prompt (lists of ids of any lengths).
 
   Prompts are left-padded to a multiple of ``prompt_bucket`` and the batch
@@ -94,6 +96,8 @@ def sample(model_cfg: ModelConfig, params, tokenizer, prompts: Sequence[np.ndarr
   calls reuse one compiled sampler. ``batch_size`` defaults to
   ``len(prompts)`` rounded up to a multiple of the mesh's batch shards; an
   explicit one must be such a multiple (ValueError naming it otherwise).
+  ``constraint``: constrained decoding, prompt i following pattern
+  ``patterns[i]`` of the automaton (None: pattern 0 for every prompt).
   """
   if not prompts:
     return []
@@ -123,7 +127,16 @@ def sample(model_cfg: ModelConfig, params, tokenizer, prompts: Sequence[np.ndarr
   for i in range(B):
     p = prompts[i] if i < len(prompts) else prompts[0]
     tokens[i, P - len(p):], mask[i, P - len(p):] = p, True
-  out = generate(model_cfg, params, tokens, mask, rng, sampling, mesh=mesh, rules=rules)
+  rows = None
+  if constraint is not None:
+    which = [0] * len(prompts) if patterns is None else list(patterns)
+    if len(which) != len(prompts):
+      raise ValueError(f"patterns has {len(which)} entries for {len(prompts)} prompts")
+    rows = constraint.rows(which + [which[0]] * (B - len(prompts)))
+  elif patterns is not None:
+    raise ValueError("patterns given without a constraint")
+  out = generate(model_cfg, params, tokens, mask, rng, sampling, mesh=mesh, rules=rules,
+                 constraint=rows)
   ids, lengths, logps, finished = jax.device_get((out.tokens, out.lengths, out.logprobs,
                                                   out.finished))
   completions = []

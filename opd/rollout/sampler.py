@@ -17,7 +17,9 @@ temperature, then top-k, then top-p on the top-k-renormalised distribution.
 
 Reported log-probabilities are those of the *untruncated* tempered
 distribution, ``log_softmax(logits / T)[token]`` (``T = 1`` for greedy); see
-``generate`` for why.
+``generate`` for why. Constrained decoding (``opd.rollout.constraint``) masks
+the logits to the tokens a finite-state automaton allows before anything
+else, and the log-probs are then the masked distribution's.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from jax.sharding import Mesh
 from opd.config.fields import check_fields, check_int, set_field
 from opd.parallel import sharding as shd
 from opd.models import ModelConfig, forward, head_matrix
+from opd.rollout.constraint import DEAD, Constraint, check_constraint
 from opd.rollout.prefill import PrefillRows, distinct_rows, prefill
 
 Array = jax.Array
@@ -238,16 +241,19 @@ def _head_logits(cfg: ModelConfig, params, hidden: Array) -> Array:
 
 
 def _generate(params, prompt_tokens, prompt_mask, rng, knobs: _Knobs, rows: PrefillRows | None,
-              *, model_cfg: ModelConfig, sampling: SamplingConfig, rules, mesh):
+              constraint: Constraint | None, *, model_cfg: ModelConfig,
+              sampling: SamplingConfig, rules, mesh):
   del mesh  # static only so that each mesh gets its own compiled program
   with nn.logical_axis_rules(rules or ()):
-    return _generate_body(params, prompt_tokens, prompt_mask, rng, knobs, rows, model_cfg, sampling)
+    return _generate_body(params, prompt_tokens, prompt_mask, rng, knobs, rows, constraint,
+                          model_cfg, sampling)
 
 
 def _generate_body(params, prompt_tokens, prompt_mask, rng, knobs: _Knobs,
-                   rows: PrefillRows | None, cfg: ModelConfig,
+                   rows: PrefillRows | None, constraint: Constraint | None, cfg: ModelConfig,
                    sampling: SamplingConfig) -> SampleOutput:
-  """``sampling``: the static part (``max_new_tokens`` is the cap N); ``rows``: see prefill."""
+  """``sampling``: the static part (``max_new_tokens`` is the cap N); ``rows``: see prefill;
+  ``constraint``: a traced table and start states (the row's state is carried in the loop)."""
   B, N, D = prompt_tokens.shape[0], sampling.max_new_tokens, cfg.d_model
   constrain = nn.with_logical_constraint
   tokens, mask = left_align(prompt_tokens, prompt_mask, sampling.pad_id)
@@ -274,13 +280,21 @@ def _generate_body(params, prompt_tokens, prompt_mask, rng, knobs: _Knobs,
   if sampling.return_hidden:
     state["out_hidden"] = constrain(jnp.zeros((B, N, D), cfg.compute_dtype),
                                     ("batch", None, "embed"))
+  if constraint is not None:
+    state["fsm"] = constraint.start.astype(jnp.int32)  # [B] automaton state per row
 
   def cond(s):
     return (s["step"] < knobs.max_new_tokens) & ~jnp.all(s["done"])
 
   def body(s):
     t = s["step"]
-    token, logp = _sample(s["logits"], jax.random.fold_in(rng, t), knobs)
+    logits = s["logits"]
+    if constraint is not None:
+      # Mask first: temperature, top-k/top-p, the draw and the reported
+      # log-prob all see only the tokens the automaton allows.
+      nxt = constraint.table[s["fsm"]]  # [B, V] next state per token
+      logits = jnp.where(nxt != DEAD, logits, -jnp.inf)
+    token, logp = _sample(logits, jax.random.fold_in(rng, t), knobs)
     live = ~s["done"]
     token = jnp.where(live, token, sampling.pad_id)
     hit_end = live & jnp.isin(token, end_ids)
@@ -291,6 +305,9 @@ def _generate_body(params, prompt_tokens, prompt_mask, rng, knobs: _Knobs,
     if sampling.return_hidden:
       h = jnp.where(live[:, None], s["hidden"], 0).astype(cfg.compute_dtype)
       new["out_hidden"] = s["out_hidden"].at[:, t].set(h)
+    if constraint is not None:
+      new["fsm"] = jnp.where(live, jnp.take_along_axis(nxt, token[:, None], axis=1)[:, 0],
+                             s["fsm"])
     new["ended"] = s["ended"] | hit_end
     new["done"] = s["done"] | hit_end
     # Finished rows keep stepping in lockstep; their outputs are discarded.
@@ -366,7 +383,7 @@ def _check_inputs(model_cfg: ModelConfig, prompt_tokens, prompt_mask,
 
 def generate(model_cfg: ModelConfig, params, prompt_tokens: Array, prompt_mask: Array,
              rng: Array | int, sampling: SamplingConfig, *, mesh: Mesh | None = None,
-             rules=None) -> SampleOutput:
+             rules=None, constraint: Constraint | None = None) -> SampleOutput:
   """Samples up to ``sampling.max_new_tokens`` tokens per prompt.
 
   One compiled program per (B, P, model config, static sampling fields,
@@ -390,6 +407,13 @@ def generate(model_cfg: ModelConfig, params, prompt_tokens: Array, prompt_mask: 
   scale every ratio by the kept mass, ``Z = p(kept set) <= 1``, and shift the
   clipping window. Greedy reports ``T = 1``.
 
+  With a ``constraint`` the logits are first set to -inf wherever the row's
+  automaton state allows no step (``table[state, v] == -1``), so the reported
+  log-prob is ``log_softmax(masked logits / T)[token]``: the distribution the
+  token was drawn from, renormalised over the allowed tokens. A learner
+  scoring a constrained sample must apply the same mask (the allowed set is
+  a function of the text, not of the parameters, so it is smooth in them).
+
   Randomness: step t draws with ``fold_in(rng, t)``; with jax's
   partitionable threefry (default) samples do not depend on sharding.
 
@@ -409,6 +433,9 @@ def generate(model_cfg: ModelConfig, params, prompt_tokens: Array, prompt_mask: 
       pads its batch to one) and the decoder's logical constraints apply.
     rules: logical→mesh rule table; defaults to ``opd.parallel.sharding.DEFAULT_RULES``
       when ``mesh`` is given.
+    constraint: optional ``opd.rollout.constraint.Constraint(table [S, V],
+      start [B])`` (``TokenAutomaton.rows``); traced, so tables of one shape
+      share one compiled program.
 
   Returns:
     A ``SampleOutput``.
@@ -428,17 +455,22 @@ def generate(model_cfg: ModelConfig, params, prompt_tokens: Array, prompt_mask: 
   if sampling.share_prefill and not any(isinstance(x, jax.core.Tracer)
                                         for x in (prompt_tokens, prompt_mask)):
     rows = distinct_rows(np.asarray(prompt_tokens), np.asarray(prompt_mask), multiple_of=shards)
+  if constraint is not None:
+    constraint = check_constraint(constraint, prompt_tokens.shape[0], model_cfg.vocab_size)
   knobs = _Knobs.of(sampling)
   static = dict(model_cfg=model_cfg, sampling=sampling.static_part(), rules=rules, mesh=mesh)
   if mesh is None:
-    out = _generate_jit(params, prompt_tokens, prompt_mask, rng, knobs, rows, **static)
+    out = _generate_jit(params, prompt_tokens, prompt_mask, rng, knobs, rows, constraint,
+                        **static)
   else:
     batch = shd.batch_sharding(mesh, rules, 2)
     prompt_tokens = jax.device_put(prompt_tokens, batch)
     prompt_mask = jax.device_put(prompt_mask, batch)
-    rng, knobs, rows = jax.device_put((rng, knobs, rows), shd.replicated(mesh))
+    rng, knobs, rows, constraint = jax.device_put((rng, knobs, rows, constraint),
+                                                  shd.replicated(mesh))
     with jax.set_mesh(mesh):
-      out = _generate_jit(params, prompt_tokens, prompt_mask, rng, knobs, rows, **static)
+      out = _generate_jit(params, prompt_tokens, prompt_mask, rng, knobs, rows, constraint,
+                          **static)
   n = sampling.max_new_tokens
   if n == sampling.cap:
     return out

@@ -1,0 +1,179 @@
+"""Tests for opd/rollout/constraint.py and constrained decoding in opd/rollout/sampler.py.
+
+Python's ``re`` is the independent oracle of what a pattern matches. One
+tiny model, one prompt batch [8, 4] and one table shape [64, 270] serve
+every sampling test, so the sampler compiles once (plus once for the
+unconstrained call).
+"""
+import itertools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from opd.models import ModelConfig, forward, init_params
+from opd.rollout.constraint import DEAD, Constraint, compile_patterns
+from opd.rollout.episodes import sample
+from opd.rollout.sampler import SamplingConfig, compiled_programs, generate
+from opd.text.tokenizers import END, ByteTokenizer
+
+TOK = ByteTokenizer()
+CFG = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                  d_ff=64)
+B, P, N = 8, 4, 32
+END_IDS = (TOK.eos_id, TOK.token_to_id(END))
+S = "([1-9]|10)"
+# A small family of bounded patterns (every match is < N bytes, so a row must end).
+FAMILY = (r"Better: (A|B)", r"Score: (0|0\.5|1)", r"(xy|x){1,3}", r"[ab]{1,5}c?",
+          *(r"Scores: \\boxed\{" + S + r"(, " + S + r"){%d}\}" % (n - 1) for n in (1, 2, 3)))
+
+
+def _params(seed: int, scale: float):
+  params = init_params(CFG, jax.random.key(seed))
+  # A random init is nearly uniform over V; scaling the head gives peaked,
+  # seed-dependent logits ("random logits").
+  params["lm_head"] = params["lm_head"] * scale
+  return params
+
+
+PROMPTS = np.random.RandomState(0).randint(0, 256, (B, P)).astype(np.int32)
+PROMPT_MASK = np.ones((B, P), bool)
+
+
+def _texts(out) -> list[tuple[bytes | None, bool]]:
+  """(text bytes without the end token, or None when it holds a special token; finished)."""
+  toks, mask, fin = map(np.asarray, (out.tokens, out.mask, out.finished))
+  rows = []
+  for t, m, f in zip(toks, mask, fin):
+    ids = t[m][:-1] if f else t[m]
+    rows.append((bytes(ids.tolist()) if (ids < 256).all() else None, bool(f)))
+  return rows
+
+
+@pytest.mark.parametrize("pattern", [r"(a|ab)", r"0(\.5)?", r"[ab]{1,3}", r"(0|0\.5|1)",
+                                     r"([^\n]*\n)*S: (0|1)", r"(ab)*b?"])
+def test_table_accepts_exactly_what_re_fullmatch_accepts(pattern):
+  """Every string over a small alphabet up to length 5: the table reaches an
+  accepting state iff ``re.fullmatch`` matches (``(a|ab)`` and ``0(\\.5)?`` are
+  the shapes outlines-core's final states got wrong without the sentinel)."""
+  auto = compile_patterns([pattern], TOK, end_ids=END_IDS)
+  alphabet = sorted(set(b"ab0.5\nS: 1"))
+  for length in range(6):
+    for chars in itertools.product(alphabet, repeat=length):
+      text = bytes(chars)
+      state = auto.walk(text)
+      accepted = state != DEAD and bool(auto.final[state])
+      assert accepted == bool(re.fullmatch(pattern.encode(), text)), (pattern, text)
+      if accepted:  # the end ids are allowed exactly in accepting states
+        assert (auto.table[state, list(END_IDS)] == state).all()
+      elif state != DEAD:
+        assert (auto.table[state, list(END_IDS)] == DEAD).all()
+
+
+def test_patterns_sit_side_by_side_in_one_padded_table():
+  auto = compile_patterns(FAMILY[:2], TOK, end_ids=END_IDS, state_bucket=64)
+  assert auto.table.shape == (64, TOK.vocab_size) and auto.table.dtype == np.int32
+  assert auto.starts[0] == 0 < auto.starts[1]
+  assert auto.final[auto.walk(b"Better: B", 0)] and auto.walk(b"Better: B", 1) == DEAD
+  assert auto.final[auto.walk(b"Score: 0.5", 1)]
+  # Special tokens other than the end ids and NUL never appear.
+  assert (auto.table[:, 256:][:, [i - 256 for i in range(256, TOK.vocab_size)
+                                  if i not in END_IDS]] == DEAD).all()
+  assert (auto.table[:, 0] == DEAD).all()
+  np.testing.assert_array_equal(auto.rows([1, 0, 1]).start, [auto.starts[1], 0, auto.starts[1]])
+
+
+def test_bad_arguments_are_refused():
+  with pytest.raises(ValueError, match="patterns"):
+    compile_patterns([], TOK, end_ids=END_IDS)
+  with pytest.raises(ValueError, match=r"patterns\[0\]"):
+    compile_patterns(["(a"], TOK, end_ids=END_IDS)
+  with pytest.raises(ValueError, match="end_ids"):
+    compile_patterns(["a"], TOK, end_ids=())
+  with pytest.raises(ValueError, match="byte tokenizer"):
+    compile_patterns(["a"], object(), end_ids=(1,), vocab_size=10)
+  auto = compile_patterns(["a"], TOK, end_ids=END_IDS)
+  with pytest.raises(ValueError, match="pattern_ids"):
+    auto.rows([1])
+  sampling = SamplingConfig(max_new_tokens=4, eos_ids=END_IDS)
+  params = _params(0, 1.0)
+  with pytest.raises(ValueError, match=r"constraint.table shape"):
+    generate(CFG, params, PROMPTS, PROMPT_MASK, 0, sampling,
+             constraint=Constraint(auto.table[:, :10], np.zeros(B, np.int32)))
+  with pytest.raises(ValueError, match=r"constraint.start values"):
+    generate(CFG, params, PROMPTS, PROMPT_MASK, 0, sampling,
+             constraint=Constraint(auto.table, np.full(B, 64, np.int32)))
+
+
+@pytest.fixture(scope="module")
+def automata():
+  """Two different pattern sets compiled to the same [64, V] table shape."""
+  first = compile_patterns(FAMILY, TOK, end_ids=END_IDS, state_bucket=64)
+  second = compile_patterns(FAMILY[::-1], TOK, end_ids=END_IDS, state_bucket=64)
+  assert first.table.shape == second.table.shape and len(first.starts) == len(FAMILY)
+  return first, second
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), scale=st.sampled_from([1.0, 30.0, 300.0]),
+       temperature=st.sampled_from([0.0, 0.7, 1.5]), which=st.integers(0, 1),
+       rows=st.lists(st.integers(0, len(FAMILY) - 1), min_size=B, max_size=B))
+def test_constrained_samples_always_match_their_pattern(automata, seed, scale, temperature,
+                                                       which, rows):
+  auto = automata[which]
+  sampling = SamplingConfig(max_new_tokens=N, temperature=temperature, eos_ids=END_IDS)
+  generate(CFG, _params(0, 1.0), PROMPTS, PROMPT_MASK, 0, sampling,
+           constraint=auto.rows(rows))  # compiled once, then every example reuses it
+  before = compiled_programs()
+  out = generate(CFG, _params(seed, scale), PROMPTS, PROMPT_MASK, seed, sampling,
+                 constraint=auto.rows(rows))
+  assert compiled_programs() == before  # no recompile: new table, new starts, new logits
+  for b, (text, finished) in enumerate(_texts(out)):
+    assert finished and text is not None, (rows[b], text)  # bounded: the row had to end
+    assert re.fullmatch(auto.patterns[rows[b]].encode(), text), (auto.patterns[rows[b]], text)
+
+
+def test_unconstrained_samples_do_not_match():
+  """The property above is not vacuous: the same model unconstrained writes other text."""
+  sampling = SamplingConfig(max_new_tokens=N, temperature=1.0, eos_ids=END_IDS)
+  out = generate(CFG, _params(1, 30.0), PROMPTS, PROMPT_MASK, 1, sampling)
+  assert not any(t is not None and re.fullmatch(FAMILY[0].encode(), t) for t, _ in _texts(out))
+
+
+_forward = jax.jit(lambda params, tokens, mask: forward(CFG, params, tokens, mask=mask))
+
+
+def test_logprobs_are_the_masked_distributions(automata):
+  """GRPO's old log-probs of a constrained sample: ``log_softmax(masked logits / T)``,
+  the mask walked in numpy over the sampled tokens, logits from one full forward."""
+  auto = automata[0]
+  T = 0.7
+  rows = [0, 1, 2, 3, 4, 5, 6, 0]
+  params = _params(3, 30.0)
+  sampling = SamplingConfig(max_new_tokens=N, temperature=T, eos_ids=END_IDS)
+  out = generate(CFG, params, PROMPTS, PROMPT_MASK, 5, sampling, constraint=auto.rows(rows))
+  toks, mask = np.asarray(out.tokens), np.asarray(out.mask)
+  full = _forward(params, jnp.asarray(np.concatenate([PROMPTS, toks], 1)),
+                  jnp.asarray(np.concatenate([PROMPT_MASK, mask], 1)))
+  logits = np.asarray(full.logits, np.float64)[:, P - 1:P - 1 + N] / T  # [B, N, V]
+  allowed = np.zeros(logits.shape, bool)
+  for b in range(B):
+    state = auto.starts[rows[b]]
+    for t in range(int(mask[b].sum())):
+      allowed[b, t] = auto.table[state] != DEAD
+      state = auto.table[state, toks[b, t]]
+  masked = np.where(allowed, logits, -np.inf)
+  lse = lambda x: x.max(-1) + np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1))
+  pick = np.take_along_axis(logits, toks[..., None], -1)[..., 0]
+  expected = np.where(mask, pick - lse(np.where(mask[..., None], masked, 0.0)), 0.0)
+  unmasked = np.where(mask, pick - lse(logits), 0.0)
+  # Cached decoding vs one forward, float32: ~1e-6 relative per logit over a
+  # 1-layer D=32 model (DEVELOPING.md "Reductions"), times |logit| <= ~100 at
+  # this head scale, plus the log-sum-exp; 1e-3 absolute is far above that
+  # and far below the mask's effect checked next.
+  atol = 1e-3
+  np.testing.assert_allclose(np.asarray(out.logprobs), expected, atol=atol)
+  assert np.abs(expected - unmasked).max() > 100 * atol
