@@ -10,9 +10,12 @@ Flags:
   --jax_distributed                           call jax.distributed.initialize() with
                                               cluster auto-detection (Cloud TPU, SLURM)
   --allow_config_change=a.b,c                 config fields (or groups) a relaunch may
-                                              change against DIR/config.json (logged)
+                                              change against DIR/config.json and the
+                                              checkpoints' configs (each change logged)
   --rerun_downstream                          rerun pipeline stages whose upstream
                                               stages changed instead of refusing them
+  --fall_back_on_corrupt                      resume from the previous checkpoint when
+                                              the latest fails its checksums
 
 Without --jax_distributed, ``opd.parallel.distributed.initialize_from_env()`` joins a
 multi-process job described by ``OPD_COORDINATOR``, ``OPD_NUM_PROCESSES`` and
@@ -40,6 +43,7 @@ from ml_collections import config_flags
 
 from experiments import jobs
 from opd.config import overrides as config_utils
+from opd.training import loop
 from opd.training import workdir as workdir_lib
 from opd.training.files import atomic_write_json
 
@@ -64,7 +68,8 @@ def _final_metrics_json(metrics: Any, job: str) -> dict[str, Any]:
 
 
 def launch(config, workdir: str | pathlib.Path, *, jobs_modules: Sequence[str] = (),
-           allow_config_change: Sequence[str] = (), rerun_downstream: bool = False) -> dict:
+           allow_config_change: Sequence[str] = (), rerun_downstream: bool = False,
+           fall_back_on_corrupt: bool = False) -> dict:
   """Runs ``config.job`` in ``workdir`` and returns its final metrics.
 
   The main process holds the workdir's lock (``opd.training.workdir``) from
@@ -81,9 +86,13 @@ def launch(config, workdir: str | pathlib.Path, *, jobs_modules: Sequence[str] =
     workdir: the run directory (created if missing).
     jobs_modules: modules to import before looking up the job.
     allow_config_change: dotted config fields (or groups) a relaunch may
-      change, e.g. ``("train.steps",)``; each change is logged.
+      change, e.g. ``("train.steps",)``; each change is logged. They pass on
+      to every training loop's resume check
+      (``opd.training.loop.allowed_config_changes``).
     rerun_downstream: a pipeline stage whose upstream stages changed is
       rerun (its old directory moved aside) instead of refused.
+    fall_back_on_corrupt: a training loop whose latest checkpoint fails its
+      checksums resumes from the previous one (the corrupt one moved aside).
 
   Returns:
     The job's final metrics, as written to ``workdir/final_metrics.json``.
@@ -109,7 +118,8 @@ def launch(config, workdir: str | pathlib.Path, *, jobs_modules: Sequence[str] =
     jobs.validate(config)
     if main:
       workdir_lib.record_config(workdir, resolved)
-    with common.stage_options(rerun_downstream=rerun_downstream):
+    with common.stage_options(rerun_downstream=rerun_downstream), loop.allowed_config_changes(
+        allow_config_change, fall_back_on_corrupt=fall_back_on_corrupt):
       metrics = _final_metrics_json(job(config, str(workdir)), config.job)
     if main:
       atomic_write_json(workdir / FINAL_METRICS_FILE, metrics, sort_keys=True)
@@ -175,11 +185,13 @@ def _define_flags():
   rerun = flags.DEFINE_bool("rerun_downstream", False, "Rerun pipeline stages whose upstream "
                             "stages changed (their old directories are moved aside) instead of "
                             "refusing them.")
-  return config, workdir, modules, distributed, allow, rerun
+  fall_back = flags.DEFINE_bool("fall_back_on_corrupt", False, "Resume from the previous "
+                                "checkpoint when the latest fails its checksums.")
+  return config, workdir, modules, distributed, allow, rerun, fall_back
 
 
 def main() -> None:
-  config, workdir, modules, distributed, allow, rerun = _define_flags()
+  config, workdir, modules, distributed, allow, rerun, fall_back = _define_flags()
   flags.mark_flags_as_required(["config"])
 
   def run(argv):
@@ -194,7 +206,8 @@ def main() -> None:
       from opd.parallel import distributed as opd_distributed
       opd_distributed.initialize_from_env()
     metrics = launch(config.value, workdir.value, jobs_modules=modules.value,
-                     allow_config_change=allow.value, rerun_downstream=rerun.value)
+                     allow_config_change=allow.value, rerun_downstream=rerun.value,
+                     fall_back_on_corrupt=fall_back.value)
     print(json.dumps(metrics, sort_keys=True))
 
   app.run(run, flags_parser=parse_flags_or_exit)

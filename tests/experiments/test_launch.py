@@ -239,3 +239,18 @@ def test_job_start_checks_run_before_the_config_is_recorded(tmp_path):
   with pytest.raises(ValueError, match=r"config.optim.lr=2.0 diverges"):
     launch.launch(config, tmp_path)
   assert not calls and not (tmp_path / launch.CONFIG_FILE).exists()
+
+
+def test_allowed_changes_and_fall_back_reach_the_training_loops(tmp_path):
+  """What every ``opd.training.loop.run`` inside the job sees (its resume check)."""
+  from opd.training.resume import context_allowances
+  seen = []
+  jobs.register("test_reads_allowances",
+                lambda config, workdir: seen.append(context_allowances()) or {})
+  config = config_utils.load_config(CONFIG)
+  config.job = "test_reads_allowances"
+  launch.launch(config, tmp_path)
+  config.train.steps = 50
+  launch.launch(config, tmp_path, allow_config_change=["train.steps"], fall_back_on_corrupt=True)
+  assert seen == [((), False), (("train.steps",), True)]
+  assert context_allowances() == ((), False)  # nothing leaks past the job
