@@ -243,9 +243,9 @@ def run(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState
   def save(metrics=None):
     logs = {}
     for w in synced_writers(writer):  # every row so far durable before the checkpoint names it
-      length = w.sync()
-      if length is not None:
-        logs[str(w.jsonl_path)] = length
+      length, path = w.sync(), getattr(w, "jsonl_path", None)
+      if length is not None and path is not None:
+        logs[str(path)] = length
     manager.save(step, state, data_state=position(), config=config, metrics=metrics,
                  extra={"first_metrics": {str(k): v for k, v in firsts.items()}, "logs": logs})
 
@@ -281,10 +281,10 @@ def run(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState
         metrics = data_iterator.step_metrics(host_metrics, metrics, batch_time_s=t1 - t0,
                                              train_time_s=time.perf_counter() - t1)
       step += 1
-      if step == 1:
-        firsts[1] = dict(metrics)
       if eval_fn is not None and ((eval_every and step % eval_every == 0) or step == num_steps):
         metrics.update({f"eval/{k}": v for k, v in _host_scalars(eval_fn(state)).items()})
+      if step == 1:
+        firsts[1] = dict(metrics)
       if writer is not None:
         writer.write_scalars(step, metrics)
         texts = data_iterator.texts(step) if is_source else None

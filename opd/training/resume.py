@@ -145,6 +145,8 @@ def synced_writers(writer) -> list:
 
 
 def rewind_logs(writer, logs: Mapping[str, int]) -> None:
+  """Cuts each open log named in ``logs`` (a checkpoint's ``{path: length}``)
+  back to its length at that checkpoint."""
   for w in synced_writers(writer):
     path = str(getattr(w, "jsonl_path", ""))
     if path in logs:

@@ -137,12 +137,12 @@ def test_optim_config_stores_numpy_numbers_as_python():
 def test_values_that_overflow_float32_are_refused(field, value):
   """1e39 is a fine float64 but inf in float32, the step's precision: the
   first update would make every parameter inf/NaN."""
-  assert value > np.finfo(np.float32).max  # the premise: float32(value) is inf
+  assert value > float(np.finfo(np.float32).max)  # the premise: float32(value) is inf
   message = f"OptimConfig.{field}={value!r} is not finite in float32"
   with pytest.raises(ValueError, match=re.escape(message)):
     OptimConfig(**{field: value})
   largest = float(np.finfo(np.float32).max)
-  assert OptimConfig(**{field: largest}).__getattribute__(field) == largest
+  assert getattr(OptimConfig(**{field: largest}), field) == largest
 
 
 def test_clip_norm_none_on_the_command_line_disables_clipping():
