@@ -6,7 +6,8 @@ benchmark stage (``experiments/grm_benchmark.py``) wires them together.
 
   voting_correctness  greedy, voting@k and meta-RM voting@k of one GRM: the
                       first k of each group's samples, meta-RM voting over
-                      the top ``k_meta = ceil(k / 2)`` valid ones by meta score
+                      the top ``k_meta = ceil(v / 2)`` of the v valid ones
+                      among them, by meta score
   round_robin         every unordered pair (i < j) of each group's responses,
                       for the pairwise judge; ``round_robin_picks`` counts
                       each response's wins and picks the unique most-winning
@@ -35,9 +36,12 @@ from grm.voting import meta_vote, random_winners, unique_argmax, vote, vote_corr
 MULTI = "overall n>=2"  # the column of groups with two or more responses
 
 
-def meta_k(k: int) -> int:
-  """Samples meta-RM voting@k keeps: ``ceil(k / 2)``."""
-  return math.ceil(k / 2)
+def meta_k(num_valid: int) -> int:
+  """Samples meta-RM voting keeps of the ``num_valid`` valid ones among the first k:
+  ``ceil(v / 2)``, at least 1. Counting invalid samples too (``ceil(k / 2)``)
+  let meta@k keep nearly every valid sample when half were invalid, so it
+  equalled vote@k (docs/DESIGN.md §6)."""
+  return max(1, math.ceil(num_valid / 2))
 
 
 def invalid_rates(samples: Sequence[judge_lib.SampledJudgement]) -> dict[str, float]:
@@ -106,7 +110,8 @@ def voting_correctness(groups: Sequence[PreferenceGroup], greedy, many, meta,
     for g, row, mrow in zip(groups, many, m):
       scores, valid = judge_lib.score_arrays(row[:k])
       votes.append(vote_correct(vote(scores, valid), g.ratings))
-      metas.append(vote_correct(meta_vote(scores, valid, mrow[:k], meta_k(k)), g.ratings))
+      metas.append(vote_correct(meta_vote(scores, valid, mrow[:k], meta_k(int(valid.sum()))),
+                                g.ratings))
     correct[f"vote@{k}"], correct[f"meta@{k}"] = votes, metas
   return correct
 

@@ -86,8 +86,9 @@ def test_voting_correctness_matches_brute_force():
     for k in ks:
       used = [j for j in range(k) if valids[e][j]]
       assert got[f"vote@{k}"][e] == _vote_ok(truths[e][used], g.ratings), (e, k)
-      # Meta: the ceil(k/2) valid samples with the highest meta score, ties to the lower index.
-      top = sorted(used, key=lambda j: (-meta[e, j], j))[:math.ceil(k / 2)]
+      # Meta: the ceil(v/2) of the v valid samples with the highest meta score (ties
+      # to the lower index); k_meta counts valid samples only (was ceil(k/2)).
+      top = sorted(used, key=lambda j: (-meta[e, j], j))[:max(1, math.ceil(len(used) / 2))]
       assert got[f"meta@{k}"][e] == _vote_ok(truths[e][top], g.ratings), (e, k)
   # The reference is not trivially all-true or all-false.
   assert 0 < sum(got["meta@5"]) < len(groups)

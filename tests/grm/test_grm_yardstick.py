@@ -1,0 +1,155 @@
+"""grm.yardstick: chance, chance credit, records and the content-blind control against numpy."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from grm import evaluation as ev
+from grm import yardstick as ys
+from grm.data import PreferenceGroup
+from grm.format import GRMPrompt, permutation
+from grm.judge import SampledJudgement
+from grm.parse import Judgement
+
+
+def _groups(rng, num):
+  """Groups of n in 1..4: n >= 2 with distinct rewards, n == 1 with a rating in 1..10."""
+  out = []
+  for e in range(num):
+    n = int(rng.integers(1, 5))
+    ratings = (int(rng.integers(1, 11)),) if n == 1 else tuple(rng.permutation(n) / n)
+    out.append(PreferenceGroup(domain="math", example_id=f"g{e}", split="test", query=f"q{e}",
+                               responses=tuple(f"r{e}_{i}" for i in range(n)),
+                               ratings=ratings, reasons=("",) * n))
+  return out
+
+
+def _samples(rng, g, k, e):
+  """k judgements (truth in 1..3: ties common; ~30% invalid), each in its own order."""
+  truth = rng.integers(1, 4, size=(k, g.n))
+  if g.n == 1:
+    truth = rng.integers(1, 11, size=(k, 1))
+  valid = rng.random(k) < 0.7
+  out = []
+  for j in range(k):
+    order = permutation(g.n, (e, j))
+    shown = tuple(int(truth[j][o]) for o in order)
+    judgement = (Judgement(scores=shown, reason=None) if valid[j]
+                 else Judgement(scores=None, reason="wrong_count"))
+    out.append(SampledJudgement(prompt=GRMPrompt(text="", order=order), text="",
+                                judgement=judgement, finished=True))
+  return out, truth, valid
+
+
+def _reference(truth, valid, ratings):
+  """numpy: (strict, credit, tie) of summing the valid rows; credit is the expected
+  correctness of a uniform tie-break among the top (1/n, or 1/10 for n == 1, with no
+  valid row)."""
+  r = np.asarray(ratings, np.float64)
+  rows = truth[valid]
+  if len(rows) == 0:
+    return 0.0, 1.0 / (10 if r.size == 1 else r.size), 0.0
+  if r.size == 1:
+    ok = float(np.rint(rows.mean()) == r[0])
+    return ok, ok, 0.0
+  totals = rows.sum(0)
+  top = [i for i in range(r.size) if totals[i] == totals.max()]
+  best = int(np.argmax(r))
+  return float(top == [best]), float(np.mean([t == best for t in top])), float(len(top) > 1)
+
+
+@pytest.fixture(scope="module")
+def bench():
+  rng = np.random.default_rng(0)
+  groups = _groups(rng, 60)
+  k = 6
+  greedy, many, truths, valids = [], [], [], []
+  for e, g in enumerate(groups):
+    greedy.append(_samples(rng, g, 1, (e, 9))[0])
+    row, truth, valid = _samples(rng, g, k, e)
+    many.append(row)
+    truths.append(truth)
+    valids.append(valid)
+  meta = rng.normal(size=(len(groups), k))
+  records = [ys.group_record("chat" if e % 2 else "code", g, greedy[e], many[e], meta[e])
+             for e, g in enumerate(groups)]
+  return groups, greedy, many, truths, valids, meta, json.loads(json.dumps(records))
+
+
+def test_decisions_match_numpy_reference(bench):
+  groups, _, _, truths, valids, meta, records = bench
+  got = ys.record_decisions(records, (1, 3, 6))
+  for e, g in enumerate(groups):
+    for k in (1, 3, 6):
+      strict, credit, tie = _reference(truths[e][:k], valids[e][:k], g.ratings)
+      d = got[f"vote@{k}"][e]
+      assert (d["strict"], d["credit"], d["tie"]) == (strict, credit, tie), (e, k)
+      assert d["valid"] == valids[e][:k].mean()
+      # Meta: the ceil(v/2) valid samples of highest meta score (ties: lower index).
+      used = [j for j in range(k) if valids[e][j]]
+      top = sorted(used, key=lambda j: (-meta[e, j], j))[:max(1, math.ceil(len(used) / 2))]
+      keep = np.isin(np.arange(k), top)
+      strict, credit, tie = _reference(truths[e][:k], keep, g.ratings)
+      d = got[f"meta@{k}"][e]
+      assert (d["strict"], d["credit"], d["tie"]) == (strict, credit, tie), (e, k)
+  # Constructed so that every case occurs: ties, no valid sample, partial credit.
+  credits = [d["credit"] for d in got["vote@3"]]
+  assert any(0 < c < 1 for c in credits) and any(d["valid"] == 0 for d in got["vote@1"])
+
+
+def test_records_recompute_the_strict_accuracy_voting_correctness_gives(bench):
+  groups, greedy, many, _, _, meta, records = bench
+  correct = ev.voting_correctness(groups, greedy, many, meta, (1, 3, 6))
+  table = ys.recompute(records, (1, 3, 6), num_resamples=50)
+  for name, values in correct.items():
+    for part, keep in ((ys.MULTI, lambda n: n >= 2), (ys.SINGLE, lambda n: n == 1)):
+      want = 100 * np.mean([v for v, g in zip(values, groups) if keep(g.n)])
+      assert table[name][part]["strict"]["value"] == pytest.approx(want, abs=1e-9), name
+  multi = [e for e, g in enumerate(groups) if g.n >= 2]
+  valid_rate = np.mean([np.mean([s.judgement.valid for s in many[e][:3]]) for e in multi])
+  assert table["vote@3"][ys.MULTI]["valid_rate"] == pytest.approx(valid_rate, abs=1e-12)
+  assert table["vote@3"][ys.MULTI]["groups"] == len(multi)
+
+
+def test_chance_is_mean_inverse_n_computed():
+  ns = [1, 2, 2, 3, 4, 4, 4, 1]
+  got = ys.chance(ns)
+  p = np.array([1 / n for n in ns if n >= 2])
+  assert got[ys.MULTI]["value"] == pytest.approx(100 * p.mean(), rel=1e-12)
+  # SE of a uniform picker: Bernoulli(1/n) per group, independent.
+  assert got[ys.MULTI]["se"] == pytest.approx(100 * np.sqrt(np.sum(p * (1 - p))) / p.size)
+  assert got[ys.SINGLE]["value"] == pytest.approx(10.0) and got[ys.SINGLE]["groups"] == 2
+  # A uniform random picker's mean accuracy converges to it (Monte Carlo, 4 SE).
+  rng = np.random.default_rng(1)
+  hits = np.mean([[rng.integers(n) == 0 for n in ns if n >= 2] for _ in range(4000)])
+  assert abs(100 * hits - got[ys.MULTI]["value"]) < 4 * 100 * np.sqrt(
+      np.mean(p * (1 - p)) / (4000 * p.size))
+
+
+def test_most_common_rating_baseline():
+  mk = lambda r, n=1: PreferenceGroup("math", "x", "train", "q", ("a",) * n, (r,) * n, ("",) * n)
+  train = [mk(1), mk(1), mk(7), mk(7), mk(3), mk(0.5, 2)]
+  assert ys.most_common_rating(train) == 1  # 1 and 7 tie twice each: the lower
+  test = [mk(1), mk(2), mk(1), mk(0.5, 2)]
+  assert ys.most_common_accuracy(test, 1, num_resamples=20).value == pytest.approx(100 * 2 / 3)
+  with pytest.raises(ValueError, match="n == 1"):
+    ys.most_common_rating([mk(0.5, 2)])
+
+
+def test_content_blind_control_is_a_seeded_derangement_of_the_groups():
+  groups = _groups(np.random.default_rng(3), 25)
+  origin = {r: e for e, g in enumerate(groups) for r in g.responses}
+  ctrl = ys.content_blind(groups, seed=7)
+  assert len(ctrl) == len(groups)
+  for e, (g, c) in enumerate(zip(groups, ctrl)):
+    assert (c.query, c.ratings, c.reasons, c.n, c.example_id) == (g.query, g.ratings,
+                                                                 g.reasons, g.n, g.example_id)
+    assert all(origin[r] != e for r in c.responses), e  # never the group's own
+  # A permutation of all response texts: each used exactly once.
+  assert sorted(r for c in ctrl for r in c.responses) == sorted(origin)
+  assert ys.content_blind(groups, seed=7) == ctrl  # deterministic
+  assert ys.content_blind(groups, seed=8) != ctrl  # and the seed matters
+  big = next(g for g in groups if g.n == 4)
+  with pytest.raises(ValueError, match="content-blind"):  # 4 + 1 slots < 2 * 4
+    ys.content_blind([big, next(g for g in groups if g.n == 1)], seed=0)
