@@ -12,6 +12,8 @@ training batches against the mesh's batch shards
 """
 from __future__ import annotations
 
+import pathlib
+
 from experiments import common
 from opd.config.fields import from_group
 from opd.parallel import sharding
@@ -67,8 +69,36 @@ def check_specialists(config, where: str = "config") -> None:
   check_grpo(config, where, "grpo", "grpo_optim")
 
 
+def check_baselines(config, where: str = "config") -> None:
+  """The chosen baselines' groups: off-policy KD's config (its batch against the
+  mesh) and optimizer, the RL baselines' GRPO config and optimizer."""
+  from experiments import baselines  # noqa: PLC0415
+  from opd.distill.offpolicy import OffPolicyConfig  # noqa: PLC0415
+  chosen = tuple(config.baselines) if config.job == "baselines" else (config.job,)
+  bad = [b for b in chosen if b not in baselines.RUNS]
+  if not chosen or bad:
+    raise ValueError(f"{where}.baselines={chosen!r}: expected some of {tuple(baselines.RUNS)}")
+  if "offpolicy_kd" in chosen:
+    cfg = from_group(OffPolicyConfig, config.offpolicy, f"{where}.offpolicy")
+    common.optim_config(config.kd_optim, f"{where}.kd_optim")
+    _batch(cfg.batch_size, config, f"{where}.offpolicy.batch_size")
+  if {"mixed_rl", "sequential_rl"} & set(chosen):
+    check_grpo(config, where, "grpo", "rl_optim")
+
+
+def check_compat(config) -> None:
+  """Both bases, the teachers' SFT and GRPO, the student's SFT and both OPD arms."""
+  from experiments import compat  # noqa: PLC0415
+  for group in ("base", "sft", "student_sft"):
+    common.optim_config(config[group].optim, f"config.{group}.optim")
+    _batch(config[group].train.batch_size, config, f"config.{group}.train.batch_size")
+  check_grpo(config, "config", "grpo", "grpo_optim")
+  check_opd(compat.opd_config(config, pathlib.Path("<workdir>"), compat.ARMS[0]), "config",
+            "config.opd_optim")
+
+
 def check_v4(config) -> None:
-  """The specialists, then every student stage's config as v4 will build it."""
+  """The specialists, every student stage's config as v4 will build it, the baselines."""
   from experiments import v4  # noqa: PLC0415
   check_specialists(config.specialists, "config.specialists")
   dirs = {d: "<specialist>" for d in config.specialists.domains}
@@ -77,3 +107,4 @@ def check_v4(config) -> None:
     optim = {"cold_start": "config.cold_start_optim", "opd": "config.opd_optim"}.get(
         stage, "config.anneal_optim")
     (check_cold_start if stage == "cold_start" else check_opd)(cfg, "config", optim)
+  check_baselines(config.baselines, "config.baselines")

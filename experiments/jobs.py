@@ -49,6 +49,11 @@ _CHECKS: dict[str, Target] = {
     "cold_start": "experiments.job_checks:check_cold_start",
     "opd": "experiments.job_checks:check_opd",
     "v4": "experiments.job_checks:check_v4",
+    "compat": "experiments.job_checks:check_compat",
+    "baselines": "experiments.job_checks:check_baselines",
+    "offpolicy_kd": "experiments.job_checks:check_baselines",
+    "mixed_rl": "experiments.job_checks:check_baselines",
+    "sequential_rl": "experiments.job_checks:check_baselines",
 }
 
 

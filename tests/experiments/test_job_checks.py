@@ -48,6 +48,13 @@ def test_the_suite_has_eight_batch_shards():
     ("v4", ["cold_start.batch_size=8", "opd.prompts_per_step=4", "anneal_optim.lr=-1.0"],
      r"config.anneal_optim.*lr"),
     ("v4", ["cold_start.batch_size=6"], r"config.cold_start.batch_size=6 is not divisible"),
+    ("v4", ["cold_start.batch_size=8", "opd.prompts_per_step=4"],
+     r"config.baselines.grpo.prompts_per_step \* config.baselines.grpo.group_size \(= 5 \* 2\)"),
+    ("compat", ["opd.prompts_per_step=3"],
+     r"config.opd.prompts_per_step \* config.opd.group_size \(= 3 \* 2\)=6 is not divisible"),
+    ("compat", ["student_sft.train.batch_size=4"], r"config.student_sft.train.batch_size=4 is"),
+    ("baselines", ["offpolicy.batch_size=12"], r"config.offpolicy.batch_size=12 is not divisible"),
+    ("baselines", ["offpolicy.batch_size=8", "rl_optim.lr=-1.0"], r"config.rl_optim.*lr"),
 ])
 def test_a_late_stage_config_is_refused_at_job_start(tmp_path, name, overrides, pattern):
   _refused(_load(name, *overrides), tmp_path, pattern)
