@@ -1,4 +1,4 @@
-"""Meshes and logical→mesh sharding (mesh axes ``data``, ``fsdp``, ``tensor``).
+"""Meshes and logical→mesh sharding (mesh axes ``data``, ``fsdp``, [``expert``,] ``tensor``).
 
 Parameters carry logical axis names (see ``opd.models.decoder``); a short rule
 table, kept in the experiment config, maps them to mesh axes. The helpers
@@ -9,6 +9,11 @@ batch the mesh's batch shards do not divide raises naming the config field
 (``check_batch_divisible``), a parameter dimension that the mesh does not
 divide is replicated *and logged*, and ``check_sharded`` raises when a large
 parameter is left fully replicated on a multi-device mesh.
+
+A 3-entry mesh shape gives the dense ``(data, fsdp, tensor)`` mesh; a 4-entry
+one adds ``expert`` (``(data, fsdp, expert, tensor)``) along which MoE
+experts are sharded (``opd.models.moe``). A rule target naming a mesh axis the
+mesh lacks (``expert`` on a 3-axis mesh) is that axis at size 1.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 log = logging.getLogger(__name__)
 
 MESH_AXES = ("data", "fsdp", "tensor")
+EXPERT_MESH_AXES = ("data", "fsdp", "expert", "tensor")  # a 4-entry mesh shape
 
 # Logical name -> mesh axis (or tuple of axes, or None for replicated).
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
@@ -34,10 +40,12 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("q_heads", "tensor"),
     ("kv_heads", "tensor"),
     ("head_dim", None),
+    ("latent", None),  # MLA's compressed query / key-value width (opd.models.mla)
     ("length", None),
     ("cache_length", None),
     ("norm", None),
     ("scalar", None),
+    ("expert", "expert"),
 )
 # Every logical axis name the decoder, sampler and prefill use: a rule for any
 # other name can only be a typo, which would leave the intended axis replicated.
@@ -47,28 +55,31 @@ LOGICAL_AXES: tuple[str, ...] = tuple(name for name, _ in DEFAULT_RULES)
 def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all devices).
 
-  One entry may be -1: it takes the devices the others leave, e.g.
-  ``(-1, 1, 1)`` is data parallelism over every device.
+  A 4-entry ``shape`` makes a ``(data, fsdp, expert, tensor)`` mesh (expert
+  parallelism for MoE models). One entry may be -1: it takes the devices the
+  others leave, e.g. ``(-1, 1, 1)`` is data parallelism over every device.
 
   Raises ValueError naming the shape and the device count when they disagree.
   """
   shape = tuple(int(s) for s in shape)
-  if len(shape) != len(MESH_AXES):
-    raise ValueError(f"mesh shape {shape} must have {len(MESH_AXES)} entries for axes {MESH_AXES}")
+  if len(shape) not in (len(MESH_AXES), len(EXPERT_MESH_AXES)):
+    raise ValueError(f"mesh shape {shape} must have {len(MESH_AXES)} entries for axes {MESH_AXES} "
+                     f"or {len(EXPERT_MESH_AXES)} for {EXPERT_MESH_AXES}")
+  axes = MESH_AXES if len(shape) == len(MESH_AXES) else EXPERT_MESH_AXES
   devices = list(jax.devices() if devices is None else devices)
   if shape.count(-1) > 1:
     raise ValueError(f"mesh shape {shape} may contain at most one -1")
   if shape.count(-1) == 1:
     rest = math.prod(s for s in shape if s != -1)
     if rest <= 0 or len(devices) % rest:
-      raise ValueError(f"mesh shape {dict(zip(MESH_AXES, shape))}: the {len(devices)} devices "
+      raise ValueError(f"mesh shape {dict(zip(axes, shape))}: the {len(devices)} devices "
                        f"are not divisible by the fixed axes' product {rest}")
     shape = tuple(len(devices) // rest if s == -1 else s for s in shape)
   if any(s <= 0 for s in shape):
     raise ValueError(f"mesh shape {shape} must be positive (or one -1)")
   if math.prod(shape) != len(devices):
     raise ValueError(
-        f"mesh shape {dict(zip(MESH_AXES, shape))} needs {math.prod(shape)} devices "
+        f"mesh shape {dict(zip(axes, shape))} needs {math.prod(shape)} devices "
         f"but {len(devices)} are available")
   if jax.process_count() > 1 and len(devices) == jax.device_count():
     # Multi-host: lay devices out so that each host's devices are contiguous.
@@ -76,7 +87,7 @@ def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None)
     grid = mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
   else:
     grid = np.asarray(devices, dtype=object).reshape(shape)
-  return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+  return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
 
 
 def validate_rules(rules: Iterable[tuple[str, Any]]) -> tuple[tuple[str, Any], ...]:
@@ -100,8 +111,9 @@ def validate_rules(rules: Iterable[tuple[str, Any]]) -> tuple[tuple[str, Any], .
     seen.add(name)
     targets = () if target is None else (target,) if isinstance(target, str) else tuple(target)
     for t in targets:
-      if t not in MESH_AXES:
-        raise ValueError(f"sharding rule for {name!r} names mesh axis {t!r}; known: {MESH_AXES}")
+      if t not in EXPERT_MESH_AXES:
+        raise ValueError(f"sharding rule for {name!r} names mesh axis {t!r}; known: "
+                         f"{EXPERT_MESH_AXES}")
     out.append((name, target if isinstance(target, (str, type(None))) else tuple(target)))
   return tuple(out)
 
@@ -110,7 +122,17 @@ def _axis_size(mesh: Mesh, entry) -> int:
   if entry is None:
     return 1
   names = (entry,) if isinstance(entry, str) else entry
-  return math.prod(mesh.shape[n] for n in names)
+  return math.prod(mesh.shape.get(n, 1) for n in names)
+
+
+def _on_mesh(mesh: Mesh, spec: P) -> P:
+  """``spec`` without the mesh axes ``mesh`` lacks (``expert`` on a 3-axis mesh)."""
+  def keep(entry):
+    if entry is None:
+      return None
+    names = tuple(n for n in ((entry,) if isinstance(entry, str) else entry) if n in mesh.shape)
+    return None if not names else names[0] if isinstance(entry, str) or len(names) == 1 else names
+  return P(*(keep(e) for e in spec))
 
 
 def _mesh_spec(logical_spec, rules, what: str) -> P:
@@ -134,7 +156,7 @@ def logical_to_sharding(logical_spec: P, shape: Sequence[int], mesh: Mesh, rules
 
   Raises ValueError when a logical axis of ``logical_spec`` has no rule.
   """
-  mesh_spec = _mesh_spec(logical_spec, rules, name or "array")
+  mesh_spec = _on_mesh(mesh, _mesh_spec(logical_spec, rules, name or "array"))
   entries = list(mesh_spec) + [None] * (len(shape) - len(mesh_spec))
   for i, (dim, entry) in enumerate(zip(shape, entries)):
     size = _axis_size(mesh, entry)
@@ -165,7 +187,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def batch_sharding(mesh: Mesh, rules=DEFAULT_RULES, ndim: int = 2) -> NamedSharding:
   """Shards the leading (batch) dim over the mesh axes the rules give ``batch``."""
   spec = _mesh_spec(("batch",) + (None,) * (ndim - 1), validate_rules(rules), "batch")
-  return NamedSharding(mesh, spec)
+  return NamedSharding(mesh, _on_mesh(mesh, spec))
 
 
 def batch_shards(mesh: Mesh, rules=DEFAULT_RULES) -> int:
@@ -215,7 +237,8 @@ def check_sharded(tree, *, min_size: int = 2 ** 14, what: str = "params") -> lis
     sharding = getattr(x, "sharding", None)
     if not isinstance(sharding, NamedSharding):
       continue
-    model_axes = max(model_axes, sharding.mesh.shape.get("fsdp", 1) * sharding.mesh.shape.get("tensor", 1))
+    model_axes = max(model_axes, math.prod(sharding.mesh.shape.get(a, 1)
+                                           for a in ("fsdp", "expert", "tensor")))
     if sharding.is_fully_replicated:
       (offenders if x.size >= min_size else small).append(f"{jax.tree_util.keystr(path)} {x.shape}")
   if small:

@@ -1,0 +1,142 @@
+"""Router statistics and load balancing for ``opd.models.moe`` (docs/DESIGN.md §2).
+
+* ``RouterStats``: one MoE layer's sums over its real (unmasked) tokens; the
+  decoder stacks them over MoE layers (leading axis L) into
+  ``DecoderOutput.moe``.
+* ``aux_loss``: ``aux_loss_coef`` x the Switch / Qwen3-MoE loss
+  ``E Σ_e f_e P_e`` over all MoE layers' tokens together (as transformers'
+  ``load_balancing_loss_func``) + ``seq_aux_loss_coef`` x DeepSeek-V3's
+  sequence-wise loss summed over layers. Add it to the training loss.
+* ``update_selection_bias``: DeepSeek-V3's auxiliary-loss-free balancing,
+  ``b_e += γ sign(mean_load - load_e)`` per MoE layer, applied to the params
+  after the optimizer update (never through the gradient).
+* ``router_metrics``: per-expert load, its min / max, router entropy and the
+  dropped (token, expert) pairs (0: the dispatch is dropless) as scalars.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from opd.models.moe import MoEConfig, Routing
+
+Array = jax.Array
+
+
+class RouterStats(NamedTuple):
+  """Sums over one layer's real tokens (leading axis L once stacked).
+
+  counts: ``[E]`` times each expert was chosen. prob_sum: ``[E]`` Σ_t p_t
+  with p the softmax probabilities (sigmoid router: the scores normalised
+  to sum 1). tokens: real tokens. seq_aux: DeepSeek-V3's
+  ``Σ_e f_e P_e`` per sequence, averaged over sequences with a real token.
+  entropy_sum: Σ_t H(p_t). dropped: (token, expert) pairs not computed.
+  """
+  counts: Array
+  prob_sum: Array
+  tokens: Array
+  seq_aux: Array
+  entropy_sum: Array
+  dropped: Array
+
+
+def router_stats(moe: MoEConfig, r: Routing, mask: Array | None, dropped: Array) -> RouterStats:
+  """``RouterStats`` of ``route``'s result ``r`` for ``[B, T]`` tokens."""
+  E, k = moe.n_routed_experts, moe.experts_per_token
+  B, T = r.experts.shape[:2]
+  m = jnp.ones((B, T), jnp.float32) if mask is None else mask.astype(jnp.float32)
+  p = r.scores if moe.router == "softmax" else r.scores / jnp.sum(r.scores, -1, keepdims=True)
+  chosen = jnp.sum(jax.nn.one_hot(r.experts, E, dtype=jnp.float32), axis=-2)  # [B, T, E]
+  chosen = chosen * m[..., None]
+  probs = p * m[..., None]
+  # Sequence-wise: f_e = E / (k T_b) Σ_t 1[e chosen], P_e = 1 / T_b Σ_t p'_e.
+  t_b = jnp.sum(m, axis=1)  # [B]
+  denom = jnp.maximum(t_b, 1.0)[:, None]
+  f = E / k * jnp.sum(chosen, axis=1) / denom
+  P = jnp.sum(probs, axis=1) / denom
+  per_seq = jnp.sum(f * P, axis=-1)  # [B]
+  has = (t_b > 0).astype(jnp.float32)
+  seq_aux = jnp.sum(per_seq * has) / jnp.maximum(jnp.sum(has), 1.0)
+  entropy = -jnp.sum(p * jnp.log(jnp.maximum(p, 1e-30)), axis=-1)  # [B, T]
+  return RouterStats(counts=jnp.sum(chosen, axis=(0, 1)), prob_sum=jnp.sum(probs, axis=(0, 1)),
+                     tokens=jnp.sum(m), seq_aux=seq_aux, entropy_sum=jnp.sum(entropy * m),
+                     dropped=jnp.asarray(dropped, jnp.int32))
+
+
+def stack_stats(stats: list[RouterStats]) -> RouterStats:
+  """Per-layer stats → one ``RouterStats`` with a leading layer axis."""
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *stats)
+
+
+def aux_loss(moe: MoEConfig, stats: RouterStats) -> Array:
+  """The balance terms to add to the training loss (0.0 when both coefficients are 0).
+
+  Switch / Qwen3-MoE: ``E Σ_e f_e P_e`` with f_e = Σ_l counts_le / Σ_l N_l
+  (fraction of tokens sent to e, summing to k) and P_e = Σ_l prob_sum_le /
+  Σ_l N_l. DeepSeek-V3: Σ_l seq_aux_l.
+  """
+  loss = jnp.zeros((), jnp.float32)
+  if moe.aux_loss_coef:
+    n = jnp.maximum(jnp.sum(stats.tokens), 1.0)
+    f = jnp.sum(stats.counts, axis=0) / n
+    P = jnp.sum(stats.prob_sum, axis=0) / n
+    loss += moe.aux_loss_coef * moe.n_routed_experts * jnp.sum(f * P)
+  if moe.seq_aux_loss_coef:
+    loss += moe.seq_aux_loss_coef * jnp.sum(stats.seq_aux)
+  return loss
+
+
+def router_metrics(stats: RouterStats) -> dict[str, Array]:
+  """Scalars for the metrics writer, over all MoE layers.
+
+  ``moe/load/eN``: expert N's share of the routed pairs times E (1 = even).
+  ``moe/load_min`` / ``moe/load_max``: their extremes. ``moe/entropy``:
+  mean router entropy (nats). ``moe/dropped``: pairs not computed (0).
+  """
+  counts = jnp.sum(stats.counts, axis=0)
+  E = counts.shape[0]
+  load = counts * E / jnp.maximum(jnp.sum(counts), 1.0)
+  out = {f"moe/load/e{e}": load[e] for e in range(E)}
+  out.update({"moe/load_min": jnp.min(load), "moe/load_max": jnp.max(load),
+              "moe/entropy": jnp.sum(stats.entropy_sum) / jnp.maximum(jnp.sum(stats.tokens), 1.0),
+              "moe/dropped": jnp.sum(stats.dropped)})
+  return out
+
+
+def bias_update(bias: Array, counts: Array, rate: float) -> Array:
+  """One layer's ``b + γ sign(mean(counts) - counts)``: overloaded experts lose γ."""
+  err = jnp.mean(counts) - counts
+  return (bias.astype(jnp.float32) + rate * jnp.sign(err)).astype(bias.dtype)
+
+
+def update_selection_bias(cfg: Any, params, stats: RouterStats):
+  """Params with every MoE layer's ``selection_bias`` moved by ``bias_update``.
+
+  Args:
+    cfg: the ``ModelConfig`` (``cfg.moe.router == "sigmoid"``).
+    params: the decoder's param tree (a new tree is returned; ``params`` is
+      not modified).
+    stats: ``DecoderOutput.moe`` of the step's forward (layer j of the stack
+      is decoder layer ``first_k_dense + j``).
+
+  Returns ``params`` itself when ``bias_update_rate`` is 0.
+  """
+  moe = cfg.moe
+  if moe is None or moe.router != "sigmoid":
+    raise ValueError("update_selection_bias needs ModelConfig.moe with router='sigmoid'")
+  if not moe.bias_update_rate:
+    return params
+  layers = [i for i in range(cfg.n_layers) if moe.is_moe_layer(i)]
+  if stats.counts.shape[0] != len(layers):
+    raise ValueError(f"stats hold {stats.counts.shape[0]} MoE layers, the config has "
+                     f"{len(layers)}")
+  new = dict(params)
+  for j, i in enumerate(layers):
+    name = f"layers_{i}"
+    mlp = dict(new[name]["mlp"])
+    mlp["selection_bias"] = bias_update(mlp["selection_bias"], stats.counts[j],
+                                        moe.bias_update_rate)
+    new[name] = {**new[name], "mlp": mlp}
+  return new
