@@ -20,6 +20,7 @@ import uuid
 from typing import Any, Mapping, Sequence
 
 import jax
+import ml_collections
 import numpy as np
 
 from opd.config.fields import from_group
@@ -308,6 +309,20 @@ def _refuse_or_move_aside(name: str, workdir: pathlib.Path, stale: Sequence[str]
   workdir.rename(aside)
   print(f"[stage] {name}: upstream {', '.join(stale)} changed; old results moved to {aside}, "
         "rerunning (--rerun_downstream)", flush=True)
+
+
+def stage_config(config, job: str, **groups) -> ml_collections.ConfigDict:
+  """The config of job ``job`` run as a pipeline's stage: the pipeline's ``seed``,
+  ``model``, ``mesh`` and ``sharding_rules``, plus ``groups`` (name -> value)."""
+  c = ml_collections.ConfigDict()
+  c.job = job
+  c.seed = config.seed
+  c.model = config.model
+  c.mesh = config.mesh
+  c.sharding_rules = config.sharding_rules
+  for name, value in groups.items():
+    setattr(c, name, value)
+  return c
 
 
 def run_stage(name: str, fn, cfg, workdir: pathlib.Path,

@@ -56,13 +56,11 @@ import numpy as np
 
 from experiments import common
 from experiments import pretrain as pretrain_job
-from experiments.grm_benchmark import _stage_benchmark, _stage_ks  # noqa: F401 (tests)
-from experiments.grm_common import (GRM_BASE, GRM_STAGES, SHARED, _base_params, _Ctx,
-                                    _load_groups, _params, _response_ids, _sampler,
-                                    _source_cfg, _source_models)
+from experiments.grm_benchmark import stage_benchmark, stage_ks
+from experiments.grm_common import (GRM_BASE, GRM_STAGES, SHARED, base_params, grm_sampler,
+                                    load_groups, source_cfg, source_models, stage_params)
 from experiments.grpo import grpo_config
-from experiments.sft import domain_examples
-from experiments.specialists import _stage_config
+from opd.tasks import domain_examples
 from grm import benchmark_set as bench_lib
 from grm import meta_rm as meta_lib
 from grm import pairwise as pairwise_lib
@@ -71,6 +69,7 @@ from grm import shared as shared_lib
 from grm import training as training_lib
 from grm.correctness import best_index, is_correct
 from grm.data import Candidate, build_groups, sample_candidates, split_groups
+from grm.reward import bt_input_ids
 from opd import tasks as tasks_lib
 from opd.models import to_model_config
 from opd.training import lm_trainer
@@ -96,11 +95,11 @@ def _examples(c, split: str, n: int, seed: int):
   return out
 
 
-def _stage_data(ctx: _Ctx, workdir: pathlib.Path) -> dict:
+def _stage_data(ctx: common.JobContext, workdir: pathlib.Path) -> dict:
   c = ctx.config
   examples = _examples(c, "train", c.data.num_train, c.seed) + _examples(
       c, "test", c.data.num_test, c.seed + 1)
-  models = [(_source_cfg(ctx), p) for p in _source_models(ctx).values()]
+  models = [(source_cfg(ctx), p) for p in source_models(ctx).values()]
   timings: dict[str, float] = {}
   cands = sample_candidates(models, ctx.tok, examples, temperatures=tuple(c.data.temperatures),
                             max_new_tokens=c.data.max_new_tokens, seed=c.seed, mesh=ctx.mesh,
@@ -155,7 +154,7 @@ def _sft(ctx, params, pairs, workdir: pathlib.Path, steps: int, seq_len: int | N
 def _stage_cold_start(ctx, workdir):
   c = ctx.config
   # sft.copies judgements per group, each with its own response order and principles.
-  train = _load_groups(ctx)["train"]
+  train = load_groups(ctx)["train"]
   pairs = [p for r in range(c.sft.copies)
            for p in training_lib.cold_start_pairs(train, seed=c.seed + r, noise=c.data.noise)]
   # A sampling budget below the longest judgement it was taught (and <|end|>)
@@ -165,7 +164,7 @@ def _stage_cold_start(ctx, workdir):
     if c[field].max_new_tokens < longest:
       print(f"[grm] warning: config.{field}.max_new_tokens={c[field].max_new_tokens} < the "
             f"longest cold-start judgement ({longest} tokens with <|end|>)", flush=True)
-  return {**_sft(ctx, _base_params(ctx), pairs, workdir, c.sft.steps),
+  return {**_sft(ctx, base_params(ctx), pairs, workdir, c.sft.steps),
           "judgement_tokens_max": longest}
 
 
@@ -179,15 +178,15 @@ def _subset(groups, n: int, seed: int):
 
 def _stage_rft(ctx, workdir):
   c = ctx.config
-  params = _params(ctx, "cold_start")
+  params = stage_params(ctx, "cold_start")
   kept, counts = training_lib.rejective_sample(
-      _subset(_load_groups(ctx)["train"], c.rft.num_groups, c.seed + 5),
-      _sampler(ctx, params, c.rft.max_new_tokens, c.rft.temperature, progress="rft samples"),
+      _subset(load_groups(ctx)["train"], c.rft.num_groups, c.seed + 5),
+      grm_sampler(ctx, params, c.rft.max_new_tokens, c.rft.temperature, progress="rft samples"),
       n_rft=c.rft.n_rft, seed=c.seed)
   print(f"[grm] RFT counts: {counts}", flush=True)
   out = dict(counts)
   if not kept:  # nothing survived: the RFT model is the cold-start model, saved as such
-    kept = training_lib.cold_start_pairs(_load_groups(ctx)["train"], seed=c.seed + 1)
+    kept = training_lib.cold_start_pairs(load_groups(ctx)["train"], seed=c.seed + 1)
     out["fallback_cold_start_pairs"] = len(kept)
   return {**out, **_sft(ctx, params, kept, workdir, c.rft.steps)}
 
@@ -196,7 +195,7 @@ def _stage_rule_rl(ctx, workdir):
   c = ctx.config
   with MetricWriter(workdir) as writer:
     run = training_lib.train_rule_rl(
-        ctx.model_cfg, _params(ctx, "rft"), _load_groups(ctx)["train"], grpo_config(c.grpo),
+        ctx.model_cfg, stage_params(ctx, "rft"), load_groups(ctx)["train"], grpo_config(c.grpo),
         common.optim_config(c.grpo_optim, "config.grpo_optim"), tokenizer=ctx.tok,
         steps=c.rl.steps, mesh=ctx.mesh, rules=ctx.rules, seed=c.seed,
         kl_multiplier=c.rl.kl_multiplier, writer=writer, checkpoint_dir=workdir / "checkpoints",
@@ -208,11 +207,11 @@ def _stage_rule_rl(ctx, workdir):
 
 def _stage_shared(ctx, workdir):
   c = ctx.config
-  cfg, params = meta_lib.add_scalar_head(ctx.model_cfg, _params(ctx, "rft"),
+  cfg, params = meta_lib.add_scalar_head(ctx.model_cfg, stage_params(ctx, "rft"),
                                          jax.random.key(c.seed + 17))
   with MetricWriter(workdir) as writer:
     run = shared_lib.train_shared_rule_rl(
-        cfg, params, _load_groups(ctx)["train"], grpo_config(c.grpo),
+        cfg, params, load_groups(ctx)["train"], grpo_config(c.grpo),
         common.optim_config(c.grpo_optim, "config.grpo_optim"), meta_weight=c.rl.meta_weight,
         tokenizer=ctx.tok, steps=c.rl.steps, mesh=ctx.mesh, rules=ctx.rules, seed=c.seed,
         kl_multiplier=c.rl.kl_multiplier, writer=writer, checkpoint_dir=workdir / "checkpoints",
@@ -256,14 +255,14 @@ def _bt_pairs(groups):
 
 def _stage_bt_rm(ctx, workdir):
   c = ctx.config
-  cfg, params = meta_lib.add_scalar_head(ctx.model_cfg, _base_params(ctx),
+  cfg, params = meta_lib.add_scalar_head(ctx.model_cfg, base_params(ctx),
                                          jax.random.key(c.seed + 7))
-  pairs = _bt_pairs(_load_groups(ctx)["train"])
+  pairs = _bt_pairs(load_groups(ctx)["train"])
   if not pairs:
     raise ValueError("no train group with n >= 2: the BT RM has no pairs (more examples?)")
   # Longer rows keep their first bt_seq_len tokens, as grm.reward.BTReward reads them.
   cut = c.rm.bt_seq_len
-  enc = [(_response_ids(ctx.tok, q, a)[:cut], _response_ids(ctx.tok, q, b)[:cut])
+  enc = [(bt_input_ids(ctx.tok, q, a)[:cut], bt_input_ids(ctx.tok, q, b)[:cut])
          for q, a, b in pairs]
 
   def make(idx):
@@ -294,19 +293,19 @@ def _pairwise_pairs(groups, seed):
 
 
 def _stage_pairwise(ctx, workdir):
-  pairs = _pairwise_pairs(_load_groups(ctx)["train"], ctx.config.seed)
+  pairs = _pairwise_pairs(load_groups(ctx)["train"], ctx.config.seed)
   if not pairs:
     raise ValueError("no train group with n >= 2: the pairwise judge has no pairs")
-  return _sft(ctx, _base_params(ctx), pairs, workdir, ctx.config.pairwise.steps,
+  return _sft(ctx, base_params(ctx), pairs, workdir, ctx.config.pairwise.steps,
               ctx.config.pairwise.seq_len)
 
 
 def _stage_meta_rm(ctx, workdir):
   c = ctx.config
   final = GRM_STAGES[-1]
-  params = _params(ctx, final)
-  groups = _subset(_load_groups(ctx)["train"], c.rm.meta_groups, c.seed + 6)
-  samples = _sampler(ctx, params, c.benchmark.max_new_tokens, c.benchmark.temperature,
+  params = stage_params(ctx, final)
+  groups = _subset(load_groups(ctx)["train"], c.rm.meta_groups, c.seed + 6)
+  samples = grm_sampler(ctx, params, c.benchmark.max_new_tokens, c.benchmark.temperature,
                      progress="meta-RM training judgements")(
       [(g.query, g.responses) for g in groups], c.rm.meta_k, c.seed + 3, None)
   flat = [(s, float(is_correct(s.scores, g.ratings))) for g, row in zip(groups, samples)
@@ -336,7 +335,7 @@ STAGES = (("data", _stage_data, ("data", "models", "tiny_models")),
           ("bt_rm", _stage_bt_rm, ("rm", "rm_optim")),
           ("pairwise", _stage_pairwise, ("pairwise", "sft", "sft_optim")),
           ("meta_rm", _stage_meta_rm, ("rm", "rm_optim", "benchmark")),
-          ("benchmark", _stage_benchmark, ("benchmark", "rm", "rl", "pairwise")))
+          ("benchmark", stage_benchmark, ("benchmark", "rm", "rl", "pairwise")))
 
 
 def _without(group, name: str, paths):
@@ -364,6 +363,23 @@ NEEDS = {"data": (), "cold_start": ("data",), "rft": ("cold_start",), "rule_rl":
          "benchmark": ("cold_start", "rft", "rule_rl", SHARED, "bt_rm", "pairwise", "meta_rm")}
 
 
+# The stages that start from the GRM's base (its own one with config.grm_width).
+READS_BASE = ("cold_start", "bt_rm", "pairwise")
+
+
+def check_benchmark(cfg) -> None:
+  """The benchmark stage's voting k's, checked at job start rather than after
+  hours of the stages before it: ``ks`` (and every ``ks_by_stage`` entry, each
+  naming a GRM stage) non-empty ints >= 1."""
+  known = GRM_STAGES + (SHARED,)
+  bad = sorted(set(cfg.benchmark.get("ks_by_stage", {})) - set(known))
+  if bad:
+    raise ValueError(f"config.benchmark.ks_by_stage names {bad}, which are not GRM stages "
+                     f"{known}")
+  for stage in known:
+    stage_ks(cfg, stage)
+
+
 def grm_model(config) -> ml_collections.ConfigDict:
   """The GRM's model group: ``config.model`` (the source models') or, with
   ``config.grm_width``, that model at another width (``common.model_at_width``)."""
@@ -388,8 +404,8 @@ def _skipped(config, root: pathlib.Path) -> set[str]:
 
 
 def _grm_base_stage(config, model) -> ml_collections.ConfigDict:
-  cfg = _stage_config(config, "pretrain", optim=config.base.optim, train=config.base.train,
-                      data=config.base.data)
+  cfg = common.stage_config(config, "pretrain", optim=config.base.optim,
+                            train=config.base.train, data=config.base.data)
   cfg.model = ml_collections.ConfigDict(model.to_dict())
   return cfg
 
@@ -403,26 +419,21 @@ def run(config, workdir: str) -> dict:
                      "BT RM and pairwise judge start from it), or set config.tiny_models > 0")
   root = pathlib.Path(workdir)
   skip = _skipped(config, root)
-  ctx = _Ctx.for_run(config, root)
+  ctx = common.JobContext.for_run(config, root)
   ctx = dataclasses.replace(ctx, model_cfg=to_model_config(model))
-  out = {}
-  if own_base:
-    metrics = common.run_stage(GRM_BASE, pretrain_job.run, _grm_base_stage(config, model),
-                               root / GRM_BASE)
-    out.update({f"{GRM_BASE}/{k}": v for k, v in metrics.items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool)})
+  stages = [common.Stage(GRM_BASE, pretrain_job.run, _grm_base_stage(config, model))] \
+      if own_base else []
   for name, fn, groups in STAGES:
-    if name in skip:
-      print(f"[grm] {name}: skipped (config.skip_stages)", flush=True)
-      continue
     unread = () if name == "benchmark" else BENCHMARK_ONLY
     held = {g: _without(config[g], g, unread) for g in groups}
     if name != "data":  # the data stage samples the source models (config.model)
       held["model"] = model
-    cfg = _stage_config(config, f"grm_{name}", **held)
-    metrics = common.run_stage(name, lambda _c, w, fn=fn: _timed(fn, ctx, pathlib.Path(w)), cfg,
-                               root / name)
-    out.update({f"{name}/{k}": v for k, v in metrics.items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    upstream = NEEDS[name] + ((GRM_BASE,) if own_base and name in READS_BASE else ())
+    stages.append(common.Stage(name, lambda _c, w, fn=fn: _timed(fn, ctx, pathlib.Path(w)),
+                               common.stage_config(config, f"grm_{name}", **held), upstream,
+                               check_benchmark if name == "benchmark" else None))
+  for name in skip:
+    print(f"[grm] {name}: skipped (config.skip_stages)", flush=True)
+  out = common.Stages.of(root).run_all(stages, skip)
   out["wall_s"] = timer.seconds
   return out

@@ -126,8 +126,8 @@ def run_student_base(config, stages: common.Stages, base_dir: pathlib.Path) -> p
   if not student_has_own_base(config):
     return base_dir
   spec = config.specialists
-  cfg = specialists_job._stage_config(spec, "pretrain", optim=spec.base.optim,
-                                      train=spec.base.train, data=spec.base.data)
+  cfg = common.stage_config(spec, "pretrain", optim=spec.base.optim, train=spec.base.train,
+                            data=spec.base.data)
   cfg.model = _copy(student_model(config))
   _, d = stages.run("student base pre-training", pretrain_job.run, cfg, "student_base")
   return d

@@ -65,10 +65,11 @@ import copy
 
 import ml_collections
 
+from experiments.configs import common as common_config
 from experiments.configs import pretrain as pretrain_config
+from experiments.configs import specialists as specialists_config
 from opd.config import overrides as config_utils
 from opd.config.fields import to_group
-from opd.distill.source import OPDConfig
 from opd.models.config import ModelConfig
 from opd.training.optim import OptimConfig
 
@@ -117,18 +118,19 @@ def _ablation(c, arg):
       for name, group in c.teachers.items():
         group.init = f"{arg['teachers_dir']}/{name}/checkpoints"
   else:
-    # The demo's OPD stage, imported here because configs/v4.py imports this file.
-    from experiments.configs import v4 as v4_config
-    v4, demo = v4_config.get_config(), arg["demo"]
-    model = v4.specialists.model
-    c.mesh, c.sharding_rules = v4.specialists.mesh, v4.specialists.sharding_rules
+    # The demo's OPD stage (experiments/configs/v4.py runs the same groups).
+    spec, demo = specialists_config.get_config(), arg["demo"]
+    stages = common_config.demo_student_stages(tiny=False)
+    model = spec.model
+    c.mesh, c.sharding_rules = spec.mesh, spec.sharding_rules
     c.student = ml_collections.ConfigDict(dict(
         init=f"{demo}/student/seed0/cold_start/checkpoints",
         model=ml_collections.ConfigDict(model.to_dict())))
     c.teachers = ml_collections.ConfigDict(
         {d: _teacher(ml_collections.ConfigDict(model.to_dict()), f"{demo}/{d}/grpo/checkpoints", d)
-         for d in v4.specialists.domains})
-    c.data, c.opd, c.optim, c.train = v4.data, v4.opd, v4.opd_optim, v4.opd_train
+         for d in spec.domains})
+    c.data, c.opd = stages.data, stages.opd
+    c.optim, c.train = stages.opd_optim, stages.opd_train
   c.opd.update(verify=True, anneal_steps=0)
 
 
@@ -165,15 +167,12 @@ def get_config(arg=None):
   c.teachers = ml_collections.ConfigDict(
       {d: _teacher(ml_collections.ConfigDict(base.model.to_dict()),
                    f"workdirs/specialists/{d}/grpo/checkpoints", d) for d in DOMAINS})
-  c.opd = to_group(OPDConfig, prompts_per_step=8, group_size=4, max_new_tokens=48, seq_len=192,
-                   diag_every=10, anneal_steps=10)
+  groups = common_config.opd_groups(arg["tiny"])
+  c.opd = groups.opd
   c.optim = to_group(OptimConfig, lr=3e-4, warmup_steps=5, decay_steps=95, schedule="cosine")
   c.train = ml_collections.ConfigDict(dict(steps=100, save_every=50, keep_checkpoints=2,
                                            eval_every=10))
-  c.data = ml_collections.ConfigDict(dict(num_prompts=512, num_heldout=16, difficulties=(1,)))
-  c.cold_start = ml_collections.ConfigDict(dict(
-      num_prompts=256, samples_per_prompt=2, max_new_tokens=48, temperature=1.0, min_reward=1.0,
-      sample_batch_size=32, steps=100, batch_size=16, seq_len=192))
+  c.data, c.cold_start = groups.data, groups.cold_start
   c.build_teachers = ml_collections.ConfigDict(dict(
       sft_steps=0, num_train=64, batch_size=8,
       optim=to_group(OptimConfig, lr=3e-3, warmup_steps=2, decay_steps=18, schedule="cosine")))
@@ -184,14 +183,8 @@ def get_config(arg=None):
     c.student.init = ""  # a random init
     c.teachers = ml_collections.ConfigDict({d: _teacher(wide, "", d) for d in DOMAINS})
     c.build_teachers.sft_steps = 20
-    c.opd.update(prompts_per_step=2, group_size=2, max_new_tokens=12, seq_len=160,
-                 diag_every=4, anneal_steps=2, diag_tokens=64, verify=True)
     c.optim.update(lr=3e-3, warmup_steps=1, decay_steps=7)
     c.train.update(steps=8, save_every=4, eval_every=4)
-    c.data.update(num_prompts=16, num_heldout=4)
-    # Tiny teachers are rarely right: keep every verified answer to exercise the path.
-    c.cold_start.update(num_prompts=16, samples_per_prompt=1, max_new_tokens=12, min_reward=0.0,
-                        sample_batch_size=16, steps=3, batch_size=4, seq_len=160)
   if arg["ablation"]:
     _ablation(c, arg)
   if arg["steps"]:
