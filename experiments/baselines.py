@@ -43,7 +43,6 @@ import numpy as np
 
 from experiments import common, jobs
 from experiments import grpo as grpo_job
-from experiments import sft as sft_job
 from opd.config.fields import from_group
 from opd.config.overrides import config_to_dict
 from opd.distill import Teacher, TeacherPool
@@ -53,9 +52,11 @@ from opd.distill.offpolicy import (OffPolicyConfig, make_heldout_forward_kl, tea
 from opd.models import init_params, to_model_config
 from opd.rl import train_grpo
 from opd.rl.sequential import stage_name, train_sequential_grpo
+from opd.tasks import domain_examples
 from opd.training import lm_trainer
 from opd.training.checkpoints import CheckpointManager, load_params
 from opd.training.metrics_writer import MetricWriter, read_metrics
+from opd.training.sft import SFTData, train_sft
 
 log = logging.getLogger(__name__)
 
@@ -116,14 +117,14 @@ def _teacher(config, name: str, group, root: pathlib.Path, mesh, rules) -> str:
     cfg = to_model_config(group.model)
     print(f"[baselines] building teacher {name} ({group.domain}): {build.sft_steps} SFT steps "
           "from the base", flush=True)
-    sft_job.train_sft(
-        cfg, load_params(_base(config, root), cfg, mesh=mesh, rules=rules), (group.domain,),
-        workdir, optim=common.optim_config(build.optim, "config.build.optim"),
-        loop=lm_trainer.LMTrainConfig(steps=build.sft_steps, save_every=build.sft_steps,
-                                      progress=False),
-        mesh=mesh, rules=rules, seed=config.seed + 1, num_train=build.num_train, num_eval=8,
-        difficulties=tuple(config.data.difficulties), seq_len=build.seq_len,
-        batch_size=build.batch_size)
+    data = SFTData(domains=(group.domain,), num_train=build.num_train, num_eval=8,
+                   difficulties=tuple(config.data.difficulties), seq_len=build.seq_len,
+                   batch_size=build.batch_size)
+    train_sft(cfg, load_params(_base(config, root), cfg, mesh=mesh, rules=rules), data, workdir,
+              optim=common.optim_config(build.optim, "config.build.optim"),
+              loop=lm_trainer.LMTrainConfig(steps=build.sft_steps, save_every=build.sft_steps,
+                                            progress=False),
+              mesh=mesh, rules=rules, seed=config.seed + 1)
   return str(_ckpt(workdir))
 
 
@@ -190,8 +191,8 @@ def run_task_arithmetic(config, workdir: str) -> dict:
 
 
 def _prompts(config, domains, split: str, n: int, seed: int, unique: bool = False):
-  return sft_job.domain_examples(tuple(domains), split, n, seed, tuple(config.data.difficulties),
-                                 unique=unique)
+  return domain_examples(tuple(domains), split, n, seed, tuple(config.data.difficulties),
+                         unique=unique)
 
 
 def run_offpolicy_kd(config, workdir: str) -> dict:
