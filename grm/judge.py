@@ -14,26 +14,42 @@ with reason ``truncated`` even when its text ends on a well-formed scores
 line: the model never chose to stop there (``judge_completion``).
 ``REASONS`` is ``grm.parse.REASONS`` plus ``truncated``; ``invalid_sample_counts``
 counts sampled judgements over it.
+
+``constrained=True`` decodes every row under ``score_pattern(n)`` of its
+response count (``opd.rollout.constraint``; one table holds the patterns of
+every n of the call): free text, then the last line ``Scores: \boxed{...}``
+with exactly n integers in 1..10, as ``grm.format.format_scores`` writes it.
+A finished constrained sample always parses; a truncated one stays invalid.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Sequence
 
 import jax
 import numpy as np
 import tqdm
 
-from grm.format import GRMPrompt, build_prompt, prompt_ids, unshuffle
+from grm.format import SCORES_PREFIX, GRMPrompt, build_prompt, prompt_ids, unshuffle
 from grm.parse import REASONS as PARSE_REASONS
 from grm.parse import Judgement, parse_judgement
 from opd.models import ModelConfig
+from opd.rollout.constraint import TokenAutomaton, compile_patterns
 from opd.rollout.episodes import Completion, sample
 from opd.rollout.sampler import SamplingConfig
 
 TRUNCATED = "truncated"
 REASONS = PARSE_REASONS + (TRUNCATED,)
+_SCORE = "([1-9]|10)"
+
+
+def score_pattern(n: int) -> str:
+  """The regular expression of a judgement of n responses whose last line is valid:
+  any lines, then ``Scores: \boxed{s_1, ..., s_n}``, each s in 1..10."""
+  return (r"([^\n]*\n)*" + re.escape(SCORES_PREFIX) + r" \\boxed\{" + _SCORE
+          + (r"(, " + _SCORE + r"){%d}" % (n - 1) if n > 1 else "") + r"\}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +112,8 @@ def sample_judgements(model_cfg: ModelConfig, params, tokenizer, groups, *, k: i
                       sampling: SamplingConfig, hints: Sequence[int | None] | None = None,
                       prompt_bucket: int = 32, batch_size: int | None = None,
                       length_bucket: int | None = None, mesh=None, rules=None,
-                      progress: str | None = None) -> list[list[SampledJudgement]]:
+                      progress: str | None = None,
+                      constrained: bool = False) -> list[list[SampledJudgement]]:
   """k judgements per example, all E·k prompts in one batched sampler call.
 
   Args:
@@ -110,6 +127,7 @@ def sample_judgements(model_cfg: ModelConfig, params, tokenizer, groups, *, k: i
     prompt_bucket, batch_size, length_bucket, mesh, rules, progress: as
       ``sample_rows`` (``batch_size`` bounds the rows sampled at once; None:
       all in one call).
+    constrained: decode each row under ``score_pattern`` of its n.
 
   Returns:
     ``[E][k]`` ``SampledJudgement``s.
@@ -117,10 +135,16 @@ def sample_judgements(model_cfg: ModelConfig, params, tokenizer, groups, *, k: i
   prompts = build_prompts(groups, k, seed, hints=hints)
   flat = [p for row in prompts for p in row]
   ids = [prompt_ids(tokenizer, p) for p in flat]
+  automaton = patterns = None
+  if constrained and flat:
+    automaton = compile_patterns([score_pattern(n) for n in range(1, max(p.n for p in flat) + 1)],
+                                 tokenizer, end_ids=sampling.end_ids,
+                                 vocab_size=model_cfg.vocab_size)
+    patterns = [p.n - 1 for p in flat]
   completions = sample_rows(model_cfg, params, tokenizer, ids, seed, sampling,
                             batch_size=batch_size, prompt_bucket=prompt_bucket,
                             length_bucket=length_bucket, mesh=mesh, rules=rules,
-                            progress=progress)
+                            progress=progress, constraint=automaton, patterns=patterns)
   out = [judge_completion(p, c.text, c.finished) for p, c in zip(flat, completions)]
   return [out[e * k:(e + 1) * k] for e in range(len(prompts))]
 
@@ -128,7 +152,9 @@ def sample_judgements(model_cfg: ModelConfig, params, tokenizer, groups, *, k: i
 def sample_rows(model_cfg: ModelConfig, params, tokenizer, prompts: Sequence[np.ndarray],
                 seed: int, sampling: SamplingConfig, *, batch_size: int | None = None,
                 prompt_bucket: int = 32, length_bucket: int | None = None, mesh=None,
-                rules=None, progress: str | None = None) -> list[Completion]:
+                rules=None, progress: str | None = None,
+                constraint: TokenAutomaton | None = None,
+                patterns: Sequence[int] | None = None) -> list[Completion]:
   """One completion per prompt (id arrays), in sampler calls of at most ``batch_size`` rows.
 
   ``batch_size`` None, or at least ``len(prompts)``: one call of
@@ -147,13 +173,16 @@ def sample_rows(model_cfg: ModelConfig, params, tokenizer, prompts: Sequence[np.
     ``span / L + 1`` shapes. Completions come back in the given order.
 
   ``progress``: a label for a progress bar over the chunks (None: no bar).
+  ``constraint``, ``patterns``: constrained decoding, prompt i under pattern
+  ``patterns[i]`` of the automaton (``opd.rollout.episodes.sample``).
   """
   if not prompts:
     return []
   n = len(prompts)
   if batch_size is None or n <= batch_size:
     return sample(model_cfg, params, tokenizer, list(prompts), int(seed), sampling,
-                  batch_size=batch_size, prompt_bucket=prompt_bucket, mesh=mesh, rules=rules)
+                  batch_size=batch_size, prompt_bucket=prompt_bucket, mesh=mesh, rules=rules,
+                  constraint=constraint, patterns=patterns)
   if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
       or batch_size < 1:
     raise ValueError(f"batch_size={batch_size!r} must be an int >= 1 or None")
@@ -177,7 +206,8 @@ def sample_rows(model_cfg: ModelConfig, params, tokenizer, prompts: Sequence[np.
     width = step * math.ceil(longest / step)
     got = sample(model_cfg, params, tokenizer, [prompts[i] for i in idx],
                  jax.random.fold_in(key, c), sampling, batch_size=int(batch_size),
-                 prompt_bucket=width, mesh=mesh, rules=rules)
+                 prompt_bucket=width, mesh=mesh, rules=rules, constraint=constraint,
+                 patterns=None if patterns is None else [patterns[i] for i in idx])
     for i, comp in zip(idx, got):
       out[int(i)] = comp
   return out  # type: ignore[return-value]

@@ -12,6 +12,16 @@ The last line is ``Better: A`` or ``Better: B`` (spaces or tabs around the
 letter allowed). Reason codes of an invalid output: ``not_text``, ``empty``,
 ``no_choice_line`` (the last line does not start with ``Better:``),
 ``malformed_choice`` (it does, but the rest is not A or B).
+
+**Swap-averaging** (``judge_pairs_both_orders``): each pair is judged in
+its seeded order and in the mirrored one; the verdict is the mean of the
+valid orders' picks, ``share`` = the credit of the original second response
+(0, 1/2 or 1; NaN when neither order is valid). A judge that always answers
+"A" gets 1/2 on every pair. ``position_stats`` reports the "A" rate of the
+single judgements (before) and the credit the combined verdict gives the
+response shown first as A (after; 1/2 when the judge reads only positions).
+``SCORE_PATTERN`` is the verdict line for constrained decoding
+(``opd.rollout.constraint``): free text, then ``Better: A`` or ``Better: B``.
 """
 from __future__ import annotations
 
@@ -24,11 +34,13 @@ import numpy as np
 from grm.format import plain, user_prompt_ids
 from grm.judge import sample_rows
 from opd.models import ModelConfig
+from opd.rollout.constraint import compile_patterns
 from opd.rollout.sampler import SamplingConfig
 
 CHOICE_PREFIX = "Better:"
 PAIRWISE_REASONS = ("not_text", "empty", "no_choice_line", "malformed_choice")
 _CHOICE_LINE = re.compile(re.escape(CHOICE_PREFIX) + r"[ \t]*([AB])[ \t]*", re.ASCII)
+SCORE_PATTERN = r"([^\n]*\n)*" + re.escape(CHOICE_PREFIX) + r" (A|B)"
 _INSTRUCTION = ("Compare the two responses to the query below. Write a short critique, then "
                 "end with exactly one line \"Better: A\" or \"Better: B\" naming the better "
                 "response.")
@@ -98,15 +110,88 @@ def preferred_index(judgement: PairwiseJudgement, swapped: bool) -> int:
   return int(picked_a == swapped)  # A is original 0 unless swapped
 
 
+def mirrored(query: str, first: str, second: str, *, seed) -> PairwisePrompt:
+  """The prompt showing ``build_pairwise_prompt(query, first, second, seed=seed)``'s
+  responses in the other order. Its ``preferred_index`` counts in (second,
+  first) order: the original index is ``1 - p``."""
+  return build_pairwise_prompt(query, second, first, seed=seed)
+
+
+def swap_average(first, second) -> np.ndarray:
+  """Combined verdicts of pairs judged in both orders.
+
+  Args:
+    first, second: ``[E]`` preferred original index per pair (0, 1, or -1
+      when invalid) of the seeded order and of the mirrored one (mapped back
+      to the original order).
+
+  Returns:
+    ``[E]`` float64 credit of the second response: the mean pick of the
+    valid orders (0, 0.5 or 1), NaN when neither is valid.
+  """
+  a, b = np.asarray(first), np.asarray(second)
+  if a.shape != b.shape or a.ndim != 1 or np.any((a < -1) | (a > 1) | (b < -1) | (b > 1)):
+    raise ValueError(f"first {a.shape=} and second {b.shape=} must be equal [E] arrays of "
+                     "values in {-1, 0, 1}")
+  picks = np.stack([a, b]).astype(np.float64)
+  valid = picks >= 0
+  n = valid.sum(0)
+  total = np.where(valid, picks, 0.0).sum(0)
+  return np.where(n > 0, total / np.maximum(n, 1), np.nan)
+
+
+def position_stats(judgements: Sequence[PairwiseJudgement], swapped_first: Sequence[bool],
+                   share) -> dict[str, float]:
+  """The judge's position bias before and after swap-averaging (module docstring).
+
+  Args:
+    judgements: every parsed judgement (both orders).
+    swapped_first: ``[E]`` whether the seeded (first) order showed the second
+      response as A.
+    share: ``[E]`` ``swap_average``'s credit of the second response.
+
+  Returns:
+    ``a_rate_before``: the fraction of valid judgements answering "A";
+    ``a_rate_after``: the mean credit the combined verdict gives the response
+    the first order showed as A, over pairs with a verdict;
+    ``split_rate``: the fraction of pairs with a verdict of exactly 1/2 (the
+    two orders disagree: position, not content, decided both). NaN where
+    nothing counts.
+  """
+  sh = np.asarray(share, np.float64)
+  sw = np.asarray(swapped_first, bool)
+  if sh.shape != sw.shape or sh.ndim != 1:
+    raise ValueError(f"share {sh.shape=} and swapped_first {sw.shape=} must be equal [E]")
+  valid = [j.choice for j in judgements if j.valid]
+  decided = ~np.isnan(sh)
+  credit_a = np.where(sw, sh, 1.0 - sh)[decided]
+  nan = float("nan")
+  return {"a_rate_before": float(np.mean([c == "A" for c in valid])) if valid else nan,
+          "a_rate_after": float(credit_a.mean()) if credit_a.size else nan,
+          "split_rate": float(np.mean(sh[decided] == 0.5)) if decided.any() else nan}
+
+
+def _judge(model_cfg, params, tokenizer, prompts, seed, sampling, constrained, **kwargs):
+  ids = [user_prompt_ids(tokenizer, p.text) for p in prompts]
+  automaton = None
+  if constrained:
+    automaton = compile_patterns([SCORE_PATTERN], tokenizer, end_ids=sampling.end_ids,
+                                 vocab_size=model_cfg.vocab_size)
+  completions = sample_rows(model_cfg, params, tokenizer, ids, int(seed), sampling,
+                            constraint=automaton, **kwargs)
+  return [parse_pairwise(c.text) for c in completions]
+
+
 def judge_pairs(model_cfg: ModelConfig, params, tokenizer, pairs: Sequence[tuple[str, str, str]],
                 *, seed: int, sampling: SamplingConfig, prompt_bucket: int = 32,
                 batch_size: int | None = None, length_bucket: int | None = None, mesh=None,
-                rules=None) -> tuple[np.ndarray, list[PairwiseJudgement]]:
+                rules=None, constrained: bool = False
+                ) -> tuple[np.ndarray, list[PairwiseJudgement]]:
   """Judges ``(query, first, second)`` triples in batched sampler calls.
 
   Pair e is swapped with seed ``(seed, e)``. ``batch_size`` (None: all in
   one call), ``prompt_bucket`` and ``length_bucket`` are those of
-  ``grm.judge.sample_rows``.
+  ``grm.judge.sample_rows``; ``constrained`` decodes under ``SCORE_PATTERN``.
 
   Returns:
     ``(preferred [E] int64, judgements)``: the preferred original index per
@@ -114,11 +199,41 @@ def judge_pairs(model_cfg: ModelConfig, params, tokenizer, pairs: Sequence[tuple
   """
   prompts = [build_pairwise_prompt(q, a, b, seed=(int(seed), e))
              for e, (q, a, b) in enumerate(pairs)]
-  ids = [user_prompt_ids(tokenizer, p.text) for p in prompts]
-  completions = sample_rows(model_cfg, params, tokenizer, ids, int(seed), sampling,
-                            batch_size=batch_size, prompt_bucket=prompt_bucket,
-                            length_bucket=length_bucket, mesh=mesh, rules=rules)
-  judgements = [parse_pairwise(c.text) for c in completions]
+  judgements = _judge(model_cfg, params, tokenizer, prompts, seed, sampling, constrained,
+                      batch_size=batch_size, prompt_bucket=prompt_bucket,
+                      length_bucket=length_bucket, mesh=mesh, rules=rules)
   preferred = np.asarray([preferred_index(j, p.swapped) for j, p in zip(judgements, prompts)],
                          np.int64)
   return preferred, judgements
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapVerdicts:
+  """``share [E]``: ``swap_average``'s credit of each pair's second response;
+  ``judgements``: the seeded orders' parses, then the mirrored ones';
+  ``stats``: ``position_stats``."""
+  share: np.ndarray
+  judgements: list[PairwiseJudgement]
+  stats: dict[str, float]
+
+
+def judge_pairs_both_orders(model_cfg: ModelConfig, params, tokenizer,
+                            pairs: Sequence[tuple[str, str, str]], *, seed: int,
+                            sampling: SamplingConfig, prompt_bucket: int = 32,
+                            batch_size: int | None = None, length_bucket: int | None = None,
+                            mesh=None, rules=None, constrained: bool = False) -> SwapVerdicts:
+  """``judge_pairs`` with every pair judged in both orders (one sampler pass over
+  2E prompts) and swap-averaged (module docstring)."""
+  first = [build_pairwise_prompt(q, a, b, seed=(int(seed), e))
+           for e, (q, a, b) in enumerate(pairs)]
+  second = [mirrored(q, a, b, seed=(int(seed), e)) for e, (q, a, b) in enumerate(pairs)]
+  judgements = _judge(model_cfg, params, tokenizer, first + second, seed, sampling, constrained,
+                      batch_size=batch_size, prompt_bucket=prompt_bucket,
+                      length_bucket=length_bucket, mesh=mesh, rules=rules)
+  E = len(pairs)
+  pa = [preferred_index(j, p.swapped) for j, p in zip(judgements[:E], first)]
+  pb = [preferred_index(j, p.swapped) for j, p in zip(judgements[E:], second)]
+  share = swap_average(np.asarray(pa, np.int64),
+                       np.asarray([1 - p if p >= 0 else -1 for p in pb], np.int64))
+  return SwapVerdicts(share, judgements,
+                      position_stats(judgements, [p.swapped for p in first], share))

@@ -23,14 +23,18 @@ from grm.format import user_prompt_ids
 from grm.gencluster import clustering, execution, submission
 from grm.gencluster import tournament as tournament_lib
 from grm.gencluster.problems import Problem
+from grm.pairwise import SCORE_PATTERN
+from opd.rollout.constraint import compile_patterns
 from opd.text import parsers
 
 
 def sample_texts(model_cfg, params, tokenizer, prompts: Sequence[str], *, seed: int, sampling,
-                 batch_size: int, mesh=None, rules=None, desc: str = "sample") -> list[str]:
+                 batch_size: int, mesh=None, rules=None, desc: str = "sample",
+                 constraint=None) -> list[str]:
   """One policy response per user prompt, ``batch_size`` rows per sampler call
   (the last batch padded, and every batch's prompts left-padded to the longest
-  prompt of all, so one compiled sampler serves every call)."""
+  prompt of all, so one compiled sampler serves every call); ``constraint``:
+  an ``opd.rollout.constraint.TokenAutomaton`` whose first pattern every row follows."""
   import jax  # noqa: PLC0415 (jax-heavy; the rest of the module is not)
   from opd.rollout.episodes import sample  # noqa: PLC0415
   ids = [user_prompt_ids(tokenizer, p) for p in prompts]
@@ -43,17 +47,23 @@ def sample_texts(model_cfg, params, tokenizer, prompts: Sequence[str], *, seed: 
     out += [c.text for c in sample(model_cfg, params, tokenizer, chunk,
                                    jax.random.fold_in(jax.random.key(int(seed)), b), sampling,
                                    batch_size=batch_size, prompt_bucket=bucket, mesh=mesh,
-                                   rules=rules)]
+                                   rules=rules, constraint=constraint)]
   return out
 
 
 def model_judge(model_cfg, params, tokenizer, sampling, *, batch_size: int, mesh=None,
-                rules=None) -> tournament_lib.JudgeFn:
-  """A model as the pairwise judge: its completion for each prompt text."""
+                rules=None, constrained: bool = False) -> tournament_lib.JudgeFn:
+  """A model as the pairwise judge: its completion for each prompt text
+  (``constrained``: decoded under ``grm.pairwise.SCORE_PATTERN``)."""
+  constraint = None
+  if constrained:
+    constraint = compile_patterns([SCORE_PATTERN], tokenizer, end_ids=sampling.end_ids,
+                                  vocab_size=model_cfg.vocab_size)
 
   def judge(texts: Sequence[str], seed: int) -> list[str]:
     return sample_texts(model_cfg, params, tokenizer, texts, seed=seed, sampling=sampling,
-                        batch_size=batch_size, mesh=mesh, rules=rules, desc="judge")
+                        batch_size=batch_size, mesh=mesh, rules=rules, desc="judge",
+                        constraint=constraint)
 
   return judge
 

@@ -8,8 +8,13 @@ Which representative is shown as A is a coin flip seeded by
 original order (``pairwise.preferred_index``), so a judge that always says
 "A" wins each pair for a seeded random side, never for a fixed one.
 
-A valid judgement gives the preferred cluster one win; an invalid one gives
-nobody anything. Clusters are ranked by wins, then size, then by their order
+With ``both_orders`` each game is also judged in the mirrored order
+(``pairwise.mirrored``) and the two verdicts are swap-averaged
+(``pairwise.swap_average``): a game gives its clusters the mean of its
+valid orders' picks (1, 1/2 or 0 wins; a judge that always answers "A" gives
+every game 1/2 each, so only size then orders clusters). ``position_bias``
+reports the "A" rate before and after. With one order a valid judgement
+gives the preferred cluster one win; an invalid one gives nobody anything. Clusters are ranked by wins, then size, then by their order
 in the input (largest first), so the ranking is a function of the seed and
 the judge's texts only: deterministic for a deterministic judge.
 ``judge_accuracy`` scores the judge on the matches where exactly one side
@@ -31,30 +36,70 @@ JudgeFn = Callable[[Sequence[str], int], Sequence[str]]  # (prompt texts, seed) 
 
 @dataclasses.dataclass(frozen=True)
 class Match:
-  """One judged pair: clusters ``i < j``, the prompt shown, and the game index."""
+  """One judged pair: clusters ``i < j``, the prompt shown, the game index, and
+  whether the prompt is the game's mirrored order (``pairwise.mirrored``)."""
   i: int
   j: int
   game: int
   prompt: pairwise.PairwisePrompt
+  mirror: bool = False
+
+  def pick(self, text: str) -> int:
+    """The judge's preferred side, 0 (cluster i) or 1 (cluster j), or -1 when invalid."""
+    p = pairwise.preferred_index(pairwise.parse_pairwise(text), self.prompt.swapped)
+    return 1 - p if self.mirror and p >= 0 else p
 
 
 def matches(query: str, representatives: Sequence[str], *, seed: int, where: Sequence[int] = (),
-            games: int = 1) -> list[Match]:
-  """All pairs ``i < j`` of representatives, ``games`` times, order randomised by the seed."""
+            games: int = 1, both_orders: bool = False) -> list[Match]:
+  """All pairs ``i < j`` of representatives, ``games`` times, order randomised by the
+  seed; with ``both_orders`` each game's mirrored match follows it."""
   if isinstance(games, bool) or not isinstance(games, int) or games < 1:
     raise ValueError(f"games={games!r} must be an int >= 1")
   n = len(representatives)
-  return [Match(i, j, g, pairwise.build_pairwise_prompt(
-      query, representatives[i], representatives[j],
-      seed=(int(seed), *map(int, where), i, j, g)))
-          for i in range(n) for j in range(i + 1, n) for g in range(games)]
+  out = []
+  for i in range(n):
+    for j in range(i + 1, n):
+      for g in range(games):
+        args = (query, representatives[i], representatives[j])
+        seed_g = (int(seed), *map(int, where), i, j, g)
+        out.append(Match(i, j, g, pairwise.build_pairwise_prompt(*args, seed=seed_g)))
+        if both_orders:
+          out.append(Match(i, j, g, pairwise.mirrored(*args, seed=seed_g), mirror=True))
+  return out
+
+
+def _verdicts(games: Sequence[Match], texts: Sequence[str]):
+  """Per game ``(i, j, game)``: ``(first match, swap-averaged credit of j)`` in order."""
+  if len(games) != len(texts):
+    raise ValueError(f"{len(games)} matches but {len(texts)} judge texts")
+  picks: dict[tuple[int, int, int], list] = {}
+  for m, text in zip(games, texts):
+    row = picks.setdefault((m.i, m.j, m.game), [m, -1, -1])
+    row[2 if m.mirror else 1] = m.pick(text)
+  first = [row[0] for row in picks.values()]
+  share = pairwise.swap_average(np.asarray([r[1] for r in picks.values()], np.int64),
+                                np.asarray([r[2] for r in picks.values()], np.int64))
+  return first, share
+
+
+def position_bias(games: Sequence[Match], texts: Sequence[str]) -> dict[str, float]:
+  """``pairwise.position_stats`` of a tournament's judgements: the "A" rate of the
+  single judgements, and the credit the combined verdict gives each game's
+  first-shown A (1/2 after swap-averaging a judge that reads positions only)."""
+  first, share = _verdicts(games, texts)
+  mirrored = [m for m in games if m.mirror]
+  if mirrored and len(mirrored) != len(first):
+    raise ValueError("games mix mirrored and single-order matches")
+  swapped = [m.prompt.swapped for m in first]
+  return pairwise.position_stats([pairwise.parse_pairwise(t) for t in texts], swapped, share)
 
 
 @dataclasses.dataclass(frozen=True)
 class Ranking:
   """``order``: cluster indices best first; ``wins`` per cluster; judgement counts."""
   order: tuple[int, ...]
-  wins: tuple[int, ...]
+  wins: tuple[float, ...]
   judged: int
   valid: int
 
@@ -67,17 +112,15 @@ def rank(sizes: Sequence[int], games: Sequence[Match], texts: Sequence[str]) -> 
     games: the matches judged.
     texts: the judge's completion per match.
   """
-  if len(games) != len(texts):
-    raise ValueError(f"{len(games)} matches but {len(texts)} judge texts")
-  wins = np.zeros(len(sizes), np.int64)
-  valid = 0
-  for m, text in zip(games, texts):
-    p = pairwise.preferred_index(pairwise.parse_pairwise(text), m.prompt.swapped)
-    if p >= 0:
-      valid += 1
-      wins[(m.i, m.j)[p]] += 1
+  first, share = _verdicts(games, texts)
+  wins = np.zeros(len(sizes), np.float64)
+  for m, q in zip(first, share):
+    if not np.isnan(q):
+      wins[m.i] += 1.0 - q
+      wins[m.j] += q
+  valid = sum(m.pick(t) >= 0 for m, t in zip(games, texts))
   order = sorted(range(len(sizes)), key=lambda c: (-wins[c], -sizes[c], c))
-  return Ranking(tuple(order), tuple(int(w) for w in wins), len(games), valid)
+  return Ranking(tuple(order), tuple(float(w) for w in wins), len(games), int(valid))
 
 
 def judge_accuracy(games: Sequence[Match], texts: Sequence[str], correct: Sequence[bool]
@@ -93,17 +136,18 @@ def judge_accuracy(games: Sequence[Match], texts: Sequence[str], correct: Sequen
     if bool(correct[m.i]) == bool(correct[m.j]):
       continue
     informative += 1
-    pick = pairwise.preferred_index(pairwise.parse_pairwise(text), m.prompt.swapped)
-    right += pick == (0 if correct[m.i] else 1)
+    right += m.pick(text) == (0 if correct[m.i] else 1)
   return informative, right
 
 
 def run_tournament(query: str, representatives: Sequence[str], sizes: Sequence[int], judge: JudgeFn,
-               *, seed: int, where: Sequence[int] = (), games: int = 1) -> Ranking:
+               *, seed: int, where: Sequence[int] = (), games: int = 1,
+               both_orders: bool = False) -> Ranking:
   """``rank`` of ``matches`` judged by ``judge`` (one call, seeded by ``seed``)."""
   if len(representatives) != len(sizes):
     raise ValueError(f"{len(representatives)} representatives but {len(sizes)} sizes")
-  ms = matches(query, representatives, seed=seed, where=where, games=games)
+  ms = matches(query, representatives, seed=seed, where=where, games=games,
+               both_orders=both_orders)
   texts = list(judge([m.prompt.text for m in ms], int(seed))) if ms else []
   return rank(sizes, ms, texts)
 

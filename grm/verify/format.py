@@ -56,6 +56,10 @@ REASONS = ("not_text", "too_long", "empty", "no_score_line", "bad_score", "bad_l
            "no_issue_section", "mixed_issue_section", "wrong_count", "no_self_evaluation",
            "bad_proof", "bad_thinking")
 SCORE_TEXT = {0.0: "0", 0.5: "0.5", 1.0: "1"}
+# Constrained decoding of any role's output (opd.rollout.constraint): free
+# text, then the last line "Score: s" with s one of SCORE_TEXT's values.
+SCORE_PATTERN = (r"([^\n]*\n)*" + re.escape(SCORE_PREFIX) + " ("
+                 + "|".join(re.escape(t) for t in SCORE_TEXT.values()) + ")")
 _SCORE_VALUE = {v: k for k, v in SCORE_TEXT.items()}
 
 _ISSUE = re.compile(r"Line ([0-9]{1,4}): ([a-z_]+)(?: - (.*))?", re.ASCII)

@@ -8,7 +8,9 @@ its own key, ``fold_in(key(seed), running chunk count)``: calling twice with
 the same prompts gives fresh samples, and a run is reproducible from
 ``seed``. A sample cut at the token budget gets the line ``TRUNCATED``
 appended, so no parser of ``grm.verify.format`` reads it as complete (a cut
-``Score: 0.5`` must not read as ``Score: 0``).
+``Score: 0.5`` must not read as ``Score: 0``). ``constrained=True`` decodes
+under ``grm.verify.format.SCORE_PATTERN`` (the last line a valid
+``Score: s``; ``opd.rollout.constraint``).
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from typing import Callable, Sequence
 import jax
 
 from grm.format import user_prompt_ids
+from grm.verify.format import SCORE_PATTERN
 from opd.models import ModelConfig
+from opd.rollout.constraint import compile_patterns
 from opd.rollout.episodes import sample
 from opd.rollout.sampler import SamplingConfig
 
@@ -27,7 +31,7 @@ TRUNCATED = "[truncated]"
 
 def sampler_fn(model_cfg: ModelConfig, params, tokenizer, sampling: SamplingConfig, *,
                seed: int = 0, batch_size: int | None = None, prompt_bucket: int = 32, mesh=None,
-               rules=None) -> Callable[[Sequence[str]], list[str]]:
+               rules=None, constrained: bool = False) -> Callable[[Sequence[str]], list[str]]:
   """A callable ``fn(prompts) -> texts`` sampling one completion per prompt.
 
   Args:
@@ -36,11 +40,14 @@ def sampler_fn(model_cfg: ModelConfig, params, tokenizer, sampling: SamplingConf
     seed: base seed of every call's keys.
     batch_size: rows per sampler call (None: each call's prompt count).
     prompt_bucket, mesh, rules: passed to ``opd.rollout.episodes.sample``.
+    constrained: decode under ``SCORE_PATTERN`` (module docstring).
   """
   if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
                                  or batch_size < 1):
     raise ValueError(f"batch_size={batch_size!r} must be an int >= 1 or None")
   base = jax.random.key(int(seed))
+  automaton = compile_patterns([SCORE_PATTERN], tokenizer, end_ids=sampling.end_ids,
+                               vocab_size=model_cfg.vocab_size) if constrained else None
   chunks = itertools.count()
 
   def fn(prompts: Sequence[str]) -> list[str]:
@@ -52,7 +59,8 @@ def sampler_fn(model_cfg: ModelConfig, params, tokenizer, sampling: SamplingConf
     for start in range(0, len(ids), rows):
       key = jax.random.fold_in(base, next(chunks))
       for c in sample(model_cfg, params, tokenizer, ids[start:start + rows], key, sampling,
-                      batch_size=rows, prompt_bucket=prompt_bucket, mesh=mesh, rules=rules):
+                      batch_size=rows, prompt_bucket=prompt_bucket, mesh=mesh, rules=rules,
+                      constraint=automaton):
         out.append(c.text if c.finished else f"{c.text}\n{TRUNCATED}")
     return out
 
