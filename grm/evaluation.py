@@ -170,13 +170,17 @@ def round_robin_picks(groups: Sequence[PreferenceGroup], owner, preferred) -> li
     groups: the groups ``round_robin`` paired.
     owner: its ``(group index, i, j)`` per pair.
     preferred: ``[P]`` the judge's preferred index within each pair (0: i,
-      1: j, -1: invalid output, no win for either).
+      1: j, -1: invalid output, no win for either), or a swap-averaged
+      credit of j in [0, 1] (``grm.pairwise.swap_average``; NaN: no verdict),
+      which gives j ``q`` wins and i ``1 - q``.
   """
-  p = np.asarray(preferred)
-  if p.shape != (len(owner),) or np.any((p < -1) | (p > 1)):
-    raise ValueError(f"preferred {p.shape=} must be [{len(owner)}] values in {{-1, 0, 1}}")
+  p = np.asarray(preferred, np.float64)
+  if p.shape != (len(owner),) or np.any((p != -1) & ~np.isnan(p) & ((p < 0) | (p > 1))):
+    raise ValueError(f"preferred {p.shape=} must be [{len(owner)}] values in {{-1}} | [0, 1] "
+                     "or NaN")
   wins = [np.zeros(g.n) for g in groups]
   for (e, i, j), q in zip(owner, p):
-    if q >= 0:
-      wins[e][(i, j)[q]] += 1
+    if q >= 0:  # -1 and NaN: no verdict
+      wins[e][i] += 1.0 - q
+      wins[e][j] += q
   return [unique_argmax(w) for w in wins]

@@ -129,6 +129,19 @@ def test_round_robin_picks_the_unique_most_winning_response():
     ev.round_robin_picks(groups, owner, np.full(len(owner), 2))
 
 
+def test_round_robin_picks_take_swap_averaged_credit():
+  g = PreferenceGroup(domain="math", example_id="g", split="test", query="q",
+                      responses=("a", "b", "c"), ratings=(0.0, 0.5, 1.0), reasons=("",) * 3)
+  _, owner = ev.round_robin([g])  # (0,1), (0,2), (1,2)
+  # Hand count: (0,1) split 1/2 each; (0,2) c wins; (1,2) no verdict -> a 0.5, b 0.5, c 1.
+  assert ev.round_robin_picks([g], owner, [0.5, 1.0, np.nan]) == [2]
+  # (0,1) b wins, (0,2) split, (1,2) split -> a 0.5, b 1.5, c 1.
+  assert ev.round_robin_picks([g], owner, [1.0, 0.5, 0.5]) == [1]
+  assert ev.round_robin_picks([g], owner, [0.5, 0.5, 0.5]) == [-1]  # all tied at 1
+  with pytest.raises(ValueError, match="preferred"):
+    ev.round_robin_picks([g], owner, [0.5, 1.5, 0.0])
+
+
 def test_group_picks_split_the_flat_rewards():
   ns = [2, 3, 1, 2]
   rewards = np.array([0.5, 0.1, 0.2, 0.9, 0.9, 0.3, 0.7, 0.7])
