@@ -117,6 +117,8 @@ class OPDConfig:
     diag_every: diagnostics every this many steps (0: never).
     diag_tokens: response tokens sampled for the diagnostics.
     verify: run the task verifiers on the rollouts (logs ``reward/mean``).
+    domain_balance: every batch draws the domains equally
+      (``opd.rollout.batches.DomainBalancedStream``).
   """
   prompts_per_step: int = 8
   group_size: int = 4
@@ -145,6 +147,7 @@ class OPDConfig:
   diag_every: int = 10
   diag_tokens: int = 256
   verify: bool = False
+  domain_balance: bool = False
 
   def __post_init__(self):
     owner = "OPDConfig"
@@ -157,7 +160,7 @@ class OPDConfig:
                   "deadline_s"),
         non_negative=("forward_kl_coef", "grpo_coef", "grpo_clip_eps_high"),
         floats={"grpo_clip_eps_low": dict(min_value=0, max_value=1, max_exclusive=True)},
-        bools=("confidence_per_token", "verify"),
+        bools=("confidence_per_token", "verify", "domain_balance"),
         choices={"schedule": SCHEDULES, "confidence_by": teacher_weighting.SCORES,
                  "estimator": ESTIMATORS, "aggregation": AGGREGATIONS,
                  "cache_dtype": ("bfloat16", "float16", "float32")})
@@ -168,7 +171,8 @@ class OPDConfig:
     config; the student samples untruncated (``top_k`` here is the estimator's)."""
     return RolloutConfig(prompts_per_step=self.prompts_per_step, group_size=self.group_size,
                          temperature=self.temperature, max_new_tokens=self.max_new_tokens,
-                         seq_len=self.seq_len, length_bucket=self.length_bucket)
+                         seq_len=self.seq_len, length_bucket=self.length_bucket,
+                         domain_balance=self.domain_balance)
 
   @property
   def batch_size(self) -> int:

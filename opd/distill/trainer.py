@@ -37,7 +37,7 @@ from opd.distill.teachers import Teacher, TeacherPool
 from opd.models import ModelConfig, head_matrix
 from opd.parallel import distributed
 from opd.parallel import sharding as sharding_lib
-from opd.rollout.batches import PromptStream, training_length
+from opd.rollout.batches import prompt_stream, training_length
 from opd.tasks import Example
 from opd.training import loop as train_loop
 from opd.training.metrics_writer import MetricWriter
@@ -68,7 +68,8 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
   Args:
     params: the student's initial params (None: random init from ``seed``).
     teachers: ``Teacher``s (placed colocated on ``mesh``) or a ``TeacherPool``.
-    prompts: ``Example``s, drawn through ``PromptStream(prompts, seed=seed)``.
+    prompts: ``Example``s, drawn through ``prompt_stream(prompts, cfg.rollout, seed=seed)``
+      (a ``DomainBalancedStream`` with ``cfg.domain_balance``).
     teacher_fns: ``{name: fn(tokens, mask) -> [B, T, D_k]}`` replacing the
       in-process forward of those teachers (e.g. a ``RemoteTeacher``); their
       heads still come from ``teachers``.
@@ -101,8 +102,8 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
   asked = _fault_layer(pool, cfg, teacher_fns, SkipCounter("opd"), cfg.fault_window)
   # A non-finite head is a fault of its teacher: the loss gets it zeroed (its weight is 0).
   safe_heads = tuple(asked.heads[n] for n in pool.names)
-  source = OPDSource(student_cfg, cfg, PromptStream(prompts, seed=seed), teachers=asked,
-                     heads=safe_heads, domains=[t.domain for t in pool.teachers],
+  source = OPDSource(student_cfg, cfg, prompt_stream(prompts, cfg.rollout, seed=seed),
+                     teachers=asked, heads=safe_heads, domains=[t.domain for t in pool.teachers],
                      total_steps=steps, tokenizer=tokenizer, mesh=pool.mesh, rules=rules,
                      seed=seed, train_mesh=mesh)
   optimizer = make_optimizer(optim)

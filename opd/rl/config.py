@@ -43,6 +43,8 @@ class GRPOConfig:
     max_error_fraction: a step whose share of verifier errors and malformed
       prompts exceeds this stops the run (``VerifierFailureError``).
     num_text_samples: rollouts written to TensorBoard as text (0 = none).
+    domain_balance: every batch draws the domains equally
+      (``opd.rollout.batches.DomainBalancedStream``).
   """
   group_size: int = 8
   prompts_per_step: int = 8
@@ -61,6 +63,7 @@ class GRPOConfig:
   length_bucket: int = 32
   max_error_fraction: float = 0.1
   num_text_samples: int = 4
+  domain_balance: bool = False
 
   def __post_init__(self):
     owner = "GRPOConfig"
@@ -71,7 +74,8 @@ class GRPOConfig:
         floats={"clip_eps_low": dict(min_value=0, max_value=1, max_exclusive=True),
                 "top_p": dict(min_value=0, max_value=1, min_exclusive=True),
                 "max_error_fraction": dict(min_value=0, max_value=1)},
-        bools=("scale_advantages_by_std",), choices={"loss_aggregation": LOSS_AGGREGATIONS})
+        bools=("scale_advantages_by_std", "domain_balance"),
+        choices={"loss_aggregation": LOSS_AGGREGATIONS})
 
   @property
   def rollout(self) -> RolloutConfig:

@@ -30,7 +30,7 @@ from opd.rl.config import GRPOConfig
 from opd.rl.loss import make_grpo_loss
 from opd.rl.rollout_source import GRPOSource
 from opd.rl.scoring import RewardFn
-from opd.rollout.batches import PromptStream
+from opd.rollout.batches import prompt_stream
 from opd.tasks import AgentRewardConfig, Example
 from opd.training import loop as train_loop
 from opd.training.metrics_writer import MetricWriter
@@ -65,8 +65,9 @@ def train_grpo(model_cfg: ModelConfig, params, ref_params, prompts: Sequence[Exa
     params: initial policy params (None: random init from ``seed``).
     ref_params: the frozen reference's params (usually the initial policy);
       None only with ``cfg.kl_coef == 0`` (given with 0, the KL is logged).
-    prompts: ``Example``s (wrapped in ``PromptStream(prompts, seed=seed)``) or
-      an iterator of them; checkpointing needs ``get_state``/``set_state``.
+    prompts: ``Example``s (wrapped in ``prompt_stream(prompts, cfg.rollout, seed=seed)``:
+      domain-balanced with ``cfg.domain_balance``) or an iterator of them;
+      checkpointing needs ``get_state``/``set_state``.
     steps: total GRPO steps (rollout batches), each ``cfg.updates_per_batch``
       optimizer updates; a resumed run continues to it.
     reward_fn: ``reward_fn(episodes)`` (``opd.rl.scoring.score_episodes``);
@@ -109,7 +110,8 @@ def train_grpo(model_cfg: ModelConfig, params, ref_params, prompts: Sequence[Exa
     raise ValueError("train_grpo runs in one process (rollouts gather the whole batch on the "
                      f"host); got jax.process_count()={jax.process_count()}")
   rules = sharding_lib.validate_rules(rules)
-  stream = PromptStream(prompts, seed=seed) if isinstance(prompts, Sequence) else iter(prompts)
+  stream = (prompt_stream(prompts, cfg.rollout, seed=seed) if isinstance(prompts, Sequence)
+            else iter(prompts))
   if checkpoint_dir is not None and not hasattr(stream, "set_state"):
     raise ValueError(f"checkpointing needs a prompt iterator with get_state/set_state; "
                      f"{type(stream).__name__} has none (pass a list or a PromptStream)")

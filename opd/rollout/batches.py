@@ -10,8 +10,11 @@ batches from the same pieces, which live here, below all of them:
   and ``--config.opd.seq_len=...`` overrides stay as they are) and expose
   them as one typed ``RolloutConfig`` through their ``rollout`` property;
   ``check_rollout_fields`` is the one validator of those fields;
-* ``PromptStream`` (an endless, resumable prompt iterator) and
-  ``PromptPosition`` (a batch source whose whole state is that position);
+* ``PromptStream`` (an endless, resumable prompt iterator),
+  ``DomainBalancedStream`` (the same, drawing the domains in turn, so every
+  batch holds each domain equally; ``RolloutConfig.domain_balance``),
+  ``prompt_stream`` (the one a config asks for) and ``PromptPosition`` (a
+  batch source whose whole state is that position);
 * ``prompt_problem`` and ``draw_prompts``: P good prompts, bad ones counted
   as ``bad_example`` and replaced, so batch shapes never change;
 * ``sample_groups``: each prompt repeated G times, consecutively (row
@@ -37,9 +40,9 @@ from opd.rollout.sampler import SamplingConfig
 from opd.tasks import (ALL_DOMAINS, Example, Reward, RewardStats, VerifierFailureError, get_task,
                        is_multi_turn)
 
-__all__ = ["PromptPosition", "PromptStream", "RolloutConfig", "check_rollout_fields",
-           "draw_prompts", "fit_episode", "prompt_problem", "sample_groups", "training_arrays",
-           "training_length"]
+__all__ = ["DomainBalancedStream", "PromptPosition", "PromptStream", "RolloutConfig",
+           "check_rollout_fields", "draw_prompts", "fit_episode", "prompt_problem",
+           "prompt_stream", "sample_groups", "training_arrays", "training_length"]
 
 
 def check_rollout_fields(cfg: Any, owner: str, *, min_group_size: int = 1) -> None:
@@ -76,6 +79,10 @@ class RolloutConfig:
     length_bucket: rows are padded to the batch's longest episode rounded up
       to a multiple of this (at most L; 0: always L), so short responses do
       not pay for L and only a few shapes compile.
+    domain_balance: draw prompts through a ``DomainBalancedStream`` (the
+      domains in turn: every batch of P holds each of the K domains
+      ``P // K`` or ``P // K + 1`` times, exactly P / K when K divides P)
+      instead of one ``PromptStream`` over the whole list.
   """
   prompts_per_step: int = 8
   group_size: int = 8
@@ -85,10 +92,11 @@ class RolloutConfig:
   max_new_tokens: int = 64
   seq_len: int = 256
   length_bucket: int = 32
+  domain_balance: bool = False
 
   def __post_init__(self):
     check_rollout_fields(self, "RolloutConfig")
-    fields.check_fields(self, "RolloutConfig", ints={"top_k": 0})
+    fields.check_fields(self, "RolloutConfig", ints={"top_k": 0}, bools=("domain_balance",))
     fields.set_field(self, "top_p", fields.check_float(
         "RolloutConfig", "top_p", self.top_p, min_value=0, max_value=1, min_exclusive=True))
 
@@ -154,6 +162,74 @@ class PromptStream:
             and 0 <= index <= len(self.items)):
       raise ValueError(f"PromptStream state {dict(state)} has an invalid epoch/index")
     self.epoch, self.index = epoch, index
+
+
+class DomainBalancedStream:
+  """An endless, resumable iterator that draws the domains in turn.
+
+  The items are grouped by their ``domain`` attribute (domains in order of
+  first appearance); draw n comes from domain ``n mod K``, out of that
+  domain's own ``PromptStream`` (seed ``seed + 1_000_003 · k`` for the k-th
+  domain, each with its own epochs). So any P consecutive draws hold every
+  domain ``P // K`` or ``P // K + 1`` times, and the remainder rotates over
+  the domains from batch to batch (exactly P / K each when K divides P).
+  ``get_state()`` / ``set_state()`` save and restore the draw count and every
+  domain's position.
+
+  A prompt ``draw_prompts`` rejects is replaced by the next draw, which comes
+  from the next domain: the balance is exact for streams of good prompts.
+  """
+
+  def __init__(self, items: Sequence[Any], *, seed: int = 0, shuffle: bool = True):
+    if not isinstance(items, Sequence) or isinstance(items, (str, bytes)) or not items:
+      raise ValueError(f"items must be a non-empty sequence of prompts, got {type(items).__name__}"
+                       f" of length {len(items) if hasattr(items, '__len__') else '?'}")
+    groups: dict[str, list] = {}
+    for i, item in enumerate(items):
+      domain = getattr(item, "domain", None)
+      if not isinstance(domain, str):
+        raise ValueError(f"DomainBalancedStream needs items with a str .domain; item {i} is a "
+                         f"{type(item).__name__} with domain {domain!r}")
+      groups.setdefault(domain, []).append(item)
+    self.domains, self.seed, self.size = tuple(groups), int(seed), len(items)
+    self.streams = [PromptStream(groups[d], seed=self.seed + 1_000_003 * k, shuffle=shuffle)
+                    for k, d in enumerate(self.domains)]
+    self.draws = 0
+
+  def __iter__(self) -> "DomainBalancedStream":
+    return self
+
+  def __next__(self):
+    item = next(self.streams[self.draws % len(self.streams)])
+    self.draws += 1
+    return item
+
+  def get_state(self) -> dict:
+    return {"draws": self.draws, "domains": list(self.domains), "size": self.size,
+            "streams": [s.get_state() for s in self.streams]}
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    domains, draws, streams = state.get("domains"), state.get("draws"), state.get("streams")
+    if domains is None or list(domains) != list(self.domains) or state.get("size") != self.size:
+      raise ValueError(f"DomainBalancedStream state was saved for domains {domains} over "
+                       f"{state.get('size')} prompts, this stream has {list(self.domains)} over "
+                       f"{self.size}")
+    if not (isinstance(draws, int) and draws >= 0 and isinstance(streams, Sequence)
+            and len(streams) == len(self.streams)):
+      raise ValueError(f"DomainBalancedStream state {dict(state)} has an invalid draws/streams")
+    for stream, s in zip(self.streams, streams):
+      stream.set_state(s)
+    self.draws = draws
+
+
+def prompt_stream(items: Sequence[Any], cfg: RolloutConfig, *,
+                  seed: int = 0) -> PromptStream | DomainBalancedStream:
+  """The prompt stream ``cfg`` asks for: a ``DomainBalancedStream`` with
+  ``cfg.domain_balance``, else a ``PromptStream``."""
+  if not isinstance(cfg, RolloutConfig):
+    raise ValueError(f"cfg must be a RolloutConfig, got {type(cfg).__name__}")
+  cls = DomainBalancedStream if cfg.domain_balance else PromptStream
+  return cls(items, seed=seed)
 
 
 class PromptPosition:

@@ -1,16 +1,18 @@
 """Rollout batches (opd/rollout/batches.py): the resumable prompt stream, the
 bucketed training length, the shared rollout config and prompt drawing."""
+import collections
 import dataclasses
+import json
 
 import numpy as np
 import pytest
 
 from opd.distill.source import OPDConfig
 from opd.rl.config import GRPOConfig
-from opd.rollout.batches import (PromptStream, RolloutConfig, draw_prompts, training_arrays,
-                                 training_length)
+from opd.rollout.batches import (DomainBalancedStream, PromptStream, RolloutConfig, draw_prompts,
+                                 prompt_stream, training_arrays, training_length)
 from opd.rollout.episodes import Episode
-from opd.tasks import RewardStats, VerifierFailureError, get_task
+from opd.tasks import ALL_DOMAINS, RewardStats, VerifierFailureError, domain_examples, get_task
 
 
 def test_prompt_stream_resumes_its_order():
@@ -93,3 +95,69 @@ def test_draw_prompts_counts_and_replaces_bad_prompts():
   assert draw_prompts(iter(good[:1]), 2, problem, RewardStats()) is None  # the stream ended
   with pytest.raises(VerifierFailureError, match="9 malformed prompts while drawing 2"):
     draw_prompts(iter(["junk"] * 20), 2, problem, RewardStats())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Item:
+  domain: str
+  i: int
+
+
+# Unequal domain sizes: each domain cycles through its own epochs.
+_SIZES = {"math": 3, "code": 7, "instruct": 2, "agent": 5, "writing": 4}
+_ITEMS = [_Item(d, i) for i in range(7) for d, n in _SIZES.items() if i < n]  # interleaved
+
+
+@pytest.mark.parametrize("P", [10, 7])
+def test_domain_balanced_stream_draws_each_domain_equally(P):
+  stream, K, batches = DomainBalancedStream(_ITEMS, seed=1), len(_SIZES), 15
+  drawn = [[next(stream) for _ in range(P)] for _ in range(batches)]
+  for batch in drawn:
+    counts = collections.Counter(x.domain for x in batch)
+    assert set(counts) == set(_SIZES)
+    assert all(c in (P // K, -(-P // K)) for c in counts.values()), counts
+    if P % K == 0:
+      assert set(counts.values()) == {P // K}
+  # Over 15 batches (15 * P draws, a multiple of K) the counts are exactly equal,
+  # and within a domain every epoch visits each of its items once, in a shuffled order.
+  flat = [x for b in drawn for x in b]
+  assert set(collections.Counter(x.domain for x in flat).values()) == {batches * P // K}
+  for d, n in _SIZES.items():
+    seq = [x.i for x in flat if x.domain == d]
+    epochs = [seq[e * n:(e + 1) * n] for e in range(len(seq) // n)]
+    assert all(sorted(e) == list(range(n)) for e in epochs)
+    if n > 2:
+      assert len({tuple(e) for e in epochs}) > 1, d  # reshuffled per epoch
+
+
+def test_domain_balanced_stream_resumes_mid_stream():
+  a = DomainBalancedStream(_ITEMS, seed=2)
+  for _ in range(3 * 7 + 2):  # three batches of 7 and two draws into the fourth
+    next(a)
+  state = json.loads(json.dumps(a.get_state()))  # survives a JSON checkpoint
+  rest = [next(a) for _ in range(40)]
+  b = DomainBalancedStream(_ITEMS, seed=2)
+  b.set_state(state)
+  assert [next(b) for _ in range(40)] == rest
+  with pytest.raises(ValueError, match="saved for domains"):
+    DomainBalancedStream(_ITEMS[:-1], seed=2).set_state(state)
+  with pytest.raises(ValueError, match="invalid draws/streams"):
+    b.set_state({**state, "draws": -1})
+  with pytest.raises(ValueError, match="item 0 is a int with domain None"):
+    DomainBalancedStream([1, 2])
+
+
+def test_configs_select_the_balanced_stream():
+  exs = domain_examples(ALL_DOMAINS, "train", 3, seed=0, difficulties=(1,))
+  assert type(prompt_stream(exs, RolloutConfig(), seed=0)) is PromptStream
+  cfg = RolloutConfig(prompts_per_step=5, domain_balance=True)
+  stream = prompt_stream(exs, cfg, seed=0)
+  assert type(stream) is DomainBalancedStream
+  batch = draw_prompts(stream, cfg.prompts_per_step, lambda ex: None, RewardStats())
+  assert sorted(ex.domain for ex in batch) == sorted(ALL_DOMAINS)
+  # GRPO and OPD hand the field on through their rollout config.
+  assert GRPOConfig(domain_balance=True).rollout.domain_balance is True
+  assert OPDConfig(domain_balance=True).rollout.domain_balance is True
+  for cls in (RolloutConfig, GRPOConfig, OPDConfig):
+    with pytest.raises(ValueError, match=rf"{cls.__name__}.domain_balance must be True or False"):
+      cls(domain_balance="yes")
