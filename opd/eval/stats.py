@@ -90,3 +90,47 @@ def paired_difference(a, b, num_resamples: int, seed) -> tuple[float, float]:
   if d.ndim == 2:
     d = d.mean(axis=1)
   return float(d.mean()), bootstrap_se(d, num_resamples, seed)
+
+
+def ratio_estimate(num, den) -> tuple[float, float]:
+  """``R = mean(num) / mean(den)`` over the same examples, with its delta-method SE.
+
+  Both means move together when the examples' difficulty is shared (a
+  student and its teacher, a model's sampled and greedy scores), so the SE
+  uses the per-example residuals ``r_i = num_i − R · den_i``:
+  ``SE = sqrt(Σ r_i² / (n (n − 1))) / |mean(den)|`` (first-order Taylor
+  expansion of the ratio of means; equal to
+  ``sqrt((s_aa − 2R s_ab + R² s_bb) / n) / |b̄|`` with sample (co)variances).
+
+  Args:
+    num, den: ``[n]`` or ``[n, N]`` (an example's N values; row means are
+      used), row i the same example in both; n >= 2.
+
+  Returns:
+    ``(R, SE)``, unitless.
+
+  Raises:
+    ValueError: different numbers of examples, n < 2, non-finite values or
+      ``mean(den) == 0`` (the ratio is undefined).
+  """
+  a, b = (_example_means(v, name) for v, name in ((num, "num"), (den, "den")))
+  if a.shape != b.shape or a.shape[0] < 2:
+    raise ValueError(f"ratio_estimate: num has {a.shape[0]} examples, den {b.shape[0]}; "
+                     "the same examples (>= 2), in the same order, are needed")
+  mean_b = float(b.mean())
+  if mean_b == 0:
+    raise ValueError("ratio_estimate: mean(den) is 0, the ratio is undefined")
+  r = float(a.mean()) / mean_b
+  n = a.shape[0]
+  resid = a - r * b
+  return r, float(np.sqrt(np.sum(resid ** 2) / (n * (n - 1))) / abs(mean_b))
+
+
+def _example_means(values, name: str) -> np.ndarray:
+  """``[n]`` per-example values of ``[n]`` or ``[n, N]`` (row means)."""
+  x = np.asarray(values, np.float64)
+  if x.ndim not in (1, 2) or x.size == 0:
+    raise ValueError(f"{name} must be a non-empty [n] or [n, N] array, got shape {x.shape}")
+  if not np.all(np.isfinite(x)):
+    raise ValueError(f"{name} must be finite")
+  return x.mean(axis=1) if x.ndim == 2 else x
