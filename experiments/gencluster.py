@@ -30,7 +30,6 @@ holds ``config.json``, ``final_metrics.json`` and its JSON outputs):
 """
 from __future__ import annotations
 
-import json
 import pathlib
 
 import jax
@@ -54,6 +53,7 @@ from opd.rollout.episodes import sampling_for_chat
 from opd.tasks.sandbox import Sandbox, SandboxLimits
 from opd.training import lm_trainer
 from opd.training.checkpoints import load_params
+from opd.training.files import read_json
 from opd.training.metrics_writer import MetricWriter
 
 VARIANTS = ("validated", "unfiltered")  # the inputs clusters are built on
@@ -63,7 +63,7 @@ _Ctx = common.JobContext
 
 
 def _read(ctx: _Ctx, stage: str, name: str):
-  return json.loads((ctx.root / stage / name).read_text())
+  return read_json(ctx.root / stage / name)
 
 
 def _problems(ctx: _Ctx) -> list[Problem]:
@@ -393,7 +393,7 @@ def _stage_report(ctx: _Ctx, workdir: pathlib.Path) -> dict:
   budgets = [b for b in c.submission.report_budgets if b <= budget]
   table = {name: {b: mean_se(curves[name][:, b - 1]) for b in budgets} for name in STRATEGIES}
   full = {name: float(np.mean(curves[name][:, -1] == 1.0)) for name in STRATEGIES}
-  stage = {s: json.loads((ctx.root / s / common.FINAL).read_text())
+  stage = {s: read_json(ctx.root / s / common.FINAL, expect=dict)
            for s in ("policy", "samples", "inputs", "execute", "rank")}
   results = {"solve_rate": {n: {str(b): v for b, v in row.items()} for n, row in table.items()},
              "all_subtasks_solved_at_budget": full, "upper_bound": stage["execute"]["upper_bound"],

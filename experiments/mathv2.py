@@ -61,6 +61,7 @@ from opd.tasks import Example
 from opd.tasks.proof_task import check_proof
 from opd.training import lm_trainer
 from opd.training.checkpoints import load_params
+from opd.training.files import read_json
 from opd.training.metrics_writer import MetricWriter
 
 VERIFIERS = ("verifier_sft", "verifier_rl", "verifier_rl_meta")
@@ -96,7 +97,7 @@ def _example(text: str) -> Example:
 
 
 def _load(ctx: _Ctx, split: str) -> tuple[list[Example], list[train_lib.ProofItem]]:
-  raw = json.loads((ctx.root / "data" / "data.json").read_text())[split]
+  raw = read_json(ctx.root / "data" / "data.json", expect=dict)[split]
   examples = [_example(t) for t in raw["examples"]]
   by_id = {ex.id: ex for ex in examples}
   items = [train_lib.ProofItem(by_id[r["example"]], r["proof"],

@@ -1,0 +1,238 @@
+"""The frozen config that drives every model of the family (docs/DESIGN.md §2).
+
+Student, teachers, generative reward models and the scalar meta-RM are the
+same decoder; only this dataclass differs between them. Dimension letters
+used across the codebase: B batch, T sequence, D model width, H query heads,
+K kv heads, G = H // K query heads per kv head, Dh head dim, F MLP width,
+V vocabulary.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+
+from opd.config.fields import check_fields, check_int, from_group, set_field
+
+_DTYPES = {
+    "float32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+  """Multi-head latent attention (DeepSeek-V2/V3; docs/DESIGN.md §2).
+
+  Attributes:
+    kv_lora_rank: C, width of the compressed key/value latent (the only
+      per-token attention state besides the RoPE key).
+    qk_nope_head_dim: Dn, per-head query/key dims without RoPE.
+    qk_rope_head_dim: Dr, per-head query dims with RoPE, and the width of the
+      one RoPE key shared by all heads; even.
+    v_head_dim: Dv, per-head value dims.
+    q_lora_rank: Cq, width of the compressed query; ``None`` projects the
+      query directly from D.
+    rope_interleave: the RoPE dims come in interleaved pairs ``(x0, x1),
+      (x2, x3), ...`` (DeepSeek's checkpoints) instead of halves.
+  """
+  kv_lora_rank: int = 32
+  qk_nope_head_dim: int = 16
+  qk_rope_head_dim: int = 8
+  v_head_dim: int = 16
+  q_lora_rank: int | None = None
+  rope_interleave: bool = False
+
+  def __post_init__(self):
+    check_fields(self, "MLAConfig",
+                 ints=dict.fromkeys(("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                     "v_head_dim"), 1),
+                 bools=("rope_interleave",))
+    set_field(self, "q_lora_rank", check_int("MLAConfig", "q_lora_rank", self.q_lora_rank,
+                                             min_value=1, allow_none=True))
+    if self.qk_rope_head_dim % 2:
+      raise ValueError(f"MLAConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be even "
+                       "for RoPE")
+
+  @property
+  def qk_head_dim(self) -> int:
+    """Dn + Dr, the dims a query and a key are dotted over."""
+    return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture of one decoder.
+
+  Attributes:
+    vocab_size: V, rows of the embedding table and columns of the LM head.
+    d_model: D, residual-stream width.
+    n_layers: number of decoder blocks.
+    n_heads: H, query heads.
+    n_kv_heads: K, key/value heads (grouped-query attention); H % K == 0.
+    head_dim: Dh; ``None`` means ``d_model // n_heads`` (and then D % H == 0
+      is required). Qwen3 sets it independently of D.
+    d_ff: F, SwiGLU hidden width.
+    rope_theta: RoPE base.
+    norm_eps: RMSNorm epsilon.
+    qk_norm: RMSNorm over Dh on queries and keys before RoPE (Qwen3).
+    qkv_bias: bias on the q/k/v projections (Qwen2).
+    o_bias: bias on the attention output projection (Llama attention_bias).
+    tie_embeddings: the LM head is the transposed embedding table.
+    scalar_head: add a ``[D, 1]`` value head read at the last real token
+      (meta-RM, Bradley–Terry RM). The LM head is kept so the same
+      checkpoint can still generate.
+    dtype: activation / compute dtype ("float32" or "bfloat16").
+    param_dtype: storage dtype of the (master) parameters.
+    remat: rematerialise each block in the backward pass.
+    mla: multi-head latent attention instead of grouped-query attention
+      (``None``, the default, is GQA). With MLA, ``n_kv_heads`` must equal
+      ``n_heads``, ``head_dim`` must be None (the sub-config holds the head
+      dims), and ``qk_norm`` / ``qkv_bias`` / ``o_bias`` must be False. A
+      mapping is converted (``from_dict`` / ``to_dict`` round trip).
+  """
+  vocab_size: int = 512
+  d_model: int = 128
+  n_layers: int = 2
+  n_heads: int = 4
+  n_kv_heads: int = 2
+  head_dim: int | None = None
+  d_ff: int = 384
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  qk_norm: bool = False
+  qkv_bias: bool = False
+  o_bias: bool = False
+  tie_embeddings: bool = False
+  scalar_head: bool = False
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  remat: bool = False
+  mla: MLAConfig | None = None
+
+  def __post_init__(self):
+    check_fields(self, "ModelConfig",
+                 ints=dict.fromkeys(("vocab_size", "d_model", "n_layers", "n_heads",
+                                     "n_kv_heads", "d_ff"), 1),
+                 positive=("rope_theta", "norm_eps"),
+                 bools=("qk_norm", "qkv_bias", "o_bias", "tie_embeddings", "scalar_head",
+                        "remat"),
+                 choices=dict.fromkeys(("dtype", "param_dtype"), tuple(_DTYPES)))
+    set_field(self, "head_dim", check_int("ModelConfig", "head_dim", self.head_dim, min_value=1,
+                                          allow_none=True))
+    if self.mla is not None:
+      self._check_mla()
+    else:
+      self._check_gqa()
+
+  def _check_gqa(self):
+    if self.head_dim is None and self.d_model % self.n_heads:
+      raise ValueError(
+          f"ModelConfig.d_model={self.d_model} is not divisible by "
+          f"n_heads={self.n_heads}; set head_dim explicitly or change one of them")
+    if self.resolved_head_dim % 2:
+      raise ValueError(f"ModelConfig.head_dim={self.resolved_head_dim} must be even for RoPE")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(
+          f"ModelConfig.n_heads={self.n_heads} is not divisible by "
+          f"n_kv_heads={self.n_kv_heads}")
+
+  def _check_mla(self):
+    if isinstance(self.mla, Mapping):
+      set_field(self, "mla", from_group(MLAConfig, self.mla, "ModelConfig.mla"))
+    if not isinstance(self.mla, MLAConfig):
+      raise ValueError(f"ModelConfig.mla must be an MLAConfig, a mapping or None, got "
+                       f"{type(self.mla).__name__}")
+    if self.n_kv_heads != self.n_heads:
+      raise ValueError(f"ModelConfig.n_kv_heads={self.n_kv_heads} must equal "
+                       f"n_heads={self.n_heads} with mla (every head reads the shared latent)")
+    if self.head_dim is not None:
+      raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be None with mla (the head "
+                       "dims are mla.qk_nope_head_dim, qk_rope_head_dim and v_head_dim)")
+    for name in ("qk_norm", "qkv_bias", "o_bias"):
+      if getattr(self, name):
+        raise ValueError(f"ModelConfig.{name}=True is not supported with mla")
+
+  @property
+  def resolved_head_dim(self) -> int:
+    """Dh, the dims a query and a key are dotted over (Dn + Dr with MLA)."""
+    if self.mla is not None:
+      return self.mla.qk_head_dim
+    return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+  def _attn_params(self) -> int:
+    D, H, K, Dh = self.d_model, self.n_heads, self.n_kv_heads, self.resolved_head_dim
+    if self.mla is not None:
+      m = self.mla
+      q = D * H * Dh if m.q_lora_rank is None else D * m.q_lora_rank + m.q_lora_rank * (
+          1 + H * Dh)
+      kv = D * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * (
+          1 + H * (m.qk_nope_head_dim + m.v_head_dim))
+      return q + kv + H * m.v_head_dim * D
+    return D * H * Dh + 2 * D * K * Dh + H * Dh * D
+
+  @property
+  def compute_dtype(self):
+    return _DTYPES[self.dtype]
+
+  @property
+  def storage_dtype(self):
+    return _DTYPES[self.param_dtype]
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+    """Builds a config from a mapping (``opd.config.from_group``), naming unknown keys."""
+    return from_group(cls, d, "ModelConfig")
+
+  def num_params(self) -> int:
+    """Parameter count (embedding and head counted separately if untied)."""
+    D, F, V = self.d_model, self.d_ff, self.vocab_size
+    H, K, Dh = self.n_heads, self.n_kv_heads, self.resolved_head_dim
+    attn = self._attn_params()
+    if self.qkv_bias:
+      attn += (H + 2 * K) * Dh
+    if self.o_bias:
+      attn += D
+    if self.qk_norm:
+      attn += 2 * Dh
+    block = attn + 3 * D * F + 2 * D
+    total = self.n_layers * block + V * D + D
+    if not self.tie_embeddings:
+      total += D * V
+    if self.scalar_head:
+      total += D + 1
+    return total
+
+  def flops_per_token(self, seq_len: int) -> float:
+    """Forward matmul FLOPs per token (2 per multiply-add), attention included."""
+    D, F, V = self.d_model, self.d_ff, self.vocab_size
+    H, Dh = self.n_heads, self.resolved_head_dim
+    proj = 2 * (self._attn_params() - (0 if self.mla is None else self.mla.kv_lora_rank + (
+        self.mla.q_lora_rank or 0)))  # matmul weights only (not the latent norms' scales)
+    mlp = 2 * 3 * D * F
+    Dv = Dh if self.mla is None else self.mla.v_head_dim
+    attn = 2 * H * (Dh + Dv) * seq_len  # QK^T and PV against seq_len keys
+    return self.n_layers * (proj + mlp + attn) + 2 * D * V
+
+
+def to_model_config(model: Mapping[str, Any], where: str = "config.model") -> ModelConfig:
+  """The decoder's ``ModelConfig`` from a config group (``opd.config.from_group``).
+
+  Args:
+    model: e.g. ``config.model`` or ``config.teachers.math.model`` (a
+      ``ConfigDict`` or a mapping).
+    where: the group's path, used in error messages.
+
+  Raises:
+    ValueError: naming ``where`` and the unknown or invalid field(s).
+  """
+  return from_group(ModelConfig, model, where)
+
