@@ -290,7 +290,11 @@ class CheckpointManager:
     dst, n = f"{src}.corrupt", 1
     while os.path.exists(dst):
       dst, n = f"{src}.corrupt.{n}", n + 1
-    os.rename(src, dst)
+    if jax.process_index() == 0:  # one rename on a directory every process sees
+      os.rename(src, dst)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"quarantine {src}")
     self.reload()
     log.warning("moved checkpoint %s aside to %s", src, dst)
     return dst

@@ -252,7 +252,7 @@ def run(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState
   sigterm = SigtermFlag()
   try:
     sigterm.__enter__()
-    while step < num_steps and not sigterm.hit:
+    while step < num_steps and not sigterm.agreed():
       t0 = time.perf_counter()
       if is_source:
         out = data_iterator.next_batch(state, step)
@@ -310,7 +310,7 @@ def run(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState
       bar.close()
     if writer is not None:
       writer.flush()
-  if sigterm.hit:
+  if step < num_steps and sigterm.agreed():
     where = (f"saved checkpoint {manager.step_path(last_saved)}" if last_saved is not None else
              "no checkpoint manager: nothing saved" if manager is None else
              "no step was finished since the last checkpoint")

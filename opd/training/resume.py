@@ -11,6 +11,8 @@ import signal
 import threading
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from opd.config.overrides import config_mismatches
 from opd.training.checkpoints import CheckpointCorruptError, CheckpointManager
 from opd.training.metrics_writer import open_writers
@@ -167,6 +169,15 @@ class SigtermFlag:
 
   def _handle(self, signum, frame):
     self.hit = True
+
+  def agreed(self) -> bool:
+    """Whether any process got SIGTERM: every process of a multi-host run
+    must stop after the same step (the others would wait in its collectives)."""
+    import jax
+    if jax.process_count() == 1:
+      return self.hit
+    from jax.experimental import multihost_utils
+    return bool(np.max(multihost_utils.process_allgather(np.int32(self.hit))))
 
   def __exit__(self, *exc):
     if self._previous is not None:
