@@ -9,7 +9,10 @@ labels::
     = mean_b  softplus(m_b) - y_b m_b
 
 and guides voting (``grm.voting.meta_vote`` keeps the top k_meta samples;
-``weighted_vote`` with ``sigmoid(m)`` weights). It is a decoder of our family
+``weighted_vote`` with ``sigmoid(m)`` weights). Its training rows are the
+*valid* judgements only (``training_rows``): voting ranks valid samples
+alone, and an invalid one, labelled wrong, would teach it validity, which
+parsing already decides. It is a decoder of our family
 with ``scalar_head=True``; ``add_scalar_head`` starts one from a GRM's
 parameters with a fresh head.
 """
@@ -19,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grm.correctness import is_correct
 from grm.format import GRMPrompt, prompt_ids
 from grm.scalar_rm import pad_rows, score_sequences, sequence_rewards
 from opd.models import ModelConfig, init_params
@@ -65,6 +69,16 @@ def meta_loss_fn(cfg: ModelConfig):
         "accuracy": jnp.mean(agree.astype(jnp.float32)), "positive_rate": jnp.mean(labels)}
 
   return loss_fn
+
+
+def training_rows(groups, samples) -> list[tuple]:
+  """``(sample, label)`` for every valid judgement of ``samples`` (``[E][k]``
+  ``grm.judge.SampledJudgement``s of the E ``groups``), label 1.0 when it is
+  correct (``grm.correctness.is_correct``) else 0.0; invalid ones are left out."""
+  if len(groups) != len(samples):
+    raise ValueError(f"groups ({len(groups)}) and samples ({len(samples)}) differ in length")
+  return [(s, float(is_correct(s.scores, g.ratings))) for g, row in zip(groups, samples)
+          for s in row if s.judgement.valid]
 
 
 def meta_input_ids(tokenizer, prompt: GRMPrompt, judgement_text: str) -> np.ndarray:

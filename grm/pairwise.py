@@ -210,9 +210,13 @@ def judge_pairs(model_cfg: ModelConfig, params, tokenizer, pairs: Sequence[tuple
 @dataclasses.dataclass(frozen=True)
 class SwapVerdicts:
   """``share [E]``: ``swap_average``'s credit of each pair's second response;
+  ``first [E]``: the seeded order's preferred index alone (``judge_pairs``'
+  ``preferred``); ``swapped [E]``: the seeded order's swap flags;
   ``judgements``: the seeded orders' parses, then the mirrored ones';
   ``stats``: ``position_stats``."""
   share: np.ndarray
+  first: np.ndarray
+  swapped: np.ndarray
   judgements: list[PairwiseJudgement]
   stats: dict[str, float]
 
@@ -231,9 +235,9 @@ def judge_pairs_both_orders(model_cfg: ModelConfig, params, tokenizer,
                       batch_size=batch_size, prompt_bucket=prompt_bucket,
                       length_bucket=length_bucket, mesh=mesh, rules=rules)
   E = len(pairs)
-  pa = [preferred_index(j, p.swapped) for j, p in zip(judgements[:E], first)]
+  pa = np.asarray([preferred_index(j, p.swapped) for j, p in zip(judgements[:E], first)],
+                  np.int64)
   pb = [preferred_index(j, p.swapped) for j, p in zip(judgements[E:], second)]
-  share = swap_average(np.asarray(pa, np.int64),
-                       np.asarray([1 - p if p >= 0 else -1 for p in pb], np.int64))
-  return SwapVerdicts(share, judgements,
-                      position_stats(judgements, [p.swapped for p in first], share))
+  share = swap_average(pa, np.asarray([1 - p if p >= 0 else -1 for p in pb], np.int64))
+  swapped = np.asarray([p.swapped for p in first], bool)
+  return SwapVerdicts(share, pa, swapped, judgements, position_stats(judgements, swapped, share))

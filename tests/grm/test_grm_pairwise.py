@@ -67,6 +67,10 @@ def test_judge_pairs_both_orders_cancels_a_pure_position_bias(monkeypatch):
   assert 0 < sum(swapped) < 12
   assert got.stats == {"a_rate_before": 0.5, "a_rate_after": float(np.mean(swapped)),
                        "split_rate": 0.0}
+  # The seeded order alone is judge_pairs' single-order verdict.
+  single, _ = pw.judge_pairs(cfg, None, TOK, pairs, seed=3, sampling=sampling)
+  np.testing.assert_array_equal(got.first, single)
+  np.testing.assert_array_equal(got.swapped, swapped)
 
 
 def test_tournament_both_orders_hand_computed():

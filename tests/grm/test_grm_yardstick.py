@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from grm import evaluation as ev
+from grm import meta_rm as meta_lib
 from grm import yardstick as ys
 from grm.data import PreferenceGroup
 from grm.format import GRMPrompt, permutation
@@ -153,3 +154,22 @@ def test_content_blind_control_is_a_seeded_derangement_of_the_groups():
   big = next(g for g in groups if g.n == 4)
   with pytest.raises(ValueError, match="content-blind"):  # 4 + 1 slots < 2 * 4
     ys.content_blind([big, next(g for g in groups if g.n == 1)], seed=0)
+
+
+def test_meta_rm_trains_on_valid_judgements_only(bench):
+  groups, _, many, truths, valids, _, _ = bench
+  rows = meta_lib.training_rows(groups, many)
+  want = []
+  for e, g in enumerate(groups):
+    r = np.asarray(g.ratings, np.float64)
+    for j in np.flatnonzero(valids[e]):
+      t = truths[e][j]
+      if r.size == 1:
+        ok = t[0] == r[0]
+      else:  # the best strictly above every other
+        best = int(np.argmax(r))
+        ok = all(t[best] > t[i] for i in range(g.n) if i != best)
+      want.append((many[e][j], float(ok)))
+  assert rows == want
+  assert len(rows) < sum(map(len, many))  # invalid ones were there, and left out
+  assert 0 < sum(y for _, y in rows) < len(rows)
