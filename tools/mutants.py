@@ -136,7 +136,7 @@ MUTANTS: tuple[Mutant, ...] = (
       (('x = x + MLP(cfg, name="mlp")(norm("mlp_norm")(x))',
         'x = x + MLP(cfg, name="mlp")(norm("mlp_norm")(x)) * (cfg.compute_dtype == jnp.float32)'),),
       _DECODER_TESTS, "the MLP branch contributes nothing when computing in bfloat16"),
-    M("rmsnorm_eps_outside", "decoder", "opd/models/decoder.py",
+    M("rmsnorm_eps_outside", "decoder", "opd/models/layers.py",
       (("jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)",
         "(jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True)) + self.eps)"),),
       _DECODER_TESTS, "RMSNorm adds eps after the rsqrt instead of inside it"),
@@ -147,7 +147,7 @@ MUTANTS: tuple[Mutant, ...] = (
       (("causal = slots[None, :] <= (index + jnp.arange(T))[:, None]",
         "causal = slots[None, :] < (index + jnp.arange(T))[:, None]"),),
       _DECODER_TESTS, "cached decoding: a query does not attend to its own slot"),
-    M("rope_rotation_reversed", "decoder", "opd/models/decoder.py",
+    M("rope_rotation_reversed", "decoder", "opd/models/layers.py",
       (("rotated = jnp.concatenate([-x2, x1], axis=-1)", "rotated = jnp.concatenate([x2, -x1], axis=-1)"),),
       _DECODER_TESTS, "RoPE rotates the other way (positions enter with the wrong sign)"),
     # --- sampler --------------------------------------------------------------

@@ -23,6 +23,46 @@ _DTYPES = {
 
 
 @dataclasses.dataclass(frozen=True)
+class MLAConfig:
+  """Multi-head latent attention (DeepSeek-V2/V3; docs/DESIGN.md §2).
+
+  Attributes:
+    kv_lora_rank: C, width of the compressed key/value latent (the only
+      per-token attention state besides the RoPE key).
+    qk_nope_head_dim: Dn, per-head query/key dims without RoPE.
+    qk_rope_head_dim: Dr, per-head query dims with RoPE, and the width of the
+      one RoPE key shared by all heads; even.
+    v_head_dim: Dv, per-head value dims.
+    q_lora_rank: Cq, width of the compressed query; ``None`` projects the
+      query directly from D.
+    rope_interleave: the RoPE dims come in interleaved pairs ``(x0, x1),
+      (x2, x3), ...`` (DeepSeek's checkpoints) instead of halves.
+  """
+  kv_lora_rank: int = 32
+  qk_nope_head_dim: int = 16
+  qk_rope_head_dim: int = 8
+  v_head_dim: int = 16
+  q_lora_rank: int | None = None
+  rope_interleave: bool = False
+
+  def __post_init__(self):
+    check_fields(self, "MLAConfig",
+                 ints=dict.fromkeys(("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                     "v_head_dim"), 1),
+                 bools=("rope_interleave",))
+    set_field(self, "q_lora_rank", check_int("MLAConfig", "q_lora_rank", self.q_lora_rank,
+                                             min_value=1, allow_none=True))
+    if self.qk_rope_head_dim % 2:
+      raise ValueError(f"MLAConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be even "
+                       "for RoPE")
+
+  @property
+  def qk_head_dim(self) -> int:
+    """Dn + Dr, the dims a query and a key are dotted over."""
+    return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Architecture of one decoder.
 
@@ -47,6 +87,11 @@ class ModelConfig:
     dtype: activation / compute dtype ("float32" or "bfloat16").
     param_dtype: storage dtype of the (master) parameters.
     remat: rematerialise each block in the backward pass.
+    mla: multi-head latent attention instead of grouped-query attention
+      (``None``, the default, is GQA). With MLA, ``n_kv_heads`` must equal
+      ``n_heads``, ``head_dim`` must be None (the sub-config holds the head
+      dims), and ``qk_norm`` / ``qkv_bias`` / ``o_bias`` must be False. A
+      mapping is converted (``from_dict`` / ``to_dict`` round trip).
   """
   vocab_size: int = 512
   d_model: int = 128
@@ -65,6 +110,7 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   remat: bool = False
+  mla: MLAConfig | None = None
 
   def __post_init__(self):
     check_fields(self, "ModelConfig",
@@ -76,6 +122,12 @@ class ModelConfig:
                  choices=dict.fromkeys(("dtype", "param_dtype"), tuple(_DTYPES)))
     set_field(self, "head_dim", check_int("ModelConfig", "head_dim", self.head_dim, min_value=1,
                                           allow_none=True))
+    if self.mla is not None:
+      self._check_mla()
+    else:
+      self._check_gqa()
+
+  def _check_gqa(self):
     if self.head_dim is None and self.d_model % self.n_heads:
       raise ValueError(
           f"ModelConfig.d_model={self.d_model} is not divisible by "
@@ -87,9 +139,39 @@ class ModelConfig:
           f"ModelConfig.n_heads={self.n_heads} is not divisible by "
           f"n_kv_heads={self.n_kv_heads}")
 
+  def _check_mla(self):
+    if isinstance(self.mla, Mapping):
+      set_field(self, "mla", from_group(MLAConfig, self.mla, "ModelConfig.mla"))
+    if not isinstance(self.mla, MLAConfig):
+      raise ValueError(f"ModelConfig.mla must be an MLAConfig, a mapping or None, got "
+                       f"{type(self.mla).__name__}")
+    if self.n_kv_heads != self.n_heads:
+      raise ValueError(f"ModelConfig.n_kv_heads={self.n_kv_heads} must equal "
+                       f"n_heads={self.n_heads} with mla (every head reads the shared latent)")
+    if self.head_dim is not None:
+      raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be None with mla (the head "
+                       "dims are mla.qk_nope_head_dim, qk_rope_head_dim and v_head_dim)")
+    for name in ("qk_norm", "qkv_bias", "o_bias"):
+      if getattr(self, name):
+        raise ValueError(f"ModelConfig.{name}=True is not supported with mla")
+
   @property
   def resolved_head_dim(self) -> int:
+    """Dh, the dims a query and a key are dotted over (Dn + Dr with MLA)."""
+    if self.mla is not None:
+      return self.mla.qk_head_dim
     return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+  def _attn_params(self) -> int:
+    D, H, K, Dh = self.d_model, self.n_heads, self.n_kv_heads, self.resolved_head_dim
+    if self.mla is not None:
+      m = self.mla
+      q = D * H * Dh if m.q_lora_rank is None else D * m.q_lora_rank + m.q_lora_rank * (
+          1 + H * Dh)
+      kv = D * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * (
+          1 + H * (m.qk_nope_head_dim + m.v_head_dim))
+      return q + kv + H * m.v_head_dim * D
+    return D * H * Dh + 2 * D * K * Dh + H * Dh * D
 
   @property
   def compute_dtype(self):
@@ -114,7 +196,7 @@ class ModelConfig:
     """Parameter count (embedding and head counted separately if untied)."""
     D, F, V = self.d_model, self.d_ff, self.vocab_size
     H, K, Dh = self.n_heads, self.n_kv_heads, self.resolved_head_dim
-    attn = D * H * Dh + 2 * D * K * Dh + H * Dh * D
+    attn = self._attn_params()
     if self.qkv_bias:
       attn += (H + 2 * K) * Dh
     if self.o_bias:
@@ -132,10 +214,12 @@ class ModelConfig:
   def flops_per_token(self, seq_len: int) -> float:
     """Forward matmul FLOPs per token (2 per multiply-add), attention included."""
     D, F, V = self.d_model, self.d_ff, self.vocab_size
-    H, K, Dh = self.n_heads, self.n_kv_heads, self.resolved_head_dim
-    proj = 2 * (D * H * Dh + 2 * D * K * Dh + H * Dh * D)
+    H, Dh = self.n_heads, self.resolved_head_dim
+    proj = 2 * (self._attn_params() - (0 if self.mla is None else self.mla.kv_lora_rank + (
+        self.mla.q_lora_rank or 0)))  # matmul weights only (not the latent norms' scales)
     mlp = 2 * 3 * D * F
-    attn = 2 * 2 * H * Dh * seq_len  # QK^T and PV against seq_len keys
+    Dv = Dh if self.mla is None else self.mla.v_head_dim
+    attn = 2 * H * (Dh + Dv) * seq_len  # QK^T and PV against seq_len keys
     return self.n_layers * (proj + mlp + attn) + 2 * D * V
 
 

@@ -22,9 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from opd.models.config import ModelConfig
+from opd.models.layers import INIT_STD as _INIT_STD
+from opd.models.layers import RMSNorm, init_kind, rope
+from opd.models.layers import param as _param
+from opd.models.mla import MLAttention
 
 Array = jax.Array
-_INIT_STD = 0.02  # as transformers' initializer_range default
 
 
 class KVCache(NamedTuple):
@@ -32,7 +35,10 @@ class KVCache(NamedTuple):
 
   Attributes:
     k, v: tuples of ``n_layers`` arrays ``[B, K, S, Dh]`` (kv heads before
-      slots: a decode step reads each head's slots contiguously).
+      slots: a decode step reads each head's slots contiguously). With
+      multi-head latent attention (``cfg.mla``) ``k`` holds the compressed
+      latent ``[B, 1, S, C]`` and ``v`` the shared RoPE key ``[B, 1, S, Dr]``
+      (``opd.models.mla``).
     mask: ``[B, S]`` bool, True where a slot holds a real (non-pad) token.
     index: int32 scalar, the next slot to write (shared by the batch).
   """
@@ -63,8 +69,12 @@ def init_cache(cfg: ModelConfig, batch: int, max_length: int, dtype=None) -> KVC
   """An empty cache of ``max_length`` slots for ``batch`` sequences."""
   dtype = dtype or cfg.compute_dtype
   shape = (batch, cfg.n_kv_heads, max_length, cfg.resolved_head_dim)  # [B, K, S, Dh]
+  v_shape = shape
+  if cfg.mla is not None:  # the latent [B, 1, S, C] and the RoPE key [B, 1, S, Dr]
+    shape = (batch, 1, max_length, cfg.mla.kv_lora_rank)
+    v_shape = (batch, 1, max_length, cfg.mla.qk_rope_head_dim)
   zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
-  return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)),
+  return KVCache(k=zeros, v=tuple(jnp.zeros(v_shape, dtype) for _ in range(cfg.n_layers)),
                  mask=jnp.zeros((batch, max_length), bool),
                  index=jnp.zeros((), jnp.int32))
 
@@ -76,54 +86,6 @@ def default_positions(mask: Array) -> Array:
   gets position 0.
   """
   return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
-
-
-def init_kind(name: str) -> str:
-  """How a parameter is initialised, from its name alone: "ones" for norm
-  scales, "zeros" for biases, "normal" (std 0.02) otherwise. ``init_params``
-  relies on this one rule to draw every normal parameter in a single op."""
-  if name == "scale":
-    return "ones"
-  if name.endswith("bias"):
-    return "zeros"
-  return "normal"
-
-
-_INITIALIZERS = {"ones": nn.initializers.ones, "zeros": nn.initializers.zeros,
-                 "normal": nn.initializers.normal(_INIT_STD)}
-
-
-def _param(module: nn.Module, name: str, shape, axes, dtype):
-  init = _INITIALIZERS[init_kind(name)]
-  return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
-
-
-class RMSNorm(nn.Module):
-  eps: float
-  dtype: Any
-  param_dtype: Any
-
-  @nn.compact
-  def __call__(self, x):
-    scale = _param(self, "scale", (x.shape[-1],), ("norm",),
-                   self.param_dtype)
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    # As transformers: normalise in fp32, cast, then scale in the input dtype.
-    return scale.astype(self.dtype) * x32.astype(self.dtype)
-
-
-def rope(x: Array, positions: Array, theta: float) -> Array:
-  """Rotary embedding, rotate-half convention. x: [B, T, N, Dh]; positions: [B, T]."""
-  dh = x.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))  # [Dh/2]
-  freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
-  emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
-  cos, sin = jnp.cos(emb), jnp.sin(emb)
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  rotated = jnp.concatenate([-x2, x1], axis=-1)
-  out = x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
-  return out.astype(x.dtype)
 
 
 class Attention(nn.Module):
@@ -208,8 +170,9 @@ class Block(nn.Module):
   def __call__(self, x, positions, key_mask, layer_cache):
     cfg = self.cfg
     norm = lambda name: RMSNorm(cfg.norm_eps, cfg.compute_dtype, cfg.storage_dtype, name=name)
-    attn_out, new_cache = Attention(cfg, name="attn")(norm("attn_norm")(x), positions,
-                                                       key_mask, layer_cache)
+    attn_cls = Attention if cfg.mla is None else MLAttention
+    attn_out, new_cache = attn_cls(cfg, name="attn")(norm("attn_norm")(x), positions,
+                                                     key_mask, layer_cache)
     x = x + attn_out
     x = x + MLP(cfg, name="mlp")(norm("mlp_norm")(x))
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))

@@ -1,4 +1,5 @@
-"""Hugging Face interop: Llama / Qwen2 / Qwen3 ``safetensors`` checkpoints (docs/DESIGN.md §2).
+"""Hugging Face interop: Llama / Qwen2 / Qwen3 / DeepSeek-V3 ``safetensors`` checkpoints
+(docs/DESIGN.md §2).
 
 ``load_hf`` reads a checkpoint directory (``config.json`` plus either
 ``model.safetensors`` or shards listed in ``model.safetensors.index.json``)
@@ -9,7 +10,9 @@ a runtime dependency.
 
 The ``config.json`` mapping (and its refusals of anything the decoder does
 not implement, naming the HF field and value) is ``opd.models.hf_config``;
-its functions are re-exported here.
+its functions are re-exported here. DeepSeek-V3's multi-head latent
+attention tensors and multi-token-prediction layers are
+``opd.models.hf_deepseek``'s.
 
 Weight layout: HF ``nn.Linear`` stores ``[out, in]``, we store ``[in, out]``
 with heads split out, e.g. ``self_attn.q_proj.weight [H*Dh, D]`` ↔
@@ -25,6 +28,7 @@ checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -37,6 +41,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from opd.models import hf_deepseek
 from opd.models.config import ModelConfig
 from opd.models.hf_config import (  # noqa: F401 - re-exported: opd.models.hf is the entry
     ARCHS, HF_CLASS, check_config_matches, config_from_hf, config_to_hf, infer_arch)
@@ -70,13 +75,18 @@ def _tensor_specs(cfg: ModelConfig) -> list[_Spec]:
   hd = "head_dim, d_model"
   # (HF name, our path, HF shape, our shape, transpose, fields behind the shape)
   layer = [("input_layernorm.weight", "attn_norm/scale", (D,), (D,), False, "d_model"),
-           ("post_attention_layernorm.weight", "mlp_norm/scale", (D,), (D,), False, "d_model"),
-           ("self_attn.q_proj.weight", "attn/q", (H * Dh, D), (D, H, Dh), True, "n_heads, " + hd),
-           ("self_attn.k_proj.weight", "attn/k", (K * Dh, D), (D, K, Dh), True,
-            "n_kv_heads, " + hd),
-           ("self_attn.v_proj.weight", "attn/v", (K * Dh, D), (D, K, Dh), True,
-            "n_kv_heads, " + hd),
-           ("self_attn.o_proj.weight", "attn/o", (D, H * Dh), (H, Dh, D), True, "n_heads, " + hd)]
+           ("post_attention_layernorm.weight", "mlp_norm/scale", (D,), (D,), False, "d_model")]
+  if cfg.mla is not None:
+    layer += hf_deepseek.attention_rows(cfg)
+  else:
+    layer += [("self_attn.q_proj.weight", "attn/q", (H * Dh, D), (D, H, Dh), True,
+               "n_heads, " + hd),
+              ("self_attn.k_proj.weight", "attn/k", (K * Dh, D), (D, K, Dh), True,
+               "n_kv_heads, " + hd),
+              ("self_attn.v_proj.weight", "attn/v", (K * Dh, D), (D, K, Dh), True,
+               "n_kv_heads, " + hd),
+              ("self_attn.o_proj.weight", "attn/o", (D, H * Dh), (H, Dh, D), True,
+               "n_heads, " + hd)]
   if cfg.qkv_bias:
     layer += [("self_attn.q_proj.bias", "attn/q_bias", (H * Dh,), (H, Dh), False,
                "n_heads, head_dim"),
@@ -107,7 +117,8 @@ def _tensor_specs(cfg: ModelConfig) -> list[_Spec]:
 def _fields_values(cfg: ModelConfig, fields: str) -> str:
   out = []
   for name in fields.split(", "):
-    value = cfg.resolved_head_dim if name == "head_dim" else getattr(cfg, name)
+    value = (cfg.resolved_head_dim if name == "head_dim"
+             else functools.reduce(getattr, name.split("."), cfg))  # "mla.kv_lora_rank"
     out.append(f"{name}={value}")
   return ", ".join(out)
 
@@ -245,6 +256,10 @@ class _Checkpoint:
   def keys(self):
     return self._file_of.keys()
 
+  def drop(self, names):
+    for name in names:
+      del self._file_of[name]
+
   def close(self):
     for handle in self._handles.values():
       handle.__exit__(None, None, None)
@@ -298,7 +313,7 @@ def read_hf_config(path: str) -> dict[str, Any]:
 
 def load_hf(path: str, *, dtype: str = "float32", compute_dtype: str | None = None,
             config: ModelConfig | None = None):
-  """Loads a HF Llama / Qwen2 / Qwen3 checkpoint directory.
+  """Loads a HF Llama / Qwen2 / Qwen3 / DeepSeek-V3 checkpoint directory.
 
   Args:
     path: directory with ``config.json`` and ``model.safetensors`` or a
@@ -318,6 +333,8 @@ def load_hf(path: str, *, dtype: str = "float32", compute_dtype: str | None = No
   except ValueError as e:
     raise ValueError(f"{os.path.join(path, 'config.json')}: {e}") from e
   ckpt = _open_checkpoint(path)
+  if cfg.mla is not None:
+    ckpt.drop(hf_deepseek.mtp_tensors(hf, cfg.n_layers, ckpt.keys()))
   if config is not None:
     check_config_matches(config, cfg, path)
     cfg = config.replace(param_dtype=dtype, dtype=compute_dtype or config.dtype)
@@ -393,7 +410,7 @@ def save_hf(path: str, cfg: ModelConfig, params, *, arch: str | None = None,
       ``overwrite``; a directory holding an Orbax checkpoint is always
       refused (ValueError naming the path and what it holds).
     cfg, params: the model.
-    arch: "llama", "qwen2" or "qwen3"; ``None`` → ``infer_arch(cfg)``.
+    arch: "llama", "qwen2", "qwen3" or "deepseek_v3"; ``None`` → ``infer_arch(cfg)``.
     max_shard_size: bytes per file (int or "5GB"-style string). One file
       → ``model.safetensors``; more → ``model-0000i-of-0000n.safetensors``
       plus ``model.safetensors.index.json``. A tensor larger than the limit

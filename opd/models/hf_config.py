@@ -1,21 +1,24 @@
-"""Hugging Face ``config.json`` <-> ``ModelConfig`` for Llama / Qwen2 / Qwen3 (docs/DESIGN.md §2).
+"""Hugging Face ``config.json`` <-> ``ModelConfig`` for Llama / Qwen2 / Qwen3 /
+DeepSeek-V3 (docs/DESIGN.md §2).
 
 Anything the decoder does not implement (RoPE scaling, sliding-window
 attention, MLP biases, activations other than SiLU, ...) raises a
 ``ValueError`` naming the HF field and its value instead of silently
 producing a different model. ``opd.models.hf`` maps the tensors and reads
-and writes the files.
+and writes the files; DeepSeek-V3's multi-head latent attention
+fields are ``opd.models.hf_deepseek``.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Mapping
 
+from opd.models import hf_deepseek
 from opd.models.config import ModelConfig
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", hf_deepseek.MODEL_TYPE)
 HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", hf_deepseek.MODEL_TYPE: hf_deepseek.HF_CLASS}
 
 
 
@@ -103,6 +106,18 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32",
   n_layers = hf["num_hidden_layers"]
   _check_no_sliding_window(hf, n_layers)
   theta = _rope_theta(hf)
+  if arch == hf_deepseek.MODEL_TYPE:
+    first_dense = hf.get("first_k_dense_replace", 3)
+    if first_dense < n_layers:
+      raise ValueError(f"HF config first_k_dense_replace={first_dense} < num_hidden_layers="
+                       f"{n_layers}: DeepSeek-V3 mixture-of-experts layers are not supported")
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=n_layers,
+        n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_attention_heads"],
+        d_ff=hf["intermediate_size"], rope_theta=theta,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        mla=hf_deepseek.mla_from_hf(hf), dtype=dtype, param_dtype=param_dtype or dtype)
 
   D, H = hf["hidden_size"], hf["num_attention_heads"]
   K = hf.get("num_key_value_heads") or H
@@ -125,7 +140,10 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32",
 
 
 def infer_arch(cfg: ModelConfig) -> str:
-  """The HF architecture that can express ``cfg`` (qk_norm → qwen3, q/k/v-only bias → qwen2)."""
+  """The HF architecture that can express ``cfg`` (mla → deepseek_v3, qk_norm → qwen3,
+  q/k/v-only bias → qwen2)."""
+  if cfg.mla is not None:
+    return hf_deepseek.MODEL_TYPE
   if cfg.qk_norm:
     return "qwen3"
   if cfg.qkv_bias and not cfg.o_bias:
@@ -136,6 +154,11 @@ def infer_arch(cfg: ModelConfig) -> str:
 def _check_arch_fits(cfg: ModelConfig, arch: str) -> None:
   if arch not in ARCHS:
     raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
+  if (arch == hf_deepseek.MODEL_TYPE) != (cfg.mla is not None):
+    raise ValueError(f"arch={arch!r} does not fit cfg.mla={cfg.mla!r}: multi-head latent "
+                     f"attention is arch={hf_deepseek.MODEL_TYPE!r} and only it")
+  if arch == hf_deepseek.MODEL_TYPE:
+    return
   if arch == "qwen2":
     if not cfg.qkv_bias or cfg.o_bias or cfg.qk_norm:
       raise ValueError(f"arch='qwen2' needs qkv_bias=True, o_bias=False, qk_norm=False; got "
@@ -185,7 +208,9 @@ def config_to_hf(cfg: ModelConfig, arch: str | None = None, **overrides) -> dict
       "max_position_embeddings": 32768,
       "dtype": cfg.param_dtype,
   }
-  if arch == "llama":
+  if arch == hf_deepseek.MODEL_TYPE:
+    hf.update(hf_deepseek.mla_to_hf(cfg), first_k_dense_replace=cfg.n_layers)
+  elif arch == "llama":
     hf.update(attention_bias=cfg.o_bias, mlp_bias=False)
   elif arch == "qwen3":
     hf.update(attention_bias=cfg.o_bias, use_sliding_window=False, sliding_window=None)

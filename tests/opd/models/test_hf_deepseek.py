@@ -1,0 +1,235 @@
+"""DeepSeek-V3 HF interop: logits parity with ``transformers`` both ways, MTP tensors, errors.
+
+The reference is ``transformers``' ``DeepseekV3ForCausalLM`` on random tiny
+configs built here, fp32 on CPU with eager attention, on a batch with a
+full, a left-padded and a right-padded row.
+"""
+import json
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file, save_file
+
+from opd.models import ModelConfig, forward, init_params
+from opd.models import hf as hfio
+from opd.models.config import MLAConfig
+
+B, T = 3, 11
+EPS32 = float(np.finfo(np.float32).eps)
+
+# Two tiny configs: a compressed query with DeepSeek's interleaved RoPE
+# layout (as its checkpoints), and a direct query projection with the
+# rotate-half layout; rms_norm_eps != 1e-6 so the latent norms' fixed eps is
+# checked. first_k_dense_replace = num_hidden_layers: every MLP is dense.
+HF_CASES = {
+    "q_lora_interleave": dict(shard="30KB", kw=dict(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, rope_interleave=True,
+        rope_theta=5000.0, rms_norm_eps=1e-5, first_k_dense_replace=2,
+        tie_word_embeddings=False)),
+    "direct_q_halves": dict(shard=None, kw=dict(
+        vocab_size=260, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=None,
+        qk_nope_head_dim=8, qk_rope_head_dim=12, v_head_dim=16, rope_interleave=False,
+        rope_theta=20000.0, rms_norm_eps=1e-6, first_k_dense_replace=2,
+        tie_word_embeddings=True)),
+}
+OUR_CASES = {
+    "q_lora_interleave": ModelConfig(
+        vocab_size=300, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=96,
+        rope_theta=5000.0, norm_eps=1e-5,
+        mla=MLAConfig(kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16,
+                      qk_rope_head_dim=8, v_head_dim=12, rope_interleave=True)),
+    "direct_q_halves": ModelConfig(
+        vocab_size=260, d_model=48, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=80,
+        rope_theta=20000.0, tie_embeddings=True,
+        mla=MLAConfig(kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=12,
+                      v_head_dim=16)),
+}
+
+
+def _rel_tol(cfg):
+  """Both sides compute in float32, each off by ~sqrt(n)·eps relative per
+  rounded step (n <= the widest contraction); per layer ~18 steps (two
+  latent norms, five projections, RoPE, scores, softmax, mixing, MLP,
+  residuals), + final norm and head, adding in quadrature; the max over the
+  logits within ~4 standard deviations; the two sides' errors add. Relative
+  to the logits' RMS."""
+  widest = max(cfg.d_model, cfg.d_ff, cfg.mla.kv_lora_rank, T)
+  steps = 18 * cfg.n_layers + 2
+  return 2 * 4 * np.sqrt(steps) * np.sqrt(widest) * EPS32
+
+
+def _padded_batch(vocab, seed=0):
+  """Row 0 full, row 1 left-padded, row 2 right-padded."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, vocab, (B, T)).astype(np.int32)
+  mask = np.ones((B, T), bool)
+  mask[1, :3] = False
+  mask[2, -4:] = False
+  positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
+  return tokens, mask, positions
+
+
+def _hf_logits(model, tokens, mask, positions):
+  with torch.no_grad():
+    out = model(input_ids=torch.from_numpy(tokens).long(),
+                attention_mask=torch.from_numpy(mask.astype(np.int64)),
+                position_ids=torch.from_numpy(positions).long())
+  return out.logits.float().numpy()
+
+
+def _our_logits(cfg, params, tokens, mask, positions):
+  return np.asarray(forward(cfg, params, jnp.asarray(tokens), jnp.asarray(positions),
+                            jnp.asarray(mask)).logits)
+
+
+def _assert_close_at_real_tokens(cfg, ours, ref, mask):
+  assert ours.shape == ref.shape
+  assert ref[mask].std() > 0.3, ref[mask].std()  # the comparison has power
+  rms = np.sqrt(np.mean(np.square(ref[mask], dtype=np.float64)))
+  diff = np.abs(ours[mask] - ref[mask]).max()
+  tol = _rel_tol(cfg) * rms
+  assert diff <= tol, f"max |ours - transformers| = {diff} > {tol} (rms {rms})"
+  return diff / rms
+
+
+def _random_hf_model(case, seed=0):
+  config = transformers.DeepseekV3Config(**HF_CASES[case]["kw"])
+  config._attn_implementation = "eager"
+  torch.manual_seed(seed)
+  model = transformers.DeepseekV3ForCausalLM(config).eval()
+  g = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    # Unit norms and std-0.02 weights would hide swapped norm tensors and
+    # make attention near-uniform (a wrong RoPE layout would barely show).
+    for name, p in model.named_parameters():
+      noise = torch.randn(p.shape, generator=g)
+      p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.15 * noise)
+  return model
+
+
+def _random_ours(cfg, seed):
+  """Random params in our layout (numpy draws), scaled as ``_random_hf_model``."""
+  abstract = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+  rng = np.random.default_rng(seed)
+  out = []
+  for path, x in leaves:
+    noise = rng.standard_normal(x.shape).astype(np.float32)
+    is_norm = any("norm" in str(getattr(p, "key", "")) for p in path)
+    out.append(jnp.asarray(1.0 + 0.2 * noise if is_norm else 0.15 * noise, x.dtype))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_load_hf_matches_transformers(case, tmp_path):
+  model = _random_hf_model(case)
+  shard = HF_CASES[case]["shard"]
+  model.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
+  assert (tmp_path / "model.safetensors.index.json").exists() == (shard is not None)
+
+  cfg, params = hfio.load_hf(str(tmp_path))
+  assert cfg == OUR_CASES[case]
+  tokens, mask, positions = _padded_batch(cfg.vocab_size)
+  rel = _assert_close_at_real_tokens(cfg, _our_logits(cfg, params, tokens, mask, positions),
+                                     _hf_logits(model, tokens, mask, positions), mask)
+  print(f"{case}: max |ours - transformers| / rms = {rel:.2e}")
+
+
+@pytest.mark.parametrize("case,shard", [("q_lora_interleave", "5GB"),
+                                        ("direct_q_halves", "20KB")])
+def test_save_hf_loads_in_transformers_and_round_trips(case, shard, tmp_path):
+  cfg = OUR_CASES[case]
+  params = _random_ours(cfg, seed=2)
+  files = hfio.save_hf(str(tmp_path), cfg, params, max_shard_size=shard)
+  assert (len(files) > 1) == (shard != "5GB")
+  model, info = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path, attn_implementation="eager", dtype=torch.float32, output_loading_info=True)
+  assert type(model).__name__ == "DeepseekV3ForCausalLM"
+  for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+    assert not info.get(key), (key, info[key])
+  assert all(type(layer.mlp).__name__ == "DeepseekV3MLP" for layer in model.model.layers)
+  tokens, mask, positions = _padded_batch(cfg.vocab_size, seed=3)
+  _assert_close_at_real_tokens(cfg, _our_logits(cfg, params, tokens, mask, positions),
+                               _hf_logits(model.eval(), tokens, mask, positions), mask)
+  cfg2, params2 = hfio.load_hf(str(tmp_path), config=cfg)
+  assert cfg2 == cfg
+  jax.tree.map(np.testing.assert_array_equal, params2, params)
+
+
+def _add_tensors(path, extra):
+  file = path / "model.safetensors"
+  tensors = load_file(file)
+  tensors.update(extra)
+  save_file(tensors, file, metadata={"format": "pt"})
+
+
+def _set_config(path, **fields):
+  data = json.loads((path / "config.json").read_text())
+  data.update(fields)
+  (path / "config.json").write_text(json.dumps(data))
+
+
+def test_mtp_tensors_are_dropped_with_a_warning(tmp_path, caplog):
+  cfg = OUR_CASES["direct_q_halves"]
+  params = _random_ours(cfg, seed=4)
+  hfio.save_hf(str(tmp_path), cfg, params)
+  D = cfg.d_model
+  mtp = {f"model.layers.{cfg.n_layers}.{name}": np.ones(shape, np.float32)
+         for name, shape in (("eh_proj.weight", (D, 2 * D)), ("enorm.weight", (D,)),
+                             ("self_attn.kv_a_layernorm.weight", (24,)))}
+  _add_tensors(tmp_path, mtp)
+  # Without a declared MTP layer the extra layer is an unexpected tensor.
+  with pytest.raises(ValueError, match=r"unexpected \['model\.layers\.2\.eh_proj"):
+    hfio.load_hf(str(tmp_path))
+  _set_config(tmp_path, num_nextn_predict_layers=1)
+  with caplog.at_level(logging.WARNING, logger="opd.models.hf_deepseek"):
+    cfg2, params2 = hfio.load_hf(str(tmp_path))
+  assert cfg2 == cfg
+  jax.tree.map(np.testing.assert_array_equal, params2, params)
+  assert "dropping 3 multi-token-prediction tensors of layer(s) [2]" in caplog.text
+  # A layer past the declared MTP layers is still refused.
+  _add_tensors(tmp_path, {"model.layers.3.enorm.weight": np.ones((D,), np.float32)})
+  with pytest.raises(ValueError, match=r"unexpected \['model\.layers\.3\.enorm"):
+    hfio.load_hf(str(tmp_path))
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(first_k_dense_replace=1), "first_k_dense_replace"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(num_key_value_heads=2), "num_key_value_heads"),
+    (dict(kv_lora_rank=None), "kv_lora_rank"),
+    (dict(qk_rope_head_dim=7), "qk_rope_head_dim"),
+    (dict(q_lora_rank=0), "q_lora_rank"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 40.0, "mscale_all_dim": 1.0}),
+     "rope_scaling"),
+    (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+])
+def test_unsupported_deepseek_config_names_the_field(change, field):
+  hf = hfio.config_to_hf(OUR_CASES["q_lora_interleave"])
+  hf.update(change)
+  with pytest.raises(ValueError, match=field):
+    hfio.config_from_hf(hf)
+
+
+def test_config_round_trip_and_transformers_reads_it():
+  for cfg in OUR_CASES.values():
+    hf = hfio.config_to_hf(cfg)
+    assert hf["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert hfio.config_from_hf(hf) == cfg
+    tc = transformers.DeepseekV3Config(**{k: v for k, v in hf.items() if k != "architectures"})
+    assert (tc.kv_lora_rank, tc.q_lora_rank, tc.qk_head_dim, tc.head_dim) == (
+        cfg.mla.kv_lora_rank, cfg.mla.q_lora_rank, cfg.resolved_head_dim,
+        cfg.mla.qk_rope_head_dim)
+  with pytest.raises(ValueError, match="arch='llama' does not fit cfg.mla"):
+    hfio.config_to_hf(OUR_CASES["direct_q_halves"], arch="llama")
+  with pytest.raises(ValueError, match="arch='deepseek_v3' does not fit cfg.mla=None"):
+    hfio.config_to_hf(ModelConfig(vocab_size=64, d_model=16, n_heads=2, d_ff=32),
+                      arch="deepseek_v3")
