@@ -95,7 +95,13 @@ def test_every_baseline_writes_its_model(run):
 
 def test_rerun_reuses_finished_stages_and_refuses_a_changed_one(run):
   workdir, _ = run
+  # The launcher refuses the changed config before any stage runs ...
   proc = _launch(workdir, "tiny", "--config.task_arithmetic.scale=0.7", check=False)
+  assert proc.returncode != 0 and "done earlier" not in proc.stdout
+  assert "task_arithmetic.scale: was 0.5, now 0.7" in proc.stderr
+  # ... and, that change allowed, the stage whose config it changes refuses it.
+  proc = _launch(workdir, "tiny", "--config.task_arithmetic.scale=0.7",
+                 "--allow_config_change=task_arithmetic.scale", check=False)
   assert proc.returncode != 0
   assert "merge: done earlier" in proc.stdout
   assert "task_arithmetic.scale: was 0.5, now 0.7" in proc.stderr
