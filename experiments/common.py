@@ -29,6 +29,8 @@ from opd.parallel import sharding
 from opd.training.files import atomic_write_json, read_json
 from opd.training.metrics_writer import MetricWriter, read_metrics
 from opd.models import ModelConfig
+from opd.tasks.tokenizer import task_tokenizer
+from opd.text.bpe import BPETokenizer
 from opd.text.tokenizers import ByteTokenizer, check_vocab
 from opd.training.train_step import OptimConfig
 
@@ -46,9 +48,12 @@ def mesh_and_rules(config) -> tuple[Any, tuple]:
   return sharding.make_mesh(tuple(config.mesh)), sharding.validate_rules(rules)
 
 
-def tokenizer_for(model_cfg: ModelConfig) -> ByteTokenizer:
-  """The byte tokenizer, checked against the model's vocabulary."""
-  tok = ByteTokenizer()
+def tokenizer_for(model_cfg: ModelConfig, spec: str = "byte",
+                  directory: str | pathlib.Path | None = None) -> ByteTokenizer | BPETokenizer:
+  """The tokenizer ``spec`` names (``"byte"`` or ``"bpe:<V>"``, built in and
+  reused from ``directory``: ``opd.tasks.tokenizer.task_tokenizer``), checked
+  against the model's vocabulary."""
+  tok = task_tokenizer(spec, directory, field="config.tokenizer")
   check_vocab(tok, model_cfg)
   return tok
 
