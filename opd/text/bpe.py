@@ -6,10 +6,15 @@
 strings, the 256 byte symbols, then merges) learnt from ``corpus_size``
 conversations drawn with ``seed``. ``build_bpe(directory, cfg, corpus)``
 trains once and writes ``tokenizer.json`` with ``bpe.json`` beside it (the
-config, its sha256 digest and the file's sha256); a later call with the same
+config, its sha256 digest, the file's sha256, the build's seconds and the
+vocabulary size built); a later call with the same
 config reuses the file, one with another config is refused naming the fields
 that differ. Training is deterministic: the same config and corpus give a
-byte-identical ``tokenizer.json``.
+byte-identical ``tokenizer.json``. A corpus can run out of pairs seen
+``min_frequency`` times before V is reached (merges never cross GPT-2's
+pre-token boundaries): the tokenizer then has fewer entries than V, which its
+``vocab_size`` and ``bpe.json``'s ``vocab_size_built`` report (a model's
+``vocab_size`` may exceed the tokenizer's, ``check_vocab``).
 
 Special-token strings are cut out of the corpus before training, so no merge
 spans one, and they always encode to their single id. Byte-level
@@ -179,7 +184,8 @@ def build_bpe(directory: str | os.PathLike, cfg: BPEConfig,
     corpus: ``corpus(cfg)`` -> the training texts (called only to build).
 
   Returns:
-    The ``BPETokenizer``; ``bpe.json`` records ``build_s``, the build's seconds.
+    The ``BPETokenizer``; ``bpe.json`` records ``build_s``, the build's
+    seconds, and ``vocab_size_built``.
 
   Raises:
     ValueError: the directory holds a tokenizer of another config (the
@@ -210,12 +216,13 @@ def build_bpe(directory: str | os.PathLike, cfg: BPEConfig,
   data = train_bpe_json(corpus(cfg), cfg.vocab_size, cfg.min_frequency).encode("utf-8")
   root.mkdir(parents=True, exist_ok=True)
   _write_atomic(tok_path, data)
+  tok = BPETokenizer(tok_path, cfg)
   meta = {"config": cfg.to_dict(), "config_sha256": cfg.digest(),
           "tokenizer_sha256": hashlib.sha256(data).hexdigest(),
-          "build_s": round(time.perf_counter() - t0, 3)}
+          "build_s": round(time.perf_counter() - t0, 3), "vocab_size_built": tok.vocab_size}
   # Written last: its presence marks a finished build.
   _write_atomic(meta_path, json.dumps(meta, indent=1, sort_keys=True).encode("utf-8"))
-  return BPETokenizer(tok_path, cfg)
+  return tok
 
 
 def resolve_tokenizer(spec: str, directory: str | os.PathLike | None,

@@ -54,6 +54,7 @@ def test_same_config_gives_byte_identical_files(built, tmp_path):
   assert meta["tokenizer_sha256"] == hashlib.sha256(first).hexdigest()
   assert meta["config"] == json.loads(json.dumps(CFG.to_dict()))
   assert meta["config_sha256"] == CFG.digest() and meta["build_s"] >= 0
+  assert meta["vocab_size_built"] == built[1].vocab_size == CFG.vocab_size
 
 
 def test_reuse_never_retrains_and_another_config_is_refused(built):
