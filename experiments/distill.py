@@ -119,13 +119,16 @@ def run_opd(config, workdir: str) -> dict:
     first = {} if resuming else {f"eval/{k}": v for k, v in evaluate(params).items()}
     if first:
       writer.write_scalars(0, first)
+    # Saved with every checkpoint: a resumed run gets the original step-0 eval back.
+    firsts = {0: first} if first else {}
     out = train_opd(student_cfg, params, pool, prompts, cfg, common.optim_config(config.optim),
                     tokenizer=tok, steps=config.train.steps, mesh=mesh, rules=rules,
                     seed=config.seed, writer=writer, checkpoint_dir=root / "checkpoints",
                     save_every=config.train.save_every,
                     keep_checkpoints=config.train.keep_checkpoints,
                     run_config={"experiment": config_to_dict(config)}, eval_fn=evaluate,
-                    eval_every=config.train.eval_every)
+                    eval_every=config.train.eval_every, first_metrics=firsts)
+  first = firsts.get(0, {})
   names, last = pool.names, out.history[-1] if out.history else {}
   plots = [common.plot_curves(root, keys=[f"eval/rkl/{n}" for n in names], filename="rkl.png",
                               title="held-out reverse KL per teacher"),
@@ -168,6 +171,7 @@ def run_cold_start(config, workdir: str) -> dict:
   batches = iter(sft_batches(data.pairs, tok, student_cfg, seq_len=cs.seq_len,
                              batch_size=common.per_process_batch(cs.batch_size),
                              seed=config.seed))
+  first: dict = {}  # step 1's metrics, restored from the checkpoint on a resume
   with MetricWriter(workdir) as writer:
     writer.write_scalars(0, data.metrics)
     logger = common.Logger(writer)
@@ -176,9 +180,10 @@ def run_cold_start(config, workdir: str) -> dict:
         lm_trainer.LMTrainConfig(steps=cs.steps, save_every=cs.steps), mesh=mesh, rules=rules,
         seed=config.seed, params=params, checkpoint_dir=pathlib.Path(workdir) / "checkpoints",
         on_metrics=logger, run_config={"model": student_cfg.to_dict(),
-                                       "experiment": config_to_dict(config)})
+                                       "experiment": config_to_dict(config)},
+        first_metrics=first)
   losses = [m["loss"] for _, m in logger.history if "loss" in m]
   return {"steps": int(state.step), **data.metrics,
-          "train_loss_first": losses[0] if losses else float("nan"),
+          "train_loss_first": first[1]["loss"] if 1 in first else float("nan"),
           "train_loss_final": float(np.mean(losses[-3:])) if losses else float("nan"),
           "wall_s": timer.seconds}

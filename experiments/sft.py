@@ -32,15 +32,17 @@ def run(config, workdir: str) -> dict:
                  num_eval=config.data.num_eval, difficulties=tuple(config.data.difficulties),
                  seq_len=config.train.seq_len, batch_size=config.train.batch_size,
                  mode=config.data.mode)
+  first: dict = {}  # step 1's metrics, restored from the checkpoint on a resume
   state, history = train_sft(model_cfg, params, data, workdir,
                              optim=common.optim_config(config.optim), loop=loop, mesh=mesh,
                              rules=rules, seed=config.seed,
-                             run_config={"experiment": config_to_dict(config)})
+                             run_config={"experiment": config_to_dict(config)},
+                             first_metrics=first)
   plot = common.plot_curves(workdir, keys=("loss", "eval/loss"), title="SFT loss")
   evals = [m for _, m in history if "eval/loss" in m]
   losses = [m["loss"] for _, m in history if "loss" in m]
   return {"steps": int(state.step),
-          "train_loss_first": losses[0] if losses else float("nan"),
+          "train_loss_first": first[1]["loss"] if 1 in first else float("nan"),
           "train_loss_final": float(np.mean(losses[-10:])),
           "eval_loss": evals[-1]["eval/loss"] if evals else float("nan"),
           "eval_accuracy": evals[-1].get("eval/accuracy", float("nan")) if evals else float("nan"),

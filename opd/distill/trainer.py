@@ -62,7 +62,7 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
               checkpoint_dir: str | pathlib.Path | None = None, save_every: int = 0,
               keep_checkpoints: int = 2, run_config: Mapping[str, Any] | None = None,
               eval_fn: Callable[[Any], Mapping[str, float]] | None = None, eval_every: int = 0,
-              progress: bool = True) -> OPDRun:
+              progress: bool = True, first_metrics: dict | None = None) -> OPDRun:
   """Distils ``teachers`` into the student for ``steps`` rollout batches (module docstring).
 
   Args:
@@ -76,6 +76,9 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
     steps: total rollout batches, each ``cfg.updates_per_batch`` updates.
     eval_fn: ``eval_fn(params)`` every ``eval_every`` steps and after the
       last (e.g. ``make_heldout_eval``), logged as ``eval/...``.
+    first_metrics: saved with the checkpoints and restored on resume
+      (``opd.training.loop.run``): key 0 may hold the held-out eval before
+      training, key 1 gets step 1's metrics.
     Others: as ``opd.rl.grpo.train_grpo``.
 
   Raises:
@@ -121,7 +124,7 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
       config={**dict(run_config or {}), "model": student_cfg.to_dict(), "opd": cfg.to_dict(),
               "teachers": list(pool.names)},
       match_config=("model", "opd", "teachers"), eval_every=eval_every, progress=progress,
-      desc="opd", progress_key="loss")
+      desc="opd", progress_key="loss", first_metrics=first_metrics)
   return OPDRun(state, history)
 
 

@@ -81,13 +81,14 @@ class SFTData:
 
 def train_sft(model_cfg: ModelConfig, params, data: SFTData, workdir: str | pathlib.Path, *,
               optim: OptimConfig, loop: lm_trainer.LMTrainConfig, mesh, rules, seed: int,
-              run_config: Mapping[str, Any] | None = None
+              run_config: Mapping[str, Any] | None = None, first_metrics: dict | None = None
               ) -> tuple[TrainState, list[tuple[int, dict[str, float]]]]:
   """SFT ``params`` on ``data``'s domains, checkpointed and logged under ``workdir``.
 
   Train examples are drawn with ``seed``, held-out ones with ``seed + 1``;
   step metrics reach ``workdir``'s ``MetricWriter`` every ``loop.steps // 50``
-  steps (eval metrics and step 1 always).
+  steps (eval metrics and step 1 always). ``first_metrics`` gets step 1's
+  metrics at key 1, the original run's after a resume (``opd.training.loop.run``).
 
   Returns:
     ``(state, history)``: the final state and every ``(step, metrics)``.
@@ -116,5 +117,6 @@ def train_sft(model_cfg: ModelConfig, params, data: SFTData, workdir: str | path
     state = lm_trainer.train_lm(
         model_cfg, train_iter, optim, loop, mesh=mesh, rules=rules, seed=seed, params=params,
         eval_batches=eval_batches, checkpoint_dir=pathlib.Path(workdir) / "checkpoints",
-        on_metrics=on_metrics, run_config={"model": model_cfg.to_dict(), **(run_config or {})})
+        on_metrics=on_metrics, run_config={"model": model_cfg.to_dict(), **(run_config or {})},
+        first_metrics=first_metrics)
   return state, history
