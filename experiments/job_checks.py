@@ -108,3 +108,9 @@ def check_v4(config) -> None:
         stage, "config.anneal_optim")
     (check_cold_start if stage == "cold_start" else check_opd)(cfg, "config", optim)
   check_baselines(config.baselines, "config.baselines")
+
+
+def check_grm(config) -> None:
+  """The GRM pipeline: the benchmark's voting k's (its last stage)."""
+  from experiments import grm  # noqa: PLC0415
+  grm.check_benchmark(config)

@@ -54,6 +54,7 @@ _CHECKS: dict[str, Target] = {
     "offpolicy_kd": "experiments.job_checks:check_baselines",
     "mixed_rl": "experiments.job_checks:check_baselines",
     "sequential_rl": "experiments.job_checks:check_baselines",
+    "grm": "experiments.job_checks:check_grm",
 }
 
 

@@ -11,7 +11,7 @@ import ml_collections
 import pytest
 
 from experiments import common
-from experiments import gencluster, mathv2
+from experiments import gencluster, grm, mathv2
 
 
 def _finish(root, name, t):
@@ -46,3 +46,11 @@ def test_every_upstream_stage_runs_earlier(job):
   for name, ups in job.UPSTREAM.items():
     assert name in order and ups, name
     assert all(u in order and order.index(u) < order.index(name) for u in ups), (name, ups)
+
+
+def test_grm_needs_name_earlier_stages():
+  order = [name for name, _, _ in grm.STAGES]
+  assert set(grm.NEEDS) == set(order)
+  for name, ups in grm.NEEDS.items():
+    assert all(order.index(u) < order.index(name) for u in ups), (name, ups)
+  assert set(grm.READS_BASE) <= set(order)

@@ -55,6 +55,14 @@ def test_the_suite_has_eight_batch_shards():
     ("compat", ["student_sft.train.batch_size=4"], r"config.student_sft.train.batch_size=4 is"),
     ("baselines", ["offpolicy.batch_size=12"], r"config.offpolicy.batch_size=12 is not divisible"),
     ("baselines", ["offpolicy.batch_size=8", "rl_optim.lr=-1.0"], r"config.rl_optim.*lr"),
+    ("grm", ["benchmark.ks=(1, 0)"], r"config.benchmark ks for 'rft'=\(1, 0\) must be"),
 ])
 def test_a_late_stage_config_is_refused_at_job_start(tmp_path, name, overrides, pattern):
   _refused(_load(name, *overrides), tmp_path, pattern)
+
+
+def test_grm_benchmark_ks_by_stage_names_grm_stages(tmp_path):
+  config = _load("grm")
+  config.benchmark.ks_by_stage.rule_rll = (1, 2)
+  _refused(config, tmp_path, r"config.benchmark.ks_by_stage names \['rule_rll'\], which are not "
+                             r"GRM stages")
