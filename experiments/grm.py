@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import time
+import warnings
 
 import jax
 import ml_collections
@@ -67,7 +68,7 @@ from grm import pairwise as pairwise_lib
 from grm import scalar_rm as scalar_lib
 from grm import shared as shared_lib
 from grm import training as training_lib
-from grm.correctness import best_index, is_correct
+from grm.correctness import best_index
 from grm.data import Candidate, build_groups, sample_candidates, split_groups
 from grm.reward import bt_input_ids
 from opd import tasks as tasks_lib
@@ -308,8 +309,12 @@ def _stage_meta_rm(ctx, workdir):
   samples = grm_sampler(ctx, params, c.benchmark.max_new_tokens, c.benchmark.temperature,
                      progress="meta-RM training judgements")(
       [(g.query, g.responses) for g in groups], c.rm.meta_k, c.seed + 3, None)
-  flat = [(s, float(is_correct(s.scores, g.ratings))) for g, row in zip(groups, samples)
-          for s in row]
+  flat = meta_lib.training_rows(groups, samples)  # valid judgements only
+  dropped = sum(map(len, samples)) - len(flat)
+  if not flat:  # e.g. the tiny variant's random GRM: every row, all labelled wrong
+    warnings.warn(f"all {dropped} meta-RM training judgements are invalid; training on them "
+                  "with label 0", stacklevel=1)
+    flat, dropped = [(s, 0.0) for row in samples for s in row], 0
   cfg, mparams = meta_lib.add_scalar_head(ctx.model_cfg, params, jax.random.key(c.seed + 9))
 
   def make(idx):
@@ -319,13 +324,16 @@ def _stage_meta_rm(ctx, workdir):
 
   out = _train_scalar(ctx, cfg, mparams, meta_lib.meta_loss_fn(cfg),
                       _cycle_batches(make, len(flat), c.rm.batch_size, c.seed), workdir)
-  return {"samples": len(flat), "positive_rate": float(np.mean([y for _, y in flat])), **out}
+  return {"samples": len(flat), "invalid_dropped": dropped,
+          "positive_rate": float(np.mean([y for _, y in flat])), **out}
 
 
 # Fields of the benchmark group only the benchmark stage reads (the voting k's and
 # the bootstrap); RFT and the meta-RM read its sampling fields, so these are left
 # out of their stage configs (a saved config that still holds them matches).
-BENCHMARK_ONLY = ("benchmark.ks", "benchmark.ks_by_stage", "benchmark.bootstrap_samples")
+BENCHMARK_ONLY = ("benchmark.ks", "benchmark.ks_by_stage", "benchmark.bootstrap_samples",
+                  "benchmark.constrained", "benchmark.content_blind",
+                  "benchmark.pairwise_both_orders")
 
 STAGES = (("data", _stage_data, ("data", "models", "tiny_models")),
           ("cold_start", _stage_cold_start, ("sft", "sft_optim")),

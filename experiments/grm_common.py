@@ -66,13 +66,16 @@ def stage_params(ctx: common.JobContext, stage: str, cfg=None):
                      rules=ctx.rules)
 
 
-def grm_sampler(ctx, params, max_new_tokens, temperature, cfg=None, progress=None):
-  """Batched GRM sampling with the benchmark's chunking (``progress``: a bar label)."""
+def grm_sampler(ctx, params, max_new_tokens, temperature, cfg=None, progress=None,
+                constrained=False):
+  """Batched GRM sampling with the benchmark's chunking (``progress``: a bar label;
+  ``constrained``: the scores line decoded under its grammar, ``grm.judge``)."""
   sampling = sampling_for_chat(ctx.tok, max_new_tokens=max_new_tokens, temperature=temperature)
   return training_lib.model_sampler(cfg or ctx.model_cfg, params, ctx.tok, sampling,
                                     batch_size=ctx.config.benchmark.batch_size,
                                     length_bucket=ctx.config.benchmark.length_bucket,
-                                    mesh=ctx.mesh, rules=ctx.rules, progress=progress)
+                                    mesh=ctx.mesh, rules=ctx.rules, progress=progress,
+                                    constrained=constrained)
 
 
 SHARED = "shared"

@@ -126,11 +126,17 @@ def get_config(arg=None):
   # 2-core machine, 34.5 min for the final GRM beside two other jobs): the shared
   # backbone to 8; a stage not listed, every GRM stage, to `ks` (32, as in the
   # paper's figure; override e.g. --config.benchmark.ks_by_stage.rule_rl="(1,2,4,8,16)").
+  # constrained: decode the GRM's and the pairwise judge's last line under their
+  # grammar (opd.rollout.constraint; off keeps the earlier runs' numbers);
+  # content_blind: also judge the control groups (each response from another
+  # group; doubles the GRM sampling); pairwise_both_orders: judge each pair in
+  # both orders and add the swap-averaged row (the single-order "pairwise" row
+  # is the first order's, as before; the judge answered "B" 93% of the time).
   c.benchmark = ml_collections.ConfigDict(dict(
       ks=(1, 2, 4, 8, 16, 32),
       ks_by_stage=dict(shared=(1, 2, 4, 8)),
       temperature=0.7, max_new_tokens=320, bootstrap_samples=1000, batch_size=32,
-      length_bucket=64))
+      length_bucket=64, constrained=False, content_blind=True, pairwise_both_orders=True))
   if arg["tiny"]:
     c.tiny_models = 2
     c.data.update(domains=("math", "instruct"), num_train=4, num_test=4, difficulties=(1, 2),

@@ -15,6 +15,7 @@ from experiments import grm as grm_job
 from experiments.grm_benchmark import MULTI, stage_ks
 from experiments.configs import grm as grm_config
 from grm import pairwise as pairwise_lib
+from grm import yardstick
 from grm.benchmark_set import OVERALL, SUBSETS
 from grm.correctness import best_index
 from grm.data import PreferenceGroup
@@ -106,6 +107,35 @@ def test_benchmark_is_on_test_groups_only_and_consistent_with_invalid_rates(run)
     stage = json.loads((workdir / name / "final_metrics.json").read_text())
     assert stage["time/wall_s"] > 0 and stage["time/cpu_s"] > 0
   assert (workdir / "benchmark" / "k_curve.png").stat().st_size > 0
+
+
+def test_yardstick_recomputes_from_the_records_beside_chance_and_the_control(run):
+  workdir, _ = run
+  bench = json.loads((workdir / "benchmark" / "benchmark.json").read_text())
+  yard = bench["yardstick"]
+  groups = json.loads((workdir / "data" / "groups.json").read_text())
+  ns = [len(g["responses"]) for g in groups["test"]]
+  multi = [1 / n for n in ns if n >= 2]
+  if multi:  # chance is mean(1/n), computed
+    assert yard["chance"]["n>=2"]["value"] == pytest.approx(100 * sum(multi) / len(multi))
+  config = grm_config.get_config("tiny")
+  res = json.loads((workdir / "benchmark" / "results_rule_rl.json").read_text())
+  assert len(res["records"]) == len(ns)
+  again = yardstick.recompute(res["records"], stage_ks(config, "rule_rl"),
+                              num_resamples=config.benchmark.bootstrap_samples, seed=config.seed)
+  for name, row in again.items():
+    got = yard[f"rule_rl/{name}"]
+    assert {k: got[k] for k in row} == row  # the table is a function of the records alone
+    if multi:  # strict n >= 2 is the like-for-like column of the accuracy table
+      assert row["n>=2"]["strict"]["value"] == pytest.approx(
+          bench["accuracy"][f"rule_rl/{name}"][MULTI]["value"])
+    assert set(got["control"]) == set(row) or "control_error" in got
+  report = (workdir / "benchmark" / "report.md").read_text()
+  assert "## Yardstick" in report and "| rule_rl/vote@1 |" in report
+  assert "pairwise_swap" in bench["accuracy"] or not multi
+  if bench["position"] is not None:
+    assert 0.0 <= bench["position"]["a_rate_before"] <= 1.0 or bench["position"][
+        "a_rate_before"] != bench["position"]["a_rate_before"]  # NaN: no valid judgement
 
 
 def test_a_second_launch_reuses_every_stage(run):
