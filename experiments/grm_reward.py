@@ -81,7 +81,8 @@ def run(config, workdir: str) -> dict:
   reward_fns = {
       "grm": lambda: GRMReward(model_cfg, grm_params, tok, k=g.k, fallback=g.fallback,
                                seed=config.seed, batch_size=g.batch_size, mesh=mesh,
-                               rules=rules, sampling=sampling_for_chat(
+                               rules=rules, constrained=g.get("constrained", False),
+                               sampling=sampling_for_chat(
                                    tok, max_new_tokens=g.max_new_tokens,
                                    temperature=g.temperature)),
       "bt": lambda: BTReward(bt_cfg, bt_params, tok, seq_len=config.bt.seq_len,

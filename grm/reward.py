@@ -64,18 +64,21 @@ class GRMReward:
     fallback: reward in [0, 1] of an episode with no valid sample.
     seed: base seed; call c samples with seed ``seed + c`` (fresh shuffles
       and draws every batch, reproducible from the start of a run).
-    batch_size, prompt_bucket, mesh, rules: as ``grm.judge.sample_judgements``.
+    batch_size, prompt_bucket, mesh, rules, constrained: as
+      ``grm.judge.sample_judgements`` (``constrained``: the scores line decoded
+      under its grammar).
   """
 
   def __init__(self, model_cfg: ModelConfig, params, tokenizer, *, sampling: SamplingConfig,
                k: int = 1, fallback: float = 0.0, seed: int = 0, batch_size: int | None = None,
-               prompt_bucket: int = 32, mesh=None, rules=None):
+               prompt_bucket: int = 32, mesh=None, rules=None, constrained: bool = False):
     check_int("GRMReward", "k", k, min_value=1)
     check_int("GRMReward", "seed", seed, min_value=0)
     self.fallback = check_float("GRMReward", "fallback", fallback, min_value=0.0, max_value=1.0)
     self.model_cfg, self.params, self.tokenizer = model_cfg, params, tokenizer
     self.sampling, self.k, self.seed = sampling, int(k), int(seed)
-    self._kw = dict(batch_size=batch_size, prompt_bucket=prompt_bucket, mesh=mesh, rules=rules)
+    self._kw = dict(batch_size=batch_size, prompt_bucket=prompt_bucket, mesh=mesh, rules=rules,
+                    constrained=bool(constrained))
     self.calls = 0
     self.last_samples: list = []
     self.last_metrics: dict[str, float] = {}

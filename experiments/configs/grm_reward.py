@@ -50,8 +50,9 @@ def get_config(arg=None):
   # The GRM judges each episode alone (n = 1): k samples of <= 200 tokens, voted.
   # T = 0.7 as in the grm job's RFT, rule RL and benchmark: at T = 1 its cold
   # start wrote 8 of 32 valid judgements (experiments/configs/grm.py).
+  # constrained: the GRM's scores line decoded under its grammar (off: as before).
   c.grm = ml_collections.ConfigDict(dict(k=4, max_new_tokens=320, temperature=0.7,
-                                         fallback=0.0, batch_size=32))
+                                         fallback=0.0, batch_size=32, constrained=False))
   c.bt = ml_collections.ConfigDict(dict(seq_len=256, batch_size=32))
   # The writing specialist's GRPO (experiments/configs/grpo.py, 8 prompts x 8 = 64
   # rollouts a step, 40 steps: +4.1 mean@4 on the rubric in `make demo`); a

@@ -1,6 +1,7 @@
 """grm.pairwise swap-averaging and the GENCLUSTER tournament's, against hand-computed cases;
 the constrained call sites' patterns (grm.judge, grm.pairwise, grm.verify)."""
 import re
+import types
 
 import numpy as np
 import pytest
@@ -137,3 +138,43 @@ def test_sample_judgements_constrained_gives_each_row_its_n(monkeypatch):
   # Chunks of 4 after the length sort: every row keeps its own group's n - 1.
   assert sorted(p for _, ps in seen for p in ps) == sorted([2, 2, 0, 0, 1, 1])
   assert all(c is automaton for c, _ in seen)
+
+
+def test_other_call_sites_pass_their_pattern(monkeypatch):
+  """The DeepSeekMath-V2 sampler, GENCLUSTER's judge and the GRM reward decode under
+  their grammar when asked, and unconstrained by default."""
+  from grm import reward as reward_lib
+  from grm.gencluster import pipeline
+  from grm.verify import sampling as verify_sampling
+  cfg = ModelConfig(vocab_size=TOK.vocab_size, d_model=8, n_layers=1, n_heads=1, n_kv_heads=1,
+                    d_ff=8)
+  sampling = sampling_for_chat(TOK, max_new_tokens=8)
+  seen = []
+
+  def fake_sample(model_cfg, params, tokenizer, prompts, rng, sampling, **kwargs):
+    seen.append(kwargs.get("constraint"))
+    return [Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), True, "x")
+            for _ in prompts]
+
+  monkeypatch.setattr(verify_sampling, "sample", fake_sample)
+  for constrained in (False, True):
+    verify_sampling.sampler_fn(cfg, None, TOK, sampling, constrained=constrained)(["p"])
+  assert seen[0] is None and seen[1].patterns == (SCORE_PATTERN,)
+  assert set(seen[1].end_ids) == set(sampling.end_ids)
+  monkeypatch.setattr("opd.rollout.episodes.sample", fake_sample)
+  for constrained in (False, True):
+    pipeline.model_judge(cfg, None, TOK, sampling, batch_size=2, constrained=constrained)(
+        ["p"], 0)
+  assert seen[2] is None and seen[3].patterns == (pw.SCORE_PATTERN,)
+  flags = []
+
+  def fake_judgements(*args, constrained, **kwargs):
+    flags.append(constrained)
+    raise StopIteration  # the flag is all this test reads
+
+  monkeypatch.setattr(reward_lib, "sample_judgements", fake_judgements)
+  episode = types.SimpleNamespace(example=types.SimpleNamespace(prompt="q"), turns=("a",))
+  for constrained in (False, True):
+    with pytest.raises(StopIteration):
+      reward_lib.GRMReward(cfg, None, TOK, sampling=sampling, constrained=constrained)([episode])
+  assert flags == [False, True]
