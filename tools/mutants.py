@@ -76,6 +76,8 @@ class Mutant:
 _KL_TESTS = ("tests/pallas_kernels/test_kl_chunked.py", "tests/pallas_kernels/test_kl_properties.py")
 _DECODER_TESTS = ("tests/opd/models/test_decoder.py",
                   "tests/opd/models/test_hf.py::test_load_hf_matches_transformers")
+_MLA_TESTS = ("tests/opd/models/test_mla.py",
+              "tests/opd/models/test_hf_deepseek.py::test_load_hf_matches_transformers")
 _SAMPLER_TESTS = ("tests/opd/rollout/test_sampler.py",)
 _GRPO_TESTS = ("tests/opd/rl/test_rl_loss.py",)
 _ADVANTAGE_TESTS = ("tests/opd/rl/test_advantages.py", "tests/opd/rl/test_rl_loss.py")
@@ -150,6 +152,19 @@ MUTANTS: tuple[Mutant, ...] = (
     M("rope_rotation_reversed", "decoder", "opd/models/layers.py",
       (("rotated = jnp.concatenate([-x2, x1], axis=-1)", "rotated = jnp.concatenate([x2, -x1], axis=-1)"),),
       _DECODER_TESTS, "RoPE rotates the other way (positions enter with the wrong sign)"),
+    M("mla_interleave_ignored", "decoder", "opd/models/mla.py",
+      (("  if interleave:\n", "  if False:\n"),),
+      _MLA_TESTS, "MLA: DeepSeek's interleaved RoPE pairs rotated as halves"),
+    M("mla_scale_nope_only", "decoder", "opd/models/mla.py",
+      (("scale = (Dn + Dr) ** -0.5", "scale = Dn ** -0.5"),),
+      _MLA_TESTS, "MLA: softmax scale from the non-RoPE query dims only"),
+    M("mla_absorbed_rope_key_dropped", "decoder", "opd/models/mla.py",
+      (('+ jnp.einsum("BTHE,BSE->BHTS", q_rope, kr, preferred_element_type=jnp.float32))',
+        '+ 0 * jnp.einsum("BTHE,BSE->BHTS", q_rope, kr, preferred_element_type=jnp.float32))'),),
+      _MLA_TESTS, "MLA absorbed (cached) form: scores lose the shared RoPE key"),
+    M("mla_cache_holds_unnormalised_latent", "decoder", "opd/models/mla.py",
+      (("c[:, None].astype(cc.dtype)", "ckv[:, None, :, :C].astype(cc.dtype)"),),
+      _MLA_TESTS, "MLA cache: the latent written before its RMSNorm"),
     # --- sampler --------------------------------------------------------------
     M("top_p_keeps_one_too_few", "sampler", "opd/rollout/sampler.py",
       (("nucleus = jnp.take_along_axis(sorted_vals, n_keep - 1, axis=-1)",
