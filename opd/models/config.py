@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 from opd.config.fields import check_fields, check_int, from_group, set_field
+from opd.models.moe import MoEConfig
 
 _DTYPES = {
     "float32": jnp.float32,
@@ -92,6 +93,9 @@ class ModelConfig:
       ``n_heads``, ``head_dim`` must be None (the sub-config holds the head
       dims), and ``qk_norm`` / ``qkv_bias`` / ``o_bias`` must be False. A
       mapping is converted (``from_dict`` / ``to_dict`` round trip).
+    moe: ``None`` (dense) or a ``MoEConfig`` (a mapping is converted):
+      layers ``>= moe.first_k_dense`` replace the dense MLP with routed (+
+      shared) experts (``opd.models.moe``); the others keep width ``d_ff``.
   """
   vocab_size: int = 512
   d_model: int = 128
@@ -111,8 +115,10 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: bool = False
   mla: MLAConfig | None = None
+  moe: MoEConfig | None = None
 
   def __post_init__(self):
+    self._check_moe()
     check_fields(self, "ModelConfig",
                  ints=dict.fromkeys(("vocab_size", "d_model", "n_layers", "n_heads",
                                      "n_kv_heads", "d_ff"), 1),
@@ -126,6 +132,27 @@ class ModelConfig:
       self._check_mla()
     else:
       self._check_gqa()
+
+  def _check_moe(self):
+    if isinstance(self.moe, Mapping):
+      set_field(self, "moe", from_group(MoEConfig, self.moe, "ModelConfig.moe"))
+    if self.moe is not None and not isinstance(self.moe, MoEConfig):
+      raise ValueError(f"ModelConfig.moe must be a MoEConfig, a mapping or None, got "
+                       f"{type(self.moe).__name__}")
+    if self.moe is not None and self.moe.first_k_dense > self.n_layers:
+      raise ValueError(f"ModelConfig.moe.first_k_dense={self.moe.first_k_dense} exceeds "
+                       f"n_layers={self.n_layers}")
+
+  def _mlp_params(self, layer: int) -> tuple[int, int]:
+    """(stored, active per token) weights of layer ``layer``'s MLP or MoE block."""
+    D, moe = self.d_model, self.moe
+    if moe is None or not moe.is_moe_layer(layer):
+      return 3 * D * self.d_ff, 3 * D * self.d_ff
+    expert = 3 * D * moe.moe_d_ff
+    shared = moe.n_shared_experts * expert
+    bias = moe.n_routed_experts if moe.router == "sigmoid" else 0
+    return (D * moe.n_routed_experts + bias + moe.n_routed_experts * expert + shared,
+            D * moe.n_routed_experts + moe.experts_per_token * expert + shared)
 
   def _check_gqa(self):
     if self.head_dim is None and self.d_model % self.n_heads:
@@ -194,7 +221,7 @@ class ModelConfig:
 
   def num_params(self) -> int:
     """Parameter count (embedding and head counted separately if untied)."""
-    D, F, V = self.d_model, self.d_ff, self.vocab_size
+    D, V = self.d_model, self.vocab_size
     H, K, Dh = self.n_heads, self.n_kv_heads, self.resolved_head_dim
     attn = self._attn_params()
     if self.qkv_bias:
@@ -203,8 +230,8 @@ class ModelConfig:
       attn += D
     if self.qk_norm:
       attn += 2 * Dh
-    block = attn + 3 * D * F + 2 * D
-    total = self.n_layers * block + V * D + D
+    total = self.n_layers * (attn + 2 * D) + V * D + D
+    total += sum(self._mlp_params(i)[0] for i in range(self.n_layers))
     if not self.tie_embeddings:
       total += D * V
     if self.scalar_head:
@@ -213,14 +240,14 @@ class ModelConfig:
 
   def flops_per_token(self, seq_len: int) -> float:
     """Forward matmul FLOPs per token (2 per multiply-add), attention included."""
-    D, F, V = self.d_model, self.d_ff, self.vocab_size
+    D, V = self.d_model, self.vocab_size
     H, Dh = self.n_heads, self.resolved_head_dim
     proj = 2 * (self._attn_params() - (0 if self.mla is None else self.mla.kv_lora_rank + (
         self.mla.q_lora_rank or 0)))  # matmul weights only (not the latent norms' scales)
-    mlp = 2 * 3 * D * F
+    mlp = sum(2 * self._mlp_params(i)[1] for i in range(self.n_layers))  # active weights
     Dv = Dh if self.mla is None else self.mla.v_head_dim
     attn = 2 * H * (Dh + Dv) * seq_len  # QK^T and PV against seq_len keys
-    return self.n_layers * (proj + mlp + attn) + 2 * D * V
+    return self.n_layers * (proj + attn) + mlp + 2 * D * V
 
 
 def to_model_config(model: Mapping[str, Any], where: str = "config.model") -> ModelConfig:

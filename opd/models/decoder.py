@@ -26,6 +26,8 @@ from opd.models.layers import INIT_STD as _INIT_STD
 from opd.models.layers import RMSNorm, init_kind, rope
 from opd.models.layers import param as _param
 from opd.models.mla import MLAttention
+from opd.models.moe import MoEMLP
+from opd.models.moe_balance import stack_stats
 
 Array = jax.Array
 
@@ -58,11 +60,15 @@ class DecoderOutput(NamedTuple):
   logits: ``[B, T, V]`` float32. hidden: ``[B, T, D]`` last hidden states
   (after the final norm) in the compute dtype. values: ``[B, T]`` float32
   scalar-head outputs (``scalar_head=True`` only). cache: the updated cache.
+  moe: ``opd.models.moe_balance.RouterStats`` stacked over the MoE layers
+  (``cfg.moe`` set only; ``moe_balance.aux_loss`` turns it into the balance
+  loss, ``router_metrics`` into metrics).
   """
   logits: Array | None
   hidden: Array | None
   values: Array | None
   cache: KVCache | None
+  moe: Any = None
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_length: int, dtype=None) -> KVCache:
@@ -165,18 +171,26 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
   cfg: ModelConfig
+  layer: int = 0
 
   @nn.compact
-  def __call__(self, x, positions, key_mask, layer_cache):
+  def __call__(self, x, positions, key_mask, layer_cache, mask=None):
+    """Returns ``(x, new layer cache, RouterStats or None)``; ``mask`` [B, T] feeds the
+    MoE block's statistics (layers ``cfg.moe.is_moe_layer(layer)``)."""
     cfg = self.cfg
     norm = lambda name: RMSNorm(cfg.norm_eps, cfg.compute_dtype, cfg.storage_dtype, name=name)
     attn_cls = Attention if cfg.mla is None else MLAttention
     attn_out, new_cache = attn_cls(cfg, name="attn")(norm("attn_norm")(x), positions,
                                                      key_mask, layer_cache)
     x = x + attn_out
-    x = x + MLP(cfg, name="mlp")(norm("mlp_norm")(x))
+    stats = None
+    if cfg.moe is not None and cfg.moe.is_moe_layer(self.layer):
+      mlp_out, stats = MoEMLP(cfg, name="mlp")(norm("mlp_norm")(x), mask)
+    else:
+      mlp_out = MLP(cfg, name="mlp")(norm("mlp_norm")(x))
+    x = x + mlp_out
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
-    return x, new_cache
+    return x, new_cache, stats
 
 
 class Decoder(nn.Module):
@@ -237,10 +251,13 @@ class Decoder(nn.Module):
       key_mask = causal[None] & new_mask[:, None, :]  # [B, T, S]
 
     block_cls = nn.remat(Block) if cfg.remat else Block
-    new_k, new_v = [], []
+    new_k, new_v, moe_stats = [], [], []
     for i in range(cfg.n_layers):
       layer_cache = None if cache is None else (cache.k[i], cache.v[i], index)
-      x, layer_new = block_cls(cfg, name=f"layers_{i}")(x, positions, key_mask, layer_cache)
+      x, layer_new, stats = block_cls(cfg, i, name=f"layers_{i}")(x, positions, key_mask,
+                                                                   layer_cache, mask)
+      if stats is not None:
+        moe_stats.append(stats)
       if layer_new is not None:
         new_k.append(layer_new[0])
         new_v.append(layer_new[1])
@@ -269,7 +286,8 @@ class Decoder(nn.Module):
       new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), mask=new_mask,
                           index=(index + T).astype(jnp.int32))
     return DecoderOutput(logits=logits, hidden=hidden if return_hidden else None,
-                         values=values, cache=new_cache)
+                         values=values, cache=new_cache,
+                         moe=stack_stats(moe_stats) if moe_stats else None)
 
 
 # ---------------------------------------------------------------------------

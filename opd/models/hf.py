@@ -41,7 +41,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from opd.models import hf_deepseek
+from opd.models import hf_deepseek, hf_moe
 from opd.models.config import ModelConfig
 from opd.models.hf_config import (  # noqa: F401 - re-exported: opd.models.hf is the entry
     ARCHS, HF_CLASS, check_config_matches, config_from_hf, config_to_hf, infer_arch)
@@ -66,6 +66,7 @@ class _Spec:
   shape: tuple[int, ...]
   transpose: bool  # HF [out, in] Linear weight
   fields: str  # the config fields that set the shape, for error messages
+  index: int | None = None  # slice `index` of our param's leading (expert) axis
 
 
 def _tensor_specs(cfg: ModelConfig) -> list[_Spec]:
@@ -99,12 +100,14 @@ def _tensor_specs(cfg: ModelConfig) -> list[_Spec]:
   if cfg.qk_norm:
     layer += [("self_attn.q_norm.weight", "attn/q_norm/scale", (Dh,), (Dh,), False, "head_dim"),
               ("self_attn.k_norm.weight", "attn/k_norm/scale", (Dh,), (Dh,), False, "head_dim")]
-  layer += [("mlp.gate_proj.weight", "mlp/gate", (F, D), (D, F), True, "d_ff, d_model"),
-            ("mlp.up_proj.weight", "mlp/up", (F, D), (D, F), True, "d_ff, d_model"),
-            ("mlp.down_proj.weight", "mlp/down", (D, F), (F, D), True, "d_model, d_ff")]
+  dense = [("mlp.gate_proj.weight", "mlp/gate", (F, D), (D, F), True, "d_ff, d_model"),
+           ("mlp.up_proj.weight", "mlp/up", (F, D), (D, F), True, "d_ff, d_model"),
+           ("mlp.down_proj.weight", "mlp/down", (D, F), (F, D), True, "d_model, d_ff")]
+  moe = [] if cfg.moe is None else hf_moe.mlp_rows(cfg.moe, D)
+  mlp = lambda i: moe if cfg.moe is not None and cfg.moe.is_moe_layer(i) else dense
   rows = [("model.embed_tokens.weight", "embedding", (V, D), (V, D), False, "vocab_size, d_model")]
   rows += [(f"model.layers.{i}.{name}", f"layers_{i}/{path}", *rest)
-           for i in range(cfg.n_layers) for name, path, *rest in layer]
+           for i in range(cfg.n_layers) for name, path, *rest in layer + mlp(i)]
   rows.append(("model.norm.weight", "final_norm/scale", (D,), (D,), False, "d_model"))
   if not cfg.tie_embeddings:
     rows.append(("lm_head.weight", "lm_head", (V, D), (D, V), True, "vocab_size, d_model"))
@@ -145,9 +148,12 @@ def params_to_hf(cfg: ModelConfig, params, dtype=None) -> dict[str, np.ndarray]:
         raise ValueError(f"params lack {'/'.join(s.path)} (needed for {s.hf_name})")
       node = node[key]
     x = np.asarray(node)
-    if x.shape != s.shape:
-      raise ValueError(f"params {'/'.join(s.path)} has shape {x.shape}, expected {s.shape} "
+    shape = s.shape if s.index is None else (cfg.moe.n_routed_experts,) + s.shape
+    if x.shape != shape:
+      raise ValueError(f"params {'/'.join(s.path)} has shape {x.shape}, expected {shape} "
                        f"from {_fields_values(cfg, s.fields)}")
+    if s.index is not None:
+      x = x[s.index]
     if dtype is not None:
       x = x.astype(jnp.dtype(dtype))
     x = x.reshape(s.hf_shape[::-1]).T if s.transpose else x.reshape(s.hf_shape)
@@ -192,7 +198,16 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, Any], dtype=None):
     node = params
     for key in s.path[:-1]:
       node = node.setdefault(key, {})
-    node[s.path[-1]] = jnp.asarray(x, dtype=dtype)
+    if s.index is None:
+      node[s.path[-1]] = jnp.asarray(x, dtype=dtype)
+    else:  # one expert of a stacked [E, ...] param; the table lists experts in order
+      node.setdefault(s.path[-1], []).append(x)
+  stacked = {s.path for s in specs if s.index is not None}
+  for path in stacked:
+    node = params
+    for key in path[:-1]:
+      node = node[key]
+    node[path[-1]] = jnp.asarray(np.stack(node[path[-1]]), dtype=dtype)
   if tied_head:
     head = np.asarray(tensors["lm_head.weight"])
     if head.shape != (cfg.vocab_size, cfg.d_model) or not np.array_equal(

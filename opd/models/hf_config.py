@@ -13,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from opd.models import hf_deepseek
+from opd.models import hf_deepseek, hf_moe
 from opd.models.config import ModelConfig
 
-ARCHS = ("llama", "qwen2", "qwen3", hf_deepseek.MODEL_TYPE)
+ARCHS = ("llama", "qwen2", "qwen3", hf_deepseek.MODEL_TYPE, hf_moe.QWEN3_MOE)
 HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", hf_deepseek.MODEL_TYPE: hf_deepseek.HF_CLASS}
+            "qwen3": "Qwen3ForCausalLM", hf_deepseek.MODEL_TYPE: hf_deepseek.HF_CLASS,
+            hf_moe.QWEN3_MOE: hf_moe.QWEN3_MOE_CLASS}
 
 
 
@@ -127,7 +128,7 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32",
   attention_bias = bool(hf.get("attention_bias", False))
   if arch == "qwen2":
     qkv_bias, o_bias, qk_norm = True, False, False
-  elif arch == "qwen3":
+  elif arch in ("qwen3", hf_moe.QWEN3_MOE):
     qkv_bias, o_bias, qk_norm = attention_bias, attention_bias, True
   else:
     qkv_bias, o_bias, qk_norm = attention_bias, attention_bias, False
@@ -136,6 +137,7 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32",
       head_dim=head_dim, d_ff=hf["intermediate_size"], rope_theta=theta,
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qk_norm=qk_norm, qkv_bias=qkv_bias,
       o_bias=o_bias, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      moe=hf_moe.moe_from_hf(hf, arch, n_layers) if arch == hf_moe.QWEN3_MOE else None,
       dtype=dtype, param_dtype=param_dtype or dtype)
 
 
@@ -145,7 +147,7 @@ def infer_arch(cfg: ModelConfig) -> str:
   if cfg.mla is not None:
     return hf_deepseek.MODEL_TYPE
   if cfg.qk_norm:
-    return "qwen3"
+    return "qwen3" if cfg.moe is None else hf_moe.QWEN3_MOE
   if cfg.qkv_bias and not cfg.o_bias:
     return "qwen2"
   return "llama"
@@ -159,6 +161,9 @@ def _check_arch_fits(cfg: ModelConfig, arch: str) -> None:
                      f"attention is arch={hf_deepseek.MODEL_TYPE!r} and only it")
   if arch == hf_deepseek.MODEL_TYPE:
     return
+  if (arch == hf_moe.QWEN3_MOE) != (cfg.moe is not None):
+    raise ValueError(f"arch={arch!r} does not fit cfg.moe={cfg.moe!r}: of the GQA families "
+                     f"only arch={hf_moe.QWEN3_MOE!r} is a mixture of experts")
   if arch == "qwen2":
     if not cfg.qkv_bias or cfg.o_bias or cfg.qk_norm:
       raise ValueError(f"arch='qwen2' needs qkv_bias=True, o_bias=False, qk_norm=False; got "
@@ -167,8 +172,8 @@ def _check_arch_fits(cfg: ModelConfig, arch: str) -> None:
   if cfg.qkv_bias != cfg.o_bias:
     raise ValueError(f"arch={arch!r} has one attention_bias flag for q/k/v and o; got "
                      f"{cfg.qkv_bias=} and {cfg.o_bias=} (use arch='qwen2' for q/k/v-only bias)")
-  if arch == "qwen3" and not cfg.qk_norm:
-    raise ValueError("arch='qwen3' always applies q/k norm; got cfg.qk_norm=False")
+  if arch in ("qwen3", hf_moe.QWEN3_MOE) and not cfg.qk_norm:
+    raise ValueError(f"arch={arch!r} always applies q/k norm; got cfg.qk_norm=False")
   if arch == "llama":
     if cfg.qk_norm:
       raise ValueError("arch='llama' has no q/k norm; got cfg.qk_norm=True (use arch='qwen3')")
@@ -212,8 +217,10 @@ def config_to_hf(cfg: ModelConfig, arch: str | None = None, **overrides) -> dict
     hf.update(hf_deepseek.mla_to_hf(cfg), first_k_dense_replace=cfg.n_layers)
   elif arch == "llama":
     hf.update(attention_bias=cfg.o_bias, mlp_bias=False)
-  elif arch == "qwen3":
+  elif arch in ("qwen3", hf_moe.QWEN3_MOE):
     hf.update(attention_bias=cfg.o_bias, use_sliding_window=False, sliding_window=None)
+    if cfg.moe is not None:
+      hf.update(hf_moe.moe_to_hf(cfg.moe, arch))
   else:
     hf.update(use_sliding_window=False, sliding_window=None)
   hf.update(overrides)
@@ -229,6 +236,8 @@ def check_config_matches(expected: ModelConfig, found: ModelConfig, where: str) 
     a, b = getattr(expected, f.name), getattr(found, f.name)
     if f.name == "head_dim":
       a, b = expected.resolved_head_dim, found.resolved_head_dim
+    if f.name == "moe" and hf_moe.same_architecture(a, b):
+      continue  # the balance-loss coefficients and the dispatch are the caller's choice
     if a != b:
       raise ValueError(f"checkpoint at {where} does not match the given config: "
                        f"{f.name}={b!r} in the checkpoint, {a!r} in the config")

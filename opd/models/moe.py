@@ -261,6 +261,11 @@ def experts_expert_parallel(x: Array, experts: Array, weights: Array, wg: Array,
     if gather:
       x, experts, weights = (jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True)
                              for a in (x, experts, weights))
+    else:
+      # Replicated over `expert`: mark the tokens varying so the backward pass
+      # sums their cotangents over the expert shards (ragged_dot's transpose
+      # does not insert that psum for an invariant operand by itself).
+      x, weights = (jax.lax.pcast(a, EXPERT_AXIS, to="varying") for a in (x, weights))
     B, T, D = x.shape
     offset = jax.lax.axis_index(EXPERT_AXIS) * wg.shape[0]
     y, pairs = experts_ragged(x.reshape(B * T, D), experts.reshape(B * T, -1),
