@@ -29,7 +29,7 @@ Guarantees:
   (arrays or ``jax.ShapeDtypeStruct`` with ``sharding``), whatever mesh the
   checkpoint was written from.
 * Integrity: ``save`` stores a 64-bit checksum of every array of the state
-  (``tree_checksums``: computed on device from the global values, so it is
+  (``opd.training.integrity``: computed on device from the global values, so it is
   the same whatever the mesh); ``restore`` and ``load_params`` recompute it on
   what they read and raise ``CheckpointCorruptError`` naming the step and the
   array on a mismatch (any single flipped bit is caught). The error names the
@@ -50,12 +50,11 @@ import os
 from typing import Any, Mapping
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers
 
 from opd.config.overrides import config_mismatches
+from opd.training.integrity import path_key, tree_checksums
 
 log = logging.getLogger(__name__)
 
@@ -101,56 +100,6 @@ class Restored:
   extra: dict = dataclasses.field(default_factory=dict)
 
 
-_GOLDEN = 0x9E3779B9
-
-
-def _leaf_checksum(x: jax.Array) -> jax.Array:
-  """Two uint32 words of the bits of ``x`` and their positions. Sums of uint32
-  wrap, exactly and in any order, so the value does not depend on the
-  sharding; word 0 weights element i by the odd number 2i+1, so flipping any
-  one bit changes it (by an odd multiple of a power of two below 2**32), and
-  word 1 mixes each element nonlinearly (murmur3's finaliser) against swaps."""
-  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    x = jax.random.key_data(x)
-  if x.dtype == jnp.bool_:
-    bits = x.astype(jnp.uint32)
-  else:
-    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}.get(x.dtype.itemsize)
-    if unsigned is None:
-      raise ValueError(f"cannot checksum an array of dtype {x.dtype}")
-    bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
-  # The row-major position of each element (mod 2**32), built without a
-  # reshape so that a sharded array is never gathered.
-  idx, stride = jnp.zeros(bits.shape, jnp.uint32), 1
-  for dim in reversed(range(bits.ndim)):
-    idx = idx + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, dim) * jnp.uint32(
-        stride % 2 ** 32)
-    stride *= bits.shape[dim]
-  word0 = jnp.sum(bits * (2 * idx + 1), dtype=jnp.uint32)
-  h = bits ^ (idx * jnp.uint32(_GOLDEN))
-  h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
-  h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
-  h = h ^ (h >> 16)
-  return jnp.stack([word0, jnp.sum(h, dtype=jnp.uint32)])
-
-
-_tree_checksum = jax.jit(lambda tree: jax.tree.map(_leaf_checksum, tree))
-
-
-def tree_checksums(tree: PyTree) -> dict[str, str]:
-  """``{"dotted.leaf.path": 16 hex digits}`` for every array of ``tree`` (see
-  ``_leaf_checksum``); the same for the same values on any mesh."""
-  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  names = [".".join(_path_key(k) for k in path) for path, _ in leaves]
-  arrays = [x if isinstance(x, jax.Array) else jnp.asarray(x) for _, x in leaves]
-  sums = _tree_checksum(arrays)
-  out = {}
-  for name, words in zip(names, sums):
-    w = np.asarray(words.addressable_data(0))  # replicated: every process holds it
-    out[name] = f"{int(w[0]):08x}{int(w[1]):08x}"
-  return out
-
-
 def _type_handler_registry(replica_parallel: bool):
   """The default Orbax type handlers, with jax.Array's replica-parallel
   writes switchable: they slice every replicated array on device, which on
@@ -175,16 +124,9 @@ def _json_or_raise(value, name: str) -> dict:
     raise ValueError(f"{name} is not JSON-serialisable: {e}") from e
 
 
-def _path_key(entry) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(entry, attr):
-      return str(getattr(entry, attr))
-  return str(entry)
-
-
 def _shapes_by_path(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {tuple(_path_key(k) for k in path): tuple(getattr(x, "shape", ()))
+  return {tuple(path_key(k) for k in path): tuple(getattr(x, "shape", ()))
           for path, x in leaves if x is not None}
 
 

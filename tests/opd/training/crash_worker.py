@@ -87,7 +87,8 @@ def main():
 
   from opd.models import ModelConfig
   from opd.parallel import sharding
-  from opd.training.checkpoints import CheckpointManager, tree_checksums
+  from opd.training.checkpoints import CheckpointManager
+  from opd.training.integrity import tree_checksums
   from opd.training.loop import run
   from opd.training.metrics_writer import MetricWriter
   from opd.training.objectives import next_token_loss

@@ -288,7 +288,7 @@ def test_a_flipped_bit_is_detected_naming_step_and_array(tmp_path):
 
 
 def test_checksums_do_not_depend_on_the_mesh_and_see_every_single_bit():
-  from opd.training.checkpoints import _leaf_checksum, tree_checksums
+  from opd.training.integrity import leaf_checksum, tree_checksums
   rng = np.random.default_rng(1)
   values = rng.standard_normal((8, 6)).astype(np.float32)
   one = jax.device_put(values, jax.devices()[0])
@@ -302,7 +302,7 @@ def test_checksums_do_not_depend_on_the_mesh_and_see_every_single_bit():
   flipped = np.repeat(bits[None], bits.size * 32, axis=0).reshape(bits.size * 32, -1)
   idx = np.arange(bits.size * 32)
   flipped[idx, idx // 32] ^= (np.uint32(1) << (idx % 32).astype(np.uint32))
-  words = np.asarray(jax.jit(jax.vmap(_leaf_checksum))(
+  words = np.asarray(jax.jit(jax.vmap(leaf_checksum))(
       flipped.view(np.float32).reshape((-1,) + values.shape)))
   sums = {f"{int(a):08x}{int(b):08x}" for a, b in words}
   assert base not in sums
@@ -343,14 +343,14 @@ def test_keep_best_with_saves_that_have_no_eval_metric(tmp_path):
 def test_checksum_first_word_is_the_documented_sum():
   """Word 0 is sum_i bits_i * (2i + 1) mod 2**32 over the row-major elements,
   recomputed here in numpy (uint64, exact before the final reduction)."""
-  from opd.training.checkpoints import _leaf_checksum
+  from opd.training.integrity import leaf_checksum
   rng = np.random.default_rng(2)
   for x in (rng.standard_normal((3, 5, 7)).astype(np.float32), np.float32(2.5),
             rng.integers(0, 2 ** 31, (4, 9), dtype=np.int32)):
     bits = np.asarray(x).view(np.uint32).reshape(-1).astype(np.uint64)
     idx = np.arange(bits.size, dtype=np.uint64)
     want = int(np.sum((bits * (2 * idx + 1)) % 2 ** 32) % 2 ** 32)
-    assert int(_leaf_checksum(jnp.asarray(x))[0]) == want
+    assert int(leaf_checksum(jnp.asarray(x))[0]) == want
 
 
 def test_load_params_verifies_the_checksums_of_the_params(tmp_path):
