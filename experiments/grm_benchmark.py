@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
+import types
 
 import numpy as np
 
@@ -182,6 +184,21 @@ def yardstick_table(parts, train_groups, c) -> dict:
                                 **({"control_error": res["control_error"]}
                                    if "control_error" in res else {})}
   return out
+
+
+def recompute_yardstick(root, config) -> dict:
+  """``yardstick_table`` of a ``grm`` run directory from its files alone (the
+  benchmark's ``results_<model>.json`` and the data stage's groups): any
+  metric of the records, recomputed without sampling again."""
+  root = pathlib.Path(root)
+  parts = {}
+  for stage in GRM_STAGES + (SHARED,):
+    path = root / "benchmark" / f"results_{stage}.json"
+    if path.is_file():
+      parts[stage] = json.loads(path.read_text())
+  # load_groups reads only the run directory (ctx.root/data/groups.json).
+  train = load_groups(types.SimpleNamespace(root=root)).get("train", [])
+  return yardstick_table(parts, train, config)
 
 
 def stage_benchmark(ctx, workdir) -> dict:

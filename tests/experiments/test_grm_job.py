@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from experiments import grm as grm_job
-from experiments.grm_benchmark import MULTI, stage_ks
+from experiments.grm_benchmark import MULTI, recompute_yardstick, stage_ks
 from experiments.configs import grm as grm_config
 from grm import pairwise as pairwise_lib
 from grm import yardstick
@@ -130,6 +130,8 @@ def test_yardstick_recomputes_from_the_records_beside_chance_and_the_control(run
       assert row["n>=2"]["strict"]["value"] == pytest.approx(
           bench["accuracy"][f"rule_rl/{name}"][MULTI]["value"])
     assert set(got["control"]) == set(row) or "control_error" in got
+  # The whole table again from the run directory's files alone.
+  assert json.loads(json.dumps(recompute_yardstick(workdir, config))) == yard
   report = (workdir / "benchmark" / "report.md").read_text()
   assert "## Yardstick" in report and "| rule_rl/vote@1 |" in report
   assert "pairwise_swap" in bench["accuracy"] or not multi
