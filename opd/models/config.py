@@ -24,6 +24,38 @@ _DTYPES = {
 
 
 @dataclasses.dataclass(frozen=True)
+class YaRNConfig:
+  """YaRN RoPE scaling as DeepSeek-V3 uses it (docs/DESIGN.md §2, MLA).
+
+  Each RoPE frequency blends its extrapolated value ``θ^(-2i/Dr)`` and the
+  interpolated ``θ^(-2i/Dr) / factor`` by a linear ramp over the dims whose
+  wavelength lies between ``beta_fast`` and ``beta_slow`` rotations in
+  ``original_max_position`` tokens; cos and sin are multiplied by
+  ``m(factor, mscale) / m(factor, mscale_all_dim)`` and the softmax scale by
+  ``m(factor, mscale_all_dim)²`` (when ``mscale_all_dim`` > 0), with
+  ``m(s, a) = 0.1 a ln s + 1`` for s > 1, else 1.
+
+  Attributes:
+    factor: context extension factor s.
+    original_max_position: the pre-training context length.
+    beta_fast, beta_slow: the ramp's rotation bounds.
+    mscale, mscale_all_dim: the attention-temperature coefficients
+      (0 = unset; with either unset cos and sin are scaled by m(s, 1)).
+  """
+  factor: float = 1.0
+  original_max_position: int = 4096
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  mscale: float = 0.0
+  mscale_all_dim: float = 0.0
+
+  def __post_init__(self):
+    check_fields(self, "YaRNConfig", ints={"original_max_position": 1},
+                 positive=("factor", "beta_fast", "beta_slow"),
+                 non_negative=("mscale", "mscale_all_dim"))
+
+
+@dataclasses.dataclass(frozen=True)
 class MLAConfig:
   """Multi-head latent attention (DeepSeek-V2/V3; docs/DESIGN.md §2).
 
@@ -38,6 +70,8 @@ class MLAConfig:
       query directly from D.
     rope_interleave: the RoPE dims come in interleaved pairs ``(x0, x1),
       (x2, x3), ...`` (DeepSeek's checkpoints) instead of halves.
+    yarn: YaRN scaling of the RoPE dims (``None``: plain RoPE); a mapping is
+      converted.
   """
   kv_lora_rank: int = 32
   qk_nope_head_dim: int = 16
@@ -45,6 +79,7 @@ class MLAConfig:
   v_head_dim: int = 16
   q_lora_rank: int | None = None
   rope_interleave: bool = False
+  yarn: YaRNConfig | None = None
 
   def __post_init__(self):
     check_fields(self, "MLAConfig",
@@ -56,6 +91,11 @@ class MLAConfig:
     if self.qk_rope_head_dim % 2:
       raise ValueError(f"MLAConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be even "
                        "for RoPE")
+    if isinstance(self.yarn, Mapping):
+      set_field(self, "yarn", from_group(YaRNConfig, self.yarn, "MLAConfig.yarn"))
+    if self.yarn is not None and not isinstance(self.yarn, YaRNConfig):
+      raise ValueError(f"MLAConfig.yarn must be a YaRNConfig, a mapping or None, got "
+                       f"{type(self.yarn).__name__}")
 
   @property
   def qk_head_dim(self) -> int:

@@ -106,19 +106,22 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32",
     raise ValueError("HF config mlp_bias=True is not supported (the MLP has no biases)")
   n_layers = hf["num_hidden_layers"]
   _check_no_sliding_window(hf, n_layers)
-  theta = _rope_theta(hf)
+  rope_hf, yarn = hf, None
+  if arch == hf_deepseek.MODEL_TYPE:  # MLA implements YaRN; the generic check sees the base
+    rope_hf, yarn = hf_deepseek.split_yarn(hf)
+  theta = _rope_theta(rope_hf)
   if arch == hf_deepseek.MODEL_TYPE:
-    first_dense = hf.get("first_k_dense_replace", 3)
-    if first_dense < n_layers:
-      raise ValueError(f"HF config first_k_dense_replace={first_dense} < num_hidden_layers="
-                       f"{n_layers}: DeepSeek-V3 mixture-of-experts layers are not supported")
+    moe = None  # first_k_dense_replace >= num_hidden_layers: every MLP is dense
+    if hf.get("first_k_dense_replace", 3) < n_layers:
+      moe = hf_moe.moe_from_hf(hf, arch, n_layers)
     return ModelConfig(
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=n_layers,
         n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_attention_heads"],
         d_ff=hf["intermediate_size"], rope_theta=theta,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        mla=hf_deepseek.mla_from_hf(hf), dtype=dtype, param_dtype=param_dtype or dtype)
+        mla=hf_deepseek.mla_from_hf(hf, yarn), moe=moe, dtype=dtype,
+        param_dtype=param_dtype or dtype)
 
   D, H = hf["hidden_size"], hf["num_attention_heads"]
   K = hf.get("num_key_value_heads") or H
@@ -214,7 +217,11 @@ def config_to_hf(cfg: ModelConfig, arch: str | None = None, **overrides) -> dict
       "dtype": cfg.param_dtype,
   }
   if arch == hf_deepseek.MODEL_TYPE:
-    hf.update(hf_deepseek.mla_to_hf(cfg), first_k_dense_replace=cfg.n_layers)
+    hf.update(hf_deepseek.mla_to_hf(cfg))
+    if cfg.moe is None:
+      hf.update(first_k_dense_replace=cfg.n_layers)  # every MLP dense
+    else:
+      hf.update(hf_moe.moe_to_hf(cfg.moe, arch))
   elif arch == "llama":
     hf.update(attention_bias=cfg.o_bias, mlp_bias=False)
   elif arch in ("qwen3", hf_moe.QWEN3_MOE):

@@ -26,7 +26,7 @@ import logging
 import re
 from typing import Any, Iterable, Mapping
 
-from opd.models.config import MLAConfig, ModelConfig
+from opd.models.config import MLAConfig, ModelConfig, YaRNConfig
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +34,51 @@ MODEL_TYPE = "deepseek_v3"
 HF_CLASS = "DeepseekV3ForCausalLM"
 _MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+# HF YaRN key -> YaRNConfig field.
+_YARN_KEYS = {"factor": "factor", "original_max_position_embeddings": "original_max_position",
+              "beta_fast": "beta_fast", "beta_slow": "beta_slow", "mscale": "mscale",
+              "mscale_all_dim": "mscale_all_dim"}
 
 
-def mla_from_hf(hf: Mapping[str, Any]) -> MLAConfig:
-  """The ``MLAConfig`` of a DeepSeek-V3 ``config.json``.
+def split_yarn(hf: Mapping[str, Any]) -> tuple[dict[str, Any], YaRNConfig | None]:
+  """``(hf with its YaRN RoPE dict made 'default', the YaRNConfig or None)``.
+
+  The ``rope_parameters`` / legacy ``rope_scaling`` dict with
+  ``rope_type='yarn'`` becomes ``{'rope_type': 'default', 'rope_theta': ...}``
+  so the generic RoPE check reads the base; the legacy field wins when both
+  are YaRN, as in transformers.
+
+  Raises:
+    ValueError: naming the field for a YaRN key this model does not
+      implement (``attention_factor``, ``truncate=False``, anything unknown)
+      or a missing ``factor``.
+  """
+  out, yarn = dict(hf), None
+  for field in ("rope_parameters", "rope_scaling"):
+    params = hf.get(field)
+    if not isinstance(params, Mapping) or params.get("rope_type", params.get("type")) != "yarn":
+      continue
+    extra = sorted(set(params) - set(_YARN_KEYS) - {"rope_type", "type", "rope_theta",
+                                                     "attention_factor", "truncate"})
+    if extra or params.get("attention_factor") is not None or not params.get("truncate", True):
+      bad = extra or ["attention_factor" if params.get("attention_factor") is not None
+                      else "truncate"]
+      raise ValueError(f"HF config {field} (YaRN) sets {bad}, which is not supported")
+    if params.get("factor") is None:
+      raise ValueError(f"HF config {field} (YaRN) lacks 'factor'")
+    values = {ours: params[key] for key, ours in _YARN_KEYS.items() if params.get(key) is not None}
+    values.setdefault("original_max_position", hf.get("max_position_embeddings"))
+    try:
+      yarn = YaRNConfig(**values)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"HF config {field} (YaRN): {e}") from None
+    out[field] = {"rope_type": "default",
+                  **({"rope_theta": params["rope_theta"]} if "rope_theta" in params else {})}
+  return out, yarn
+
+
+def mla_from_hf(hf: Mapping[str, Any], yarn: YaRNConfig | None = None) -> MLAConfig:
+  """The ``MLAConfig`` of a DeepSeek-V3 ``config.json`` (``yarn`` from ``split_yarn``).
 
   Raises:
     ValueError: naming the HF field for a missing MLA dimension, attention
@@ -63,7 +104,7 @@ def mla_from_hf(hf: Mapping[str, Any]) -> MLAConfig:
   try:
     return MLAConfig(**{name: hf[name] for name in _MLA_FIELDS},
                      q_lora_rank=hf.get("q_lora_rank"),
-                     rope_interleave=hf.get("rope_interleave", True))
+                     rope_interleave=hf.get("rope_interleave", True), yarn=yarn)
   except ValueError as e:
     raise ValueError(f"HF config: {e}") from None
 
@@ -71,7 +112,12 @@ def mla_from_hf(hf: Mapping[str, Any]) -> MLAConfig:
 def mla_to_hf(cfg: ModelConfig) -> dict[str, Any]:
   """The DeepSeek-V3 ``config.json`` fields that describe ``cfg.mla``."""
   m = cfg.mla
-  return {"kv_lora_rank": m.kv_lora_rank, "q_lora_rank": m.q_lora_rank,
+  rope = {}
+  if m.yarn is not None:
+    rope["rope_parameters"] = {"rope_type": "yarn", "rope_theta": cfg.rope_theta,
+                               **{key: getattr(m.yarn, ours) for key, ours in _YARN_KEYS.items()}}
+    rope["max_position_embeddings"] = round(m.yarn.factor * m.yarn.original_max_position)
+  return {**rope, "kv_lora_rank": m.kv_lora_rank, "q_lora_rank": m.q_lora_rank,
           "qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
           "v_head_dim": m.v_head_dim, "rope_interleave": m.rope_interleave,
           "head_dim": m.qk_rope_head_dim,  # transformers' RoPE width for this family

@@ -55,10 +55,14 @@ class RMSNorm(nn.Module):
     return scale.astype(self.dtype) * x32.astype(self.dtype)
 
 
-def rope(x: Array, positions: Array, theta: float) -> Array:
-  """Rotary embedding, rotate-half convention. x: [B, T, N, Dh]; positions: [B, T]."""
+def rope(x: Array, positions: Array, theta: float, inv_freq=None) -> Array:
+  """Rotary embedding, rotate-half convention. x: [B, T, N, Dh]; positions: [B, T].
+
+  ``inv_freq`` ``[Dh/2]`` replaces the frequencies ``theta^(-2i/Dh)`` (YaRN, ``opd.models.mla``).
+  """
   dh = x.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))  # [Dh/2]
+  if inv_freq is None:
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))  # [Dh/2]
   freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
   emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
   cos, sin = jnp.cos(emb), jnp.sin(emb)

@@ -29,11 +29,14 @@ prefill sharing handle both attention kinds with the same code.
 """
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from opd.models.config import ModelConfig
+from opd.models.config import MLAConfig, ModelConfig, YaRNConfig
 from opd.models.layers import RMSNorm, rope
 from opd.models.layers import param as _param
 
@@ -41,18 +44,55 @@ from opd.models.layers import param as _param
 LATENT_NORM_EPS = 1e-6
 
 
-def mla_rope(x: jax.Array, positions: jax.Array, theta: float, interleave: bool) -> jax.Array:
-  """RoPE over the last axis of ``x [B, T, N, Dr]``.
+def _yarn_m(scale: float, coef: float) -> float:
+  return 0.1 * coef * math.log(scale) + 1.0 if scale > 1 else 1.0
 
-  ``interleave``: the pairs are ``(x0, x1), (x2, x3), ...`` (DeepSeek's
-  layout). Rotating pair i by angle i equals rotate-half RoPE of the
-  de-interleaved ``[x0, x2, ..., x1, x3, ...]``, which is also the layout of
-  the output (as transformers' ``apply_rotary_pos_emb_interleave``); queries
-  and keys share it, so their dot products are unchanged.
+
+def yarn_frequencies(dr: int, theta: float, yarn: YaRNConfig) -> tuple[np.ndarray, float]:
+  """YaRN's RoPE frequencies ``[Dr/2]`` (float32) and its cos/sin factor (YaRNConfig)."""
+  s = yarn.factor
+  base = theta ** (np.arange(0, dr, 2, dtype=np.float64) / dr)  # theta^(2i/Dr)
+  # The dim whose wavelength completes `rotations` turns in the original context, clipped
+  # to whole dims as transformers' default truncate=True.
+  dim_of = lambda rotations: dr * math.log(
+      yarn.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+  low = max(math.floor(dim_of(yarn.beta_fast)), 0)
+  high = min(math.ceil(dim_of(yarn.beta_slow)), dr - 1)
+  ramp = np.clip((np.arange(dr // 2) - low) / max(high - low, 1e-3), 0.0, 1.0)
+  extrapolate = 1.0 - ramp  # 1: keep the frequency, 0: divide it by the factor
+  inv_freq = (1.0 / base) * extrapolate + (1.0 / (s * base)) * (1.0 - extrapolate)
+  if yarn.mscale and yarn.mscale_all_dim:
+    factor = _yarn_m(s, yarn.mscale) / _yarn_m(s, yarn.mscale_all_dim)
+  else:
+    factor = _yarn_m(s, 1.0)
+  return inv_freq.astype(np.float32), factor
+
+
+def softmax_scale(m: MLAConfig) -> float:
+  """``1 / sqrt(Dn + Dr)``, times YaRN's ``m(s, mscale_all_dim)²`` when set."""
+  scale = m.qk_head_dim ** -0.5
+  if m.yarn is not None and m.yarn.mscale_all_dim:
+    scale *= _yarn_m(m.yarn.factor, m.yarn.mscale_all_dim) ** 2
+  return scale
+
+
+def mla_rope(x: jax.Array, positions: jax.Array, theta: float, m: MLAConfig) -> jax.Array:
+  """RoPE over the last axis of ``x [B, T, N, Dr]``, with ``m``'s layout and scaling.
+
+  ``m.rope_interleave``: the pairs are ``(x0, x1), (x2, x3), ...``
+  (DeepSeek's layout). Rotating pair i by angle i equals rotate-half RoPE of
+  the de-interleaved ``[x0, x2, ..., x1, x3, ...]``, which is also the layout
+  of the output (as transformers' ``apply_rotary_pos_emb_interleave``);
+  queries and keys share it, so their dot products are unchanged.
+  ``m.yarn``: YaRN frequencies, and cos / sin scaled (``yarn_frequencies``).
   """
-  if interleave:
+  if m.rope_interleave:
     x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
-  return rope(x, positions, theta)
+  if m.yarn is None:
+    return rope(x, positions, theta)
+  inv_freq, factor = yarn_frequencies(x.shape[-1], theta, m.yarn)
+  out = rope(x, positions, theta, inv_freq=jnp.asarray(inv_freq))
+  return out if factor == 1.0 else (out.astype(jnp.float32) * factor).astype(x.dtype)
 
 
 def cache_values_per_token(cfg: ModelConfig) -> int:
@@ -101,16 +141,16 @@ class MLAttention(nn.Module):
       q = jnp.einsum("BTC,CHE->BTHE", cq, wqb.astype(dt))
     q = nn.with_logical_constraint(q, ("batch", "length", "q_heads", "head_dim"))
     q_nope = q[..., :Dn]  # [B, T, H, Dn]
-    q_rope = mla_rope(q[..., Dn:], positions, cfg.rope_theta, m.rope_interleave)  # [B, T, H, Dr]
+    q_rope = mla_rope(q[..., Dn:], positions, cfg.rope_theta, m)  # [B, T, H, Dr]
 
     wkva = _param(self, "kv_a", (D, C + Dr), ("embed", "latent"), pdt)
     wkvb = _param(self, "kv_b", (C, H, Dn + Dv), ("latent", "q_heads", "head_dim"), pdt)
     wo = _param(self, "o", (H, Dv, D), ("q_heads", "head_dim", "embed"), pdt)
     ckv = x @ wkva.astype(dt)  # [B, T, C + Dr]
     c = RMSNorm(LATENT_NORM_EPS, dt, pdt, name="kv_a_norm")(ckv[..., :C])  # [B, T, C]
-    k_r = mla_rope(ckv[:, :, None, C:], positions, cfg.rope_theta, m.rope_interleave)[:, :, 0]
+    k_r = mla_rope(ckv[:, :, None, C:], positions, cfg.rope_theta, m)[:, :, 0]
     w_uk, w_uv = wkvb[..., :Dn].astype(dt), wkvb[..., Dn:].astype(dt)  # [C, H, Dn], [C, H, Dv]
-    scale = (Dn + Dr) ** -0.5
+    scale = softmax_scale(m)
     big_neg = jnp.finfo(jnp.float32).min
 
     def attend(scores):  # [B, H, T, S] fp32 -> probabilities in dt

@@ -175,6 +175,8 @@ def test_config_round_trips_and_counts_its_params():
     (dict(mla=dict(kv_lora_rank=0)), "kv_lora_rank"),
     (dict(mla=dict(q_lora_rank=0)), "q_lora_rank"),
     (dict(mla=dict(v_head_dim=4, lora=3)), "lora"),
+    (dict(mla=dict(yarn=dict(factor=0.0))), "YaRNConfig.factor"),
+    (dict(mla=dict(yarn=3)), "yarn"),
 ])
 def test_bad_mla_config_names_the_field(kw, field):
   base = dict(vocab_size=61, d_model=32, n_layers=1, n_heads=4, n_kv_heads=4, d_ff=48,
