@@ -60,8 +60,6 @@ from experiments import pretrain as pretrain_job
 from experiments.grm_benchmark import stage_benchmark, stage_ks
 from experiments.grm_common import (GRM_BASE, GRM_STAGES, SHARED, base_params, grm_sampler,
                                     load_groups, source_cfg, source_models, stage_params)
-from experiments.grpo import grpo_config
-from opd.tasks import domain_examples
 from grm import benchmark_set as bench_lib
 from grm import meta_rm as meta_lib
 from grm import pairwise as pairwise_lib
@@ -72,7 +70,9 @@ from grm.correctness import best_index
 from grm.data import Candidate, build_groups, sample_candidates, split_groups
 from grm.reward import bt_input_ids
 from opd import tasks as tasks_lib
+from opd.config.fields import from_group
 from opd.models import to_model_config
+from opd.rl.config import GRPOConfig
 from opd.training import lm_trainer
 from opd.training.checkpoints import CheckpointManager
 from opd.training.metrics_writer import MetricWriter
@@ -90,9 +90,9 @@ def _examples(c, split: str, n: int, seed: int):
     if bad:
       raise ValueError(f"config.data.per_domain.{d} has unknown keys {bad}; known: "
                        f"{_PER_DOMAIN_KEYS}")
-    out += domain_examples((d,), split, int(over.get(f"num_{split}", n)), seed,
-                           tuple(over.get("difficulties", c.data.difficulties)),
-                           unique=split == "test")
+    out += tasks_lib.domain_examples((d,), split, int(over.get(f"num_{split}", n)), seed,
+                                     tuple(over.get("difficulties", c.data.difficulties)),
+                                     unique=split == "test")
   return out
 
 
@@ -192,11 +192,15 @@ def _stage_rft(ctx, workdir):
   return {**out, **_sft(ctx, params, kept, workdir, c.rft.steps)}
 
 
+def _grpo(c) -> GRPOConfig:
+  return from_group(GRPOConfig, c.grpo, "config.grpo")
+
+
 def _stage_rule_rl(ctx, workdir):
   c = ctx.config
   with MetricWriter(workdir) as writer:
     run = training_lib.train_rule_rl(
-        ctx.model_cfg, stage_params(ctx, "rft"), load_groups(ctx)["train"], grpo_config(c.grpo),
+        ctx.model_cfg, stage_params(ctx, "rft"), load_groups(ctx)["train"], _grpo(c),
         common.optim_config(c.grpo_optim, "config.grpo_optim"), tokenizer=ctx.tok,
         steps=c.rl.steps, mesh=ctx.mesh, rules=ctx.rules, seed=c.seed,
         kl_multiplier=c.rl.kl_multiplier, writer=writer, checkpoint_dir=workdir / "checkpoints",
@@ -212,7 +216,7 @@ def _stage_shared(ctx, workdir):
                                          jax.random.key(c.seed + 17))
   with MetricWriter(workdir) as writer:
     run = shared_lib.train_shared_rule_rl(
-        cfg, params, load_groups(ctx)["train"], grpo_config(c.grpo),
+        cfg, params, load_groups(ctx)["train"], _grpo(c),
         common.optim_config(c.grpo_optim, "config.grpo_optim"), meta_weight=c.rl.meta_weight,
         tokenizer=ctx.tok, steps=c.rl.steps, mesh=ctx.mesh, rules=ctx.rules, seed=c.seed,
         kl_multiplier=c.rl.kl_multiplier, writer=writer, checkpoint_dir=workdir / "checkpoints",

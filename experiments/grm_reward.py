@@ -32,15 +32,16 @@ import jax
 import numpy as np
 
 from experiments import common
-from experiments.grpo import grpo_config
-from opd.tasks import domain_examples
 from grm.reward import BTReward, GRMReward
 from opd import rollout as rollout_lib
+from opd.config.fields import from_group
 from opd.models import init_params, to_model_config
 from opd.eval import stats as stats_lib
 from opd.rl import grpo as grpo_lib
+from opd.rl.config import GRPOConfig
 from opd.rollout.episodes import sampling_for_chat
 from opd.training.checkpoints import load_params
+from opd.tasks import domain_examples
 from opd.training.metrics_writer import read_metrics
 
 REWARDS = ("grm", "bt", "rubric")
@@ -73,7 +74,7 @@ def run(config, workdir: str) -> dict:
   tok = common.tokenizer_for(model_cfg)
   mesh, rules = common.mesh_and_rules(config)
   policy, grm_params, (bt_cfg, bt_params) = _models(config, model_cfg, mesh, rules)
-  cfg = grpo_config(config.grpo)
+  cfg = from_group(GRPOConfig, config.grpo, "config.grpo")
   diffs = tuple(config.data.difficulties)
   prompts = domain_examples(("writing",), "train", config.data.num_prompts, config.seed, diffs)
   test = domain_examples(("writing",), "test", config.data.num_test, config.seed + 1, diffs)
