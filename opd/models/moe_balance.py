@@ -12,6 +12,10 @@
   after the optimizer update (never through the gradient).
 * ``router_metrics``: per-expert load, its min / max, router entropy and the
   dropped (token, expert) pairs (0: the dispatch is dropless) as scalars.
+* ``balance_terms`` / ``bias_update_hook``: what an objective adds to its
+  loss and metrics, and the ``make_train_step(after_update=...)`` hook that
+  applies the bias update after the optimizer's (``opd.training.objectives``
+  and ``opd.training.lm_trainer`` wire both).
 """
 from __future__ import annotations
 
@@ -111,15 +115,15 @@ def bias_update(bias: Array, counts: Array, rate: float) -> Array:
   return (bias.astype(jnp.float32) + rate * jnp.sign(err)).astype(bias.dtype)
 
 
-def update_selection_bias(cfg: Any, params, stats: RouterStats):
+def update_selection_bias(cfg: Any, params, counts: Array):
   """Params with every MoE layer's ``selection_bias`` moved by ``bias_update``.
 
   Args:
     cfg: the ``ModelConfig`` (``cfg.moe.router == "sigmoid"``).
     params: the decoder's param tree (a new tree is returned; ``params`` is
       not modified).
-    stats: ``DecoderOutput.moe`` of the step's forward (layer j of the stack
-      is decoder layer ``first_k_dense + j``).
+    counts: ``[L, E]``, ``DecoderOutput.moe.counts`` of the step's forward
+      (row j is decoder layer ``first_k_dense + j``).
 
   Returns ``params`` itself when ``bias_update_rate`` is 0.
   """
@@ -129,14 +133,46 @@ def update_selection_bias(cfg: Any, params, stats: RouterStats):
   if not moe.bias_update_rate:
     return params
   layers = [i for i in range(cfg.n_layers) if moe.is_moe_layer(i)]
-  if stats.counts.shape[0] != len(layers):
-    raise ValueError(f"stats hold {stats.counts.shape[0]} MoE layers, the config has "
-                     f"{len(layers)}")
+  if counts.shape[0] != len(layers):
+    raise ValueError(f"counts hold {counts.shape[0]} MoE layers, the config has {len(layers)}")
   new = dict(params)
   for j, i in enumerate(layers):
     name = f"layers_{i}"
     mlp = dict(new[name]["mlp"])
-    mlp["selection_bias"] = bias_update(mlp["selection_bias"], stats.counts[j],
-                                        moe.bias_update_rate)
+    mlp["selection_bias"] = bias_update(mlp["selection_bias"], counts[j], moe.bias_update_rate)
     new[name] = {**new[name], "mlp": mlp}
   return new
+
+
+COUNTS_KEY = "moe/counts"  # [L, E] per-layer expert counts, for the bias update only
+
+
+def balance_terms(moe: MoEConfig, stats: RouterStats) -> tuple[Array, dict[str, Array]]:
+  """``(aux_loss, metrics)`` an objective adds to its loss and metrics.
+
+  The metrics are ``router_metrics`` plus ``moe/aux_loss``; with
+  ``bias_update_rate > 0`` also ``COUNTS_KEY`` (an array, which
+  ``bias_update_hook`` consumes before the metrics are logged).
+  """
+  loss = aux_loss(moe, stats)
+  metrics = {**router_metrics(stats), "moe/aux_loss": loss}
+  if moe.bias_update_rate:
+    metrics[COUNTS_KEY] = stats.counts
+  return loss, metrics
+
+
+def bias_update_hook(cfg: Any):
+  """``after_update(params, metrics) -> (params, metrics)`` for ``make_train_step``.
+
+  None unless ``cfg.moe.bias_update_rate > 0``. It pops ``COUNTS_KEY`` from
+  the step's metrics and applies ``update_selection_bias`` to the updated
+  params: the bias moves outside the gradient, after the optimizer.
+  """
+  if cfg.moe is None or not cfg.moe.bias_update_rate:
+    return None
+
+  def after_update(params, metrics):
+    metrics = dict(metrics)
+    return update_selection_bias(cfg, params, metrics.pop(COUNTS_KEY)), metrics
+
+  return after_update

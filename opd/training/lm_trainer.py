@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from opd.config.fields import check_bool, check_int, set_field
-from opd.models import ModelConfig
+from opd.models import ModelConfig, moe_balance
 from opd.training import loop as train_loop
 from opd.training.checkpoints import CheckpointManager
 from opd.training.objectives import lm_loss
@@ -131,7 +131,8 @@ def train_lm(model_cfg: ModelConfig, batches: Iterator[Mapping[str, np.ndarray]]
   loss_fn = lm_loss(model_cfg, fused=loop.fused_loss)
   optimizer = make_optimizer(optim)
   state, shardings = init_train_state(model_cfg, optimizer, mesh, rules, rng=seed, params=params)
-  step_fn = make_train_step(loss_fn, optimizer, mesh, shardings, rules=rules)
+  step_fn = make_train_step(loss_fn, optimizer, mesh, shardings, rules=rules,
+                            after_update=moe_balance.bias_update_hook(model_cfg))
 
   jitted_eval = _jit_eval(loss_fn)  # one compile for every eval of this run
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from opd.models import ModelConfig, forward, head_matrix, token_logprobs
+from opd.models import ModelConfig, forward, head_matrix, moe_balance, token_logprobs
 
 REQUIRED_KEYS = ("tokens", "targets", "loss_mask", "mask")
 
@@ -43,6 +43,8 @@ def lm_loss(cfg: ModelConfig, *, fused: bool = False, impl: str = "auto",
 
   Metrics: ``tokens`` (the number of trained targets) and ``accuracy``
   (argmax == target; unfused path only, the fused one never sees logits).
+  An MoE model (``cfg.moe``) adds its balance losses to the loss and its
+  router statistics to the metrics (``opd.models.moe_balance.balance_terms``).
   """
   from pallas_kernels import losses as fused_losses  # jax-only dependency
   from pallas_kernels import train_ce
@@ -74,6 +76,10 @@ def lm_loss(cfg: ModelConfig, *, fused: bool = False, impl: str = "auto",
       metrics["accuracy"] = jnp.sum(correct * weights) / jnp.maximum(total, 1.0)
       loss = jnp.sum(nll * coef)
     metrics["tokens"] = total
+    if cfg.moe is not None:
+      balance, router = moe_balance.balance_terms(cfg.moe, out.moe)
+      loss = loss + balance
+      metrics.update(router)
     return loss, metrics
 
   return loss_fn

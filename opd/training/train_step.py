@@ -309,7 +309,8 @@ def _grad_accum_steps(optimizer, requested: int | None) -> int:
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, mesh,
                     state_shardings: TrainState, batch_shardings: PyTree | None = None, *,
                     rules=sharding_lib.DEFAULT_RULES, grad_accum_steps: int | None = None,
-                    donate: bool = True, compiler_options: dict | None = None
+                    donate: bool = True, compiler_options: dict | None = None,
+                    after_update: Callable[[PyTree, dict], tuple[PyTree, dict]] | None = None
                     ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict]]:
   """Builds ``step(state, batch) -> (state, metrics)``, jitted with explicit shardings.
 
@@ -336,6 +337,10 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
       config raises (the config is the one source of N).
     donate: donate the input state's buffers (do not reuse it after a call).
     compiler_options: XLA options for the step's compilation.
+    after_update: ``(params, metrics) -> (params, metrics)`` applied to the
+      optimizer's updated params inside the step, outside the gradient (an
+      MoE's selection-bias update: ``opd.models.moe_balance.bias_update_hook``);
+      it may consume array-valued metrics. Skipped steps skip it too.
 
   Returns:
     ``step``. Its metrics (replicated, fp32) hold the loss_fn's metrics plus
@@ -414,6 +419,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
     updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
     new = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                         opt_state=new_opt)
+    if after_update is not None:
+      new_params, user_metrics = after_update(new.params, user_metrics)
+      new = new.replace(params=new_params)
     update_ok = _all_finite((new.params, new.opt_state))
     ok = ok & update_ok
     # Discard the whole update (step count, moments, params) on NaN/inf.

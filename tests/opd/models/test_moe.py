@@ -274,7 +274,7 @@ def test_bias_update_direction():
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 8)), jnp.int32)
   stats = forward(cfg, params, tokens).moe
   assert np.all(np.asarray(stats.counts)[:, 0] == 32)  # every token went to expert 0
-  new = moe_balance.update_selection_bias(cfg, params, stats)
+  new = moe_balance.update_selection_bias(cfg, params, stats.counts)
   for i in range(2):
     b = np.asarray(new[f"layers_{i}"]["mlp"]["selection_bias"])
     np.testing.assert_allclose(b, [0.95, 0.05, 0.05, 0.05], rtol=4 * EPS)
