@@ -185,6 +185,19 @@ MUTANTS: tuple[Mutant, ...] = (
     M("decode_position_off_by_one", "sampler", "opd/rollout/sampler.py",
       (("(prompt_len + t)[:, None]", "(prompt_len + t + 1)[:, None]"),),
       _SAMPLER_TESTS, "decode steps use RoPE position p + 1"),
+    M("constraint_state_not_advanced", "sampler", "opd/rollout/sampler.py",
+      (('new["fsm"] = jnp.where(live, jnp.take_along_axis(nxt, token[:, None], axis=1)[:, 0],',
+        'new["fsm"] = jnp.where(live, s["fsm"],'),),
+      ("tests/opd/rollout/test_constraint.py",),
+      "constrained decoding: the automaton state stays at the start"),
+    M("constrained_logprob_unmasked", "sampler", "opd/rollout/sampler.py",
+      (("    token, logp = _sample(logits, jax.random.fold_in(rng, t), knobs)\n",
+        "    token, logp = _sample(logits, jax.random.fold_in(rng, t), knobs)\n"
+        "    logp = jnp.take_along_axis(jax.nn.log_softmax(s['logits'].astype(jnp.float32) / "
+        "jnp.where(knobs.temperature == 0.0, 1.0, knobs.temperature), axis=-1), "
+        "token[:, None], axis=-1)[:, 0]\n"),),
+      ("tests/opd/rollout/test_constraint.py",),
+      "constrained decoding reports the unmasked distribution's log-probs"),
     # --- GRPO loss and advantages (run last: the module layout was moving) ---
     M("clip_sides_swapped", "grpo", "opd/rl/loss.py",
       (("jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)",
