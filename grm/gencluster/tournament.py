@@ -14,9 +14,10 @@ With ``both_orders`` each game is also judged in the mirrored order
 valid orders' picks (1, 1/2 or 0 wins; a judge that always answers "A" gives
 every game 1/2 each, so only size then orders clusters). ``position_bias``
 reports the "A" rate before and after. With one order a valid judgement
-gives the preferred cluster one win; an invalid one gives nobody anything. Clusters are ranked by wins, then size, then by their order
-in the input (largest first), so the ranking is a function of the seed and
-the judge's texts only: deterministic for a deterministic judge.
+gives the preferred cluster one win; an invalid one gives nobody anything.
+Clusters are ranked by wins, then size, then by their order in the input
+(largest first), so the ranking is a function of the seed and the judge's
+texts only: deterministic for a deterministic judge.
 ``judge_accuracy`` scores the judge on the matches where exactly one side
 is correct.
 """

@@ -5,17 +5,17 @@ builds a deterministic automaton over the tokenizer's vocabulary from it
 (``Vocabulary(eos_id, {piece: [ids]})`` with byte-string pieces: the byte
 tokenizer's ids 0..255 are one byte each and UTF-8 is matched byte by byte;
 ``Index(regex, vocab).get_transitions()``; the byte tokenizer only, see
-``_vocabulary``). ``compile_patterns`` turns one
-or more such automata into one dense table::
+``_vocabulary``). ``compile_patterns`` turns one or more such automata into
+one dense table::
 
   table[s, v] = the state after token v in state s, or -1 (v not allowed)
 
 with the patterns' states side by side (pattern i starts at ``starts[i]``),
-only the states reachable from a start kept. In an accepting state the end ids (EOS and the chat template's stop tokens) are
-allowed and lead back to the same state, and only there: a row that ends
-has written a full match. States are padded with all-(-1) rows to a multiple
-of ``state_bucket``, so different pattern sets of one padded size give one
-table shape.
+only the states reachable from a start kept. In an accepting state the end
+ids (EOS and the chat template's stop tokens) are allowed and lead back to
+the same state, and only there: a row that ends has written a full match.
+States are padded with all-(-1) rows to a multiple of ``state_bucket``, so
+different pattern sets of one padded size give one table shape.
 
 The sampler (``opd.rollout.sampler.generate(..., constraint=...)``) takes
 ``Constraint(table [S, V], start [B])`` as a *traced* argument: each decode
@@ -24,8 +24,8 @@ to advance, so a new pattern of the same table shape never recompiles.
 ``TokenAutomaton.rows`` picks each row's pattern.
 
 Special tokens other than the end ids are never allowed inside a pattern
-(``outlines-core`` sees only the byte pieces). A table is ``S x V`` int32:
-fine for the byte tokenizer (V = 270), ~0.6 MB per 1000 states at V = 150k.
+(``outlines-core`` sees only the byte pieces). A table is ``S x V`` int32,
+~1 KB per state at the byte tokenizer's V = 270.
 """
 from __future__ import annotations
 
