@@ -3,8 +3,10 @@
 ``opd.models.hf_config`` and ``opd.models.hf`` dispatch here for
 ``model_type="deepseek_v3"``; this module holds what differs from the dense
 families: the multi-head latent attention sub-config (``MLAConfig``) read from
-and written to ``config.json``, the attention rows of the tensor table, and
-the multi-token-prediction (MTP) layers.
+and written to ``config.json``, the attention rows of the tensor table, the
+multi-token-prediction (MTP) layers and YaRN RoPE scaling
+(``rope_parameters`` with ``rope_type='yarn'`` ↔ ``MLAConfig.yarn``). The
+MoE layers' fields and tensors are ``opd.models.hf_moe``'s.
 
 MTP layers (``num_nextn_predict_layers > 0``; DeepSeek-V3 ships one, stored
 as ``model.layers.{n_layers}.*``) predict a second token ahead for

@@ -17,6 +17,10 @@ absorbed: ``q_h . k_h = (q_nope_h W_UK_h^T) . c + q_rope_h . k_r`` and
 space and nothing per head is ever cached. The two forms are the same
 function up to float rounding (tests/opd/models/test_mla.py).
 
+RoPE covers the Dr dims only, in DeepSeek's interleaved layout when
+``rope_interleave`` and with YaRN scaling when ``yarn`` (``mla_rope``,
+``softmax_scale``).
+
 Parameters (our layout; ``opd.models.hf_deepseek`` maps DeepSeek-V3's):
 ``q [D, H, Dn+Dr]`` or ``q_a [D, Cq]``, ``q_a_norm/scale [Cq]``,
 ``q_b [Cq, H, Dn+Dr]``; ``kv_a [D, C + Dr]`` (latent, then RoPE key),

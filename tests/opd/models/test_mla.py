@@ -132,6 +132,16 @@ def test_sharded_equals_unsharded_forward_and_generation():
   # Log-probs are differences of logits within the same bound.
   np.testing.assert_allclose(np.asarray(multi.logprobs), np.asarray(single.logprobs),
                              atol=2 * _atol(cfg, ref[real]))
+  # The sampler decodes against the latent cache (absorbed form); its
+  # log-probs equal the plain form's over prompt + sample, token by token.
+  P, gen = toks.shape[1], np.asarray(single.mask)
+  full = np.asarray(forward(cfg, params, jnp.concatenate([toks, single.tokens], axis=1),
+                            mask=jnp.concatenate([mask, single.mask], axis=1)).logits)
+  logp = jax.nn.log_softmax(full[:, P - 1:-1], axis=-1)  # position P-1+j predicts token j
+  plain = np.take_along_axis(np.asarray(logp), np.asarray(single.tokens)[..., None], -1)[..., 0]
+  assert gen.all()  # no eos_ids: every row runs all 4 steps, each compared
+  np.testing.assert_allclose(np.asarray(single.logprobs)[gen], plain[gen],
+                             atol=2 * _atol(cfg, full[:, P - 1:-1]))
 
 
 def test_cache_size_per_token_against_gqa():
