@@ -17,8 +17,8 @@ import sys
 import time
 from typing import Any, Callable
 
-from experiments.benchmarks import (common, kl_loss, kl_loss_gpu, kl_train, opd_step, rollout,
-                                    sampler, train_step)
+from experiments.benchmarks import (common, kl_loss, kl_loss_gpu, kl_train, moe, opd_step,
+                                    rollout, sampler, train_step)
 
 
 def _sampler_headline(p: dict) -> str:
@@ -30,6 +30,13 @@ def _sampler_headline(p: dict) -> str:
 def _train_step_headline(p: dict) -> str:
   return (f"train-step / matmul FLOP/s {p['ratios']['train_step_vs_matmul_flops']:.3f} "
           "(causal attention FLOPs)")
+
+
+def _moe_headline(p: dict) -> str:
+  r = p["ratios"]
+  return (f"MoE fwd+bwd tokens/s: {r['moe_ragged_vs_dense']:.2f}x a dense layer of equal active "
+          f"params, grouped matmul {r['ragged_vs_onehot']:.2f}x one-hot, expert-parallel "
+          f"{r['expert_parallel_vs_replicated']:.2f}x replicated ({p['sizes']['devices']} devices)")
 
 
 def _kl_headline(p: dict) -> str:
@@ -82,6 +89,7 @@ BENCHMARKS: dict[str, tuple[Callable[..., dict], list[str], list[str],
     "kl_loss_gpu": (kl_loss_gpu.main, ["--cpu-smoke"], [], _kl_gpu_headline),
     "opd_step": (opd_step.main, [], ["--quick"], _opd_step_headline),
     "rollout": (rollout.main, [], ["--quick"], _rollout_headline),
+    "moe": (moe.main, [], ["--quick"], _moe_headline),
 }
 
 
