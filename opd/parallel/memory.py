@@ -1,0 +1,250 @@
+"""The per-device memory of a training or rollout layout, as formulas (docs/SCALING.md).
+
+``estimate_memory(cfg, mesh_shape, batch, seq)`` returns a ``MemoryEstimate``
+whose fields are bytes per device of: the fp32 master parameters, their
+gradients, AdamW's two moments, the activations the backward pass keeps
+(with or without rematerialisation), the loss head (materialised logits, or
+the fused kernel's transient buffers, docs/DESIGN.md §4), the rollout KV
+cache and the teacher hidden-state cache. ``check_fits`` raises
+``DoesNotFitError`` naming the largest terms, so a launcher can refuse a
+layout before it compiles anything.
+
+Sharding follows ``opd.parallel.sharding.DEFAULT_RULES``: matmul weights are
+split over ``fsdp × tensor`` (``embed → fsdp``; ``vocab, mlp, q_heads,
+kv_heads → tensor``), batch rows over ``data × fsdp``, and the activations'
+head, MLP and vocabulary widths over ``tensor``; D-wide activations are not
+split (no sequence parallelism). Letters as ``opd.models.config``: B rows,
+T tokens per row, N = B·T, D, H, K, Dh, F, V, L layers, S keys per query.
+
+Activations kept per token and layer without remat (counted from the ops
+whose outputs the backward reads, checked against XLA in
+tests/opd/parallel/test_memory.py)::
+
+    b·(4D + 2H·Dh + 2K·Dh + 4F) + 4·3·H·S
+      4D: block input, attention-norm output, mid-block residual, MLP-norm output
+      2H·Dh + 2K·Dh: rotated q and the attention output before W_O; k and v
+      4F: gate pre-activation, silu(gate), up, their product (input of W_down)
+      (+ H·Dh + K·Dh with QK-norm: q and k before their norms)
+      3·H·S (fp32): scores, their masked exponentials, the probabilities
+
+with b the compute dtype's bytes. With remat (``cfg.remat``) only the block
+input ``b·D`` is kept per layer and one layer's full set is live while that
+layer's backward recomputes it. The loss head keeps ``4·(4V + 6D)`` bytes per
+token materialised (fp32 logits, log-softmax, softmax, the logits'
+cotangent; embedding output, final-norm input/output and their cotangents);
+the fused kernel replaces the ``4V`` part by its ``2·C·V·4`` chunk buffers
+(``pallas_kernels.train_loss.default_block_t``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from pallas_kernels.train_loss import default_block_t
+
+from opd.models.config import ModelConfig
+
+_TERMS = ("params", "grads", "optimizer", "activations", "loss_head", "kv_cache",
+          "teacher_cache", "teacher_params")
+
+
+class DoesNotFitError(ValueError):
+  """A layout's per-device memory exceeds the device's; the message names the largest terms."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+  """Bytes per device of each term (see the module docstring for the formulas).
+
+  Attributes:
+    params: master parameters (``master_bytes`` each), split over fsdp × tensor.
+    grads: their gradients (fp32).
+    optimizer: AdamW's first and second moments in the master dtype.
+    activations: what the backward keeps of the L blocks (remat or not).
+    loss_head: materialised logits and their cotangent, or the fused
+      kernel's chunk buffers.
+    kv_cache: the rollout sampler's KV cache (0 when no rollout is asked).
+    teacher_cache: the teachers' cached hidden states for the batch.
+    teacher_params: resident frozen teacher weights.
+    shards: the mesh axes' sizes used, ``{"data", "fsdp", "tensor"}``.
+  """
+  params: int
+  grads: int
+  optimizer: int
+  activations: int
+  loss_head: int
+  kv_cache: int
+  teacher_cache: int
+  teacher_params: int
+  shards: dict
+
+  @property
+  def total(self) -> int:
+    """Bytes per device, all terms."""
+    return sum(getattr(self, name) for name in _TERMS)
+
+  def terms(self) -> dict[str, int]:
+    """``{term: bytes}``, largest first."""
+    return dict(sorted(((n, getattr(self, n)) for n in _TERMS), key=lambda kv: -kv[1]))
+
+
+def _mesh(mesh_shape: Sequence[int] | dict) -> dict[str, int]:
+  if isinstance(mesh_shape, dict):
+    shape = {a: int(mesh_shape.get(a, 1)) for a in ("data", "fsdp", "tensor")}
+  else:
+    mesh_shape = tuple(mesh_shape)
+    if len(mesh_shape) == 3:
+      shape = dict(zip(("data", "fsdp", "tensor"), mesh_shape))
+    elif len(mesh_shape) == 4:  # (data, fsdp, expert, tensor): experts counted as fsdp
+      d, f, e, t = mesh_shape
+      shape = {"data": d, "fsdp": f * e, "tensor": t}
+    else:
+      raise ValueError(f"mesh_shape={mesh_shape} must be (data, fsdp, tensor) or "
+                       "(data, fsdp, expert, tensor)")
+  for axis, size in shape.items():
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+      raise ValueError(f"mesh_shape: axis {axis!r} has size {size!r}; must be a positive int")
+  return shape
+
+
+def _ceil_div(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def layer_activation_bytes(cfg: ModelConfig, keys: int, tensor: int = 1) -> int:
+  """Bytes one block keeps per token for its backward (no remat; module docstring).
+
+  Args:
+    cfg: the model.
+    keys: S, the keys each query attends over (T for training).
+    tensor: the ``tensor`` axis size, which splits the head and MLP widths.
+  """
+  b = 2 if cfg.dtype in ("bfloat16", "float16") else 4
+  H, K, Dh, F = cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim, _dense_width(cfg)
+  split = lambda n: _ceil_div(n, tensor)
+  qk_norm = split(H * Dh) + split(K * Dh) if cfg.qk_norm else 0  # q, k before their norms
+  return b * (4 * cfg.d_model + 2 * split(H * Dh) + 2 * split(K * Dh) + 4 * split(F)
+              + qk_norm) + 4 * 3 * split(H) * keys
+
+
+def _dense_width(cfg: ModelConfig) -> int:
+  """The MLP width activations see (an MoE layer's active experts' widths summed)."""
+  if cfg.moe is None:
+    return cfg.d_ff
+  moe = cfg.moe
+  return moe.moe_d_ff * (moe.experts_per_token + moe.n_shared_experts)
+
+
+def estimate_memory(cfg: ModelConfig, mesh_shape, batch: int, seq: int, *,
+                    remat: bool | None = None, master_bytes: int = 4, fused_loss: bool = False,
+                    num_teachers: int = 0, teacher_dims: Sequence[int] = (),
+                    teacher_param_bytes: int = 0, hidden_cache_bytes: int = 2,
+                    rollout_batch: int = 0, cache_len: int = 0) -> MemoryEstimate:
+  """Per-device bytes of a training step of ``cfg`` on a mesh (module docstring).
+
+  Args:
+    cfg: the student (or any trained model).
+    mesh_shape: ``(data, fsdp, tensor)`` (a 4-entry shape's expert axis is
+      counted with fsdp) or a dict of those axes.
+    batch: B, global rows per (micro)batch; seq: T, tokens per row.
+    remat: rematerialise blocks; None takes ``cfg.remat``.
+    master_bytes: bytes of a master parameter and of each Adam moment (4: fp32).
+    fused_loss: the loss head is the fused kernel (its ``2·C·V·4`` buffers
+      with ``C = default_block_t(max(num_teachers, 1), V)``) instead of
+      materialised logits.
+    num_teachers, teacher_dims: the OPD teachers and their widths D_k; their
+      hidden states take ``Σ_k D_k · hidden_cache_bytes`` per token.
+    teacher_param_bytes: total bytes of the frozen teachers resident with the
+      student (e.g. ``num_params · 2`` for bf16, ``opd.models.quant`` for int8),
+      split like the student's weights.
+    rollout_batch, cache_len: the sampler's rows and KV slots (0: no rollout term).
+
+  Raises:
+    ValueError: naming a non-positive batch / seq or a bad mesh shape.
+  """
+  for name, value in (("batch", batch), ("seq", seq)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name}={value!r} must be a positive int")
+  if len(teacher_dims) != num_teachers:
+    raise ValueError(f"teacher_dims has {len(teacher_dims)} entries but num_teachers="
+                     f"{num_teachers}")
+  shards = _mesh(mesh_shape)
+  model_shards = shards["fsdp"] * shards["tensor"]
+  tensor = shards["tensor"]
+  rows = _ceil_div(batch, shards["data"] * shards["fsdp"])
+  tokens = rows * seq
+  remat = cfg.remat if remat is None else remat
+  n_params = cfg.num_params()
+  params = _ceil_div(n_params * master_bytes, model_shards)
+  grads = _ceil_div(n_params * 4, model_shards)
+  optimizer = 2 * params
+  per_layer = layer_activation_bytes(cfg, seq, tensor)
+  b = 2 if cfg.dtype in ("bfloat16", "float16") else 4
+  if remat:
+    activations = tokens * (cfg.n_layers * b * cfg.d_model + per_layer)
+  else:
+    activations = tokens * cfg.n_layers * per_layer
+  vocab = _ceil_div(cfg.vocab_size, tensor)
+  if fused_loss:
+    chunk = default_block_t(max(num_teachers, 1), cfg.vocab_size)
+    loss_head = 2 * chunk * vocab * 4 + tokens * 4 * 6 * cfg.d_model
+  else:
+    loss_head = tokens * 4 * (4 * vocab + 6 * cfg.d_model)
+  kv_cache = 0
+  if rollout_batch:
+    kv_rows = _ceil_div(rollout_batch, shards["data"] * shards["fsdp"])
+    if cfg.mla is not None:
+      per_slot = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+    else:
+      per_slot = 2 * _ceil_div(cfg.n_kv_heads, tensor) * cfg.resolved_head_dim
+    kv_cache = cfg.n_layers * kv_rows * cache_len * per_slot * b
+  teacher_cache = tokens * sum(teacher_dims) * hidden_cache_bytes
+  return MemoryEstimate(params=params, grads=grads, optimizer=optimizer, activations=activations,
+                        loss_head=loss_head, kv_cache=kv_cache, teacher_cache=teacher_cache,
+                        teacher_params=_ceil_div(teacher_param_bytes, model_shards),
+                        shards=shards)
+
+
+def hidden_vs_logit_cache(teacher_dims: Sequence[int], vocab_size: int,
+                          hidden_bytes: int = 2) -> tuple[int, int]:
+  """Bytes per token of the teachers' hidden-state cache and of an fp32 logit cache."""
+  return sum(teacher_dims) * hidden_bytes, len(teacher_dims) * vocab_size * 4
+
+
+def check_fits(model_cfg: ModelConfig, mesh_shape, batch: int, seq: int, device_bytes: int,
+               **kwargs) -> MemoryEstimate:
+  """``estimate_memory(...)`` if its total fits ``device_bytes``; else raises.
+
+  Args:
+    model_cfg, mesh_shape, batch, seq, kwargs: as ``estimate_memory``.
+    device_bytes: the accelerator's memory (e.g. 95 GiB for a TPU v5p chip).
+
+  Raises:
+    DoesNotFitError: naming the total, the device's bytes and the three
+      largest terms.
+  """
+  if not isinstance(device_bytes, (int, float)) or device_bytes <= 0:
+    raise ValueError(f"device_bytes={device_bytes!r} must be positive")
+  est = estimate_memory(model_cfg, mesh_shape, batch, seq, **kwargs)
+  if est.total > device_bytes:
+    top = list(est.terms().items())[:3]
+    named = ", ".join(f"{n} {v / 2**30:.2f} GiB" for n, v in top)
+    raise DoesNotFitError(
+        f"layout mesh {est.shards} batch={batch} seq={seq} needs {est.total / 2**30:.2f} GiB per "
+        f"device > {device_bytes / 2**30:.2f} GiB; largest terms: {named}")
+  return est
+
+
+def step_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
+  """FLOPs of one training step: 3 × the forward's (backward = 2 × forward)."""
+  return 3.0 * batch * seq * cfg.flops_per_token(seq)
+
+
+def step_seconds(cfg: ModelConfig, batch: int, seq: int, chips: int, peak_flops: float,
+                 mfu: float = 0.4) -> float:
+  """Step time at ``mfu`` of ``chips × peak_flops`` (a planning figure, not a measurement)."""
+  return step_flops(cfg, batch, seq) / (chips * peak_flops * mfu)
+
+
+__all__ = ["DoesNotFitError", "MemoryEstimate", "check_fits", "estimate_memory",
+           "hidden_vs_logit_cache", "layer_activation_bytes", "step_flops", "step_seconds"]
