@@ -73,13 +73,16 @@ def test_head_only_kl_below_the_rounding_bound():
 
 def test_int8_teacher_forward_and_kl():
   params = init_params(CFG, jax.random.key(3))
+  params["lm_head"] = params["lm_head"] * 10  # logits of std ~2-3, as a trained model's
   q = quantize_int8(params)
   tokens = jax.random.randint(jax.random.key(4), (2, 64), 0, CFG.vocab_size)
   zq = forward_int8(CFG, q, tokens).logits
   np.testing.assert_array_equal(np.asarray(zq), np.asarray(forward(CFG, dequantize(q), tokens).logits))
   zf = forward(CFG, params, tokens).logits
   kl = _kl(_log_softmax(zq), _log_softmax(zf))
-  # Every weight quantised: no closed-form bound through the layers; the
-  # measured mean is ~3e-5 nats at this shape (docs/DESIGN.md §2), checked
-  # against 1e-3 nats, the error budget stated there.
-  assert 0 < kl.mean() < 1e-3
+  # Every weight quantised: no closed-form bound through the layers (the
+  # head-only bound is above). The measured mean is checked against 1e-2
+  # nats, the error budget docs/DESIGN.md §2 states (measured: 7.8e-4 here;
+  # 3.5e-3 at V=32768, D=256, 4 layers, logit std 3.2).
+  assert np.std(zf) > 1.0
+  assert 0 < kl.mean() < 1e-2
