@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 from opd.config.fields import check_fields, from_group
 
 Array = jax.Array
-ROUTERS = ("softmax", "sigmoid")
+ROUTERS = ("softmax", "sigmoid", "sqrtsoftplus")
 DISPATCHES = ("ragged", "onehot")
 EXPERT_AXIS = "expert"  # the mesh axis experts are sharded along
 _INIT_STD = 0.02
@@ -66,7 +66,9 @@ class MoEConfig:
     n_shared_experts: S, experts every token goes through, fused into one
       SwiGLU of width ``S * moe_d_ff`` (DeepSeek-V3); 0 for Qwen3-MoE.
     router: "softmax" (probabilities over all E) or "sigmoid" (independent
-      scores, plus the per-expert ``selection_bias`` used for selection only).
+      scores, plus the per-expert ``selection_bias`` used for selection only);
+      "sqrtsoftplus" scores ``sqrt(softplus(z))`` (DeepSeek-V4's ``route``;
+      its selection bias is passed by ``opd.models.v4.moe``).
     norm_topk_prob: divide the k selected scores by their sum.
     routed_scaling_factor: multiplies the routed experts' weights.
     n_group: experts are split in ``n_group`` equal groups; a token first
@@ -130,6 +132,17 @@ class MoEConfig:
     return layer >= self.first_k_dense
 
 
+def router_scores(logits: Array, router: str) -> Array:
+  """The router's scores ``s [..., E]`` of ``logits [..., E]`` (fp32), ``router`` in ROUTERS."""
+  if router == "softmax":
+    return jax.nn.softmax(logits, axis=-1)
+  if router == "sigmoid":
+    return jax.nn.sigmoid(logits)
+  if router == "sqrtsoftplus":
+    return jnp.sqrt(jax.nn.softplus(logits))
+  raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+
+
 class Routing(NamedTuple):
   """``route``'s result for N tokens.
 
@@ -145,9 +158,10 @@ class Routing(NamedTuple):
 def route(logits: Array, moe: MoEConfig, bias: Array | None = None) -> Routing:
   """Top-k routing of ``logits [N, E]`` (docs/DESIGN.md §2, "Mixture of experts").
 
-  s = softmax(logits) or sigmoid(logits); selection uses c = s + bias (bias
-  only with the sigmoid router), restricted to the ``topk_group`` groups with
-  the largest top-2 sums of c when ``n_group > 1``; the weights are the
+  s = softmax(logits), sigmoid(logits) or sqrt(softplus(logits)); selection
+  uses c = s + bias (``MoEMLP`` passes a bias with the sigmoid router only),
+  restricted to the ``topk_group`` groups with the largest top-2 sums of c
+  when ``n_group > 1``; the weights are the
   *unbiased* s of the chosen experts, optionally renormalised, times
   ``routed_scaling_factor``. Ties go to the lower expert (group) index.
   """
@@ -156,7 +170,7 @@ def route(logits: Array, moe: MoEConfig, bias: Array | None = None) -> Routing:
   if logits.shape[-1] != E:
     raise ValueError(f"router logits have {logits.shape[-1]} experts, "
                      f"MoEConfig.n_routed_experts={E}")
-  scores = jax.nn.softmax(logits, axis=-1) if moe.router == "softmax" else jax.nn.sigmoid(logits)
+  scores = router_scores(logits, moe.router)
   choice = scores if bias is None else scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
   choice = jax.lax.stop_gradient(choice)  # selection is discrete: no gradient through it
   if G > 1:
@@ -172,21 +186,31 @@ def route(logits: Array, moe: MoEConfig, bias: Array | None = None) -> Routing:
   return Routing(experts, weights * moe.routed_scaling_factor, scores)
 
 
-def _swiglu_ragged(xs, wg, wu, wd, group_sizes):
+def swiglu(g: Array, u: Array, limit: float | None = None) -> Array:
+  """``silu(g) · u``; with ``limit`` (DeepSeek-V4's ``swiglu_limit``) g is first
+  clipped to ``<= limit`` and u to ``[-limit, limit]``."""
+  if limit is not None:
+    g, u = jnp.minimum(g, limit), jnp.clip(u, -limit, limit)
+  return jax.nn.silu(g) * u
+
+
+def _swiglu_ragged(xs, wg, wu, wd, group_sizes, limit=None):
   dt = xs.dtype
-  h = (jax.nn.silu(jax.lax.ragged_dot(xs, wg.astype(dt), group_sizes))
-       * jax.lax.ragged_dot(xs, wu.astype(dt), group_sizes))
+  h = swiglu(jax.lax.ragged_dot(xs, wg.astype(dt), group_sizes),
+             jax.lax.ragged_dot(xs, wu.astype(dt), group_sizes), limit)
   return jax.lax.ragged_dot(h, wd.astype(dt), group_sizes)
 
 
 def experts_ragged(x: Array, experts: Array, weights: Array, wg: Array, wu: Array, wd: Array,
-                   expert_offset: Array | int = 0) -> tuple[Array, Array]:
+                   expert_offset: Array | int = 0, limit: float | None = None
+                   ) -> tuple[Array, Array]:
   """Σ_j w_j · SwiGLU_{e_j}(x) over the experts held locally, dropless.
 
   Args:
     x: ``[N, D]`` tokens. experts, weights: ``[N, k]`` from ``route``.
     wg, wu: ``[El, D, Fe]``; wd: ``[El, Fe, D]``: experts
       ``[expert_offset, expert_offset + El)`` (all of them when unsharded).
+    limit: the SwiGLU clip (``swiglu``); None = unclipped.
 
   Returns:
     ``([N, D] output, number of (token, expert) pairs computed here)``.
@@ -204,7 +228,7 @@ def experts_ragged(x: Array, experts: Array, weights: Array, wg: Array, wu: Arra
   order = jnp.argsort(local, stable=True)
   group_sizes = jnp.bincount(local, length=El + 1)[:El].astype(jnp.int32)
   xs = jnp.take(x, order // k, axis=0)  # [N*k, D]
-  ys = _swiglu_ragged(xs, wg, wu, wd, group_sizes)
+  ys = _swiglu_ragged(xs, wg, wu, wd, group_sizes, limit)
   held = (jnp.take(local, order) < El)[:, None]
   ys = jnp.where(held, ys, 0)  # rows past the last group are not defined by ragged_dot
   ys = jnp.take(ys, jnp.argsort(order), axis=0).reshape(N, k, -1)  # back to token order
@@ -213,13 +237,13 @@ def experts_ragged(x: Array, experts: Array, weights: Array, wg: Array, wu: Arra
 
 
 def experts_onehot(x: Array, experts: Array, weights: Array, wg: Array, wu: Array,
-                   wd: Array) -> Array:
+                   wd: Array, limit: float | None = None) -> Array:
   """The dense reference of ``experts_ragged``: every expert on every token."""
   dt = x.dtype
   E = wg.shape[0]
   combine = jnp.einsum("NKE,NK->NE", jax.nn.one_hot(experts, E, dtype=dt), weights.astype(dt))
-  h = (jax.nn.silu(jnp.einsum("ND,EDF->NEF", x, wg.astype(dt)))
-       * jnp.einsum("ND,EDF->NEF", x, wu.astype(dt)))
+  h = swiglu(jnp.einsum("ND,EDF->NEF", x, wg.astype(dt)),
+             jnp.einsum("ND,EDF->NEF", x, wu.astype(dt)), limit)
   y = jnp.einsum("NEF,EFD->NED", h, wd.astype(dt))
   return jnp.einsum("NED,NE->ND", y, combine)
 
