@@ -150,8 +150,8 @@ def estimate_memory(cfg: ModelConfig, mesh_shape, batch: int, seq: int, *,
     remat: rematerialise blocks; None takes ``cfg.remat``.
     master_bytes: bytes of a master parameter and of each Adam moment (4: fp32).
     fused_loss: the loss head is the fused kernel (its ``2·C·V·4`` buffers
-      with ``C = default_block_t(max(num_teachers, 1), V)``) instead of
-      materialised logits.
+      with ``C = min(default_block_t(max(num_teachers, 1), V), N)``) instead
+      of materialised logits.
     num_teachers, teacher_dims: the OPD teachers and their widths D_k; their
       hidden states take ``Σ_k D_k · hidden_cache_bytes`` per token.
     teacher_param_bytes: total bytes of the frozen teachers resident with the
@@ -186,7 +186,7 @@ def estimate_memory(cfg: ModelConfig, mesh_shape, batch: int, seq: int, *,
     activations = tokens * cfg.n_layers * per_layer
   vocab = _ceil_div(cfg.vocab_size, tensor)
   if fused_loss:
-    chunk = default_block_t(max(num_teachers, 1), cfg.vocab_size)
+    chunk = min(default_block_t(max(num_teachers, 1), cfg.vocab_size), tokens)
     loss_head = 2 * chunk * vocab * 4 + tokens * 4 * 6 * cfg.d_model
   else:
     loss_head = tokens * 4 * (4 * vocab + 6 * cfg.d_model)
