@@ -307,7 +307,8 @@ def _judge(ctx: _Ctx):
   sampling = sampling_for_chat(ctx.tok, max_new_tokens=c.judge.max_new_tokens,
                                temperature=c.judge.temperature)
   return pipeline.model_judge(ctx.model_cfg, params, ctx.tok, sampling,
-                              batch_size=c.sample_batch, mesh=ctx.mesh, rules=ctx.rules)
+                              batch_size=c.sample_batch, mesh=ctx.mesh, rules=ctx.rules,
+                              constrained=c.tournament.get("constrained", False))
 
 
 def _stage_rank(ctx: _Ctx, workdir: pathlib.Path) -> dict:
@@ -322,7 +323,8 @@ def _stage_rank(ctx: _Ctx, workdir: pathlib.Path) -> dict:
       for j, sub in enumerate(row["variants"][v]):
         reps = [row["texts"][m[0]] for m in sub["clusters"][:c.tournament.max_clusters]]
         ms = tournament_lib.matches(p.prompt, reps, seed=c.seed, where=(pi, vi, j),
-                                    games=c.tournament.games)
+                                    games=c.tournament.games,
+                                    both_orders=c.tournament.get("both_orders", False))
         all_matches += ms
         owner += [(p.id, v, j)] * len(ms)
   texts = list(_judge(ctx)([m.prompt.text for m in all_matches], c.seed)) if all_matches else []
@@ -346,7 +348,9 @@ def _stage_rank(ctx: _Ctx, workdir: pathlib.Path) -> dict:
       out[p.id][v] = orders
   common.write_json(workdir / "rankings.json", out)
   common.write_json(workdir / "judge_samples.json", texts[:20])
+  bias = tournament_lib.position_bias(all_matches, texts)
   return {"matches": judged, "valid_judgements": valid,
+          **{f"judge_{k}": v for k, v in bias.items()},
           "judge_valid_rate": valid / judged if judged else float("nan"),
           "informative_matches": informative,
           "judge_accuracy": right / informative if informative else float("nan")}

@@ -86,7 +86,11 @@ def get_config(arg=None):
                                                 plant_reference=False))
   c.tests = ml_collections.ConfigDict(dict(n_generators=2, per_generator=8, n_validators=4,
                                            n_probe=8, max_inputs=12))
-  c.tournament = ml_collections.ConfigDict(dict(max_clusters=4, games=1))
+  # both_orders: judge each game in both A/B orders and swap-average (the judge said
+  # "B" 93% of the time; doubles the judge's samples); constrained: the judge's last
+  # line decoded under "Better: A|B" (opd.rollout.constraint). Off: earlier numbers.
+  c.tournament = ml_collections.ConfigDict(dict(max_clusters=4, games=1, both_orders=False,
+                                                constrained=False))
   c.submission = ml_collections.ConfigDict(dict(budget=50, report_budgets=(1, 2, 5, 10, 50)))
   c.sandbox = ml_collections.ConfigDict(dict(cpu_s=1.0, wall_s=2.0, memory_mb=256, workers=2,
                                              chunk=32))

@@ -88,6 +88,11 @@ def test_tournament_judges_every_pair_and_report_is_complete(run):
         ok = [j in row["passes"][cl[0]] for cl in sub["clusters"][:3]]
         informative += sum(a != b for a, b in itertools.combinations(ok, 2))
   assert m["rank/informative_matches"] == informative
+  # The judge's position bias is reported; single order (tiny), so the combined
+  # verdict's credit to A is the single judgements' A rate.
+  before, after = m["rank/judge_a_rate_before"], m["rank/judge_a_rate_after"]
+  if m["rank/valid_judgements"]:
+    assert 0 <= before <= 1 and after == pytest.approx(before)
   if informative:
     assert 0 <= m["rank/judge_accuracy"] <= 1
   results = _read(workdir, "report", "results.json")
