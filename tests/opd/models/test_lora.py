@@ -7,6 +7,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from opd.distill.loss import OPDLossConfig, make_opd_loss
 from opd.models import ModelConfig, init_params
 from opd.models.decoder import forward
 from opd.models.hf import load_hf, save_hf
@@ -62,12 +63,28 @@ def test_fresh_adapters_leave_the_model_unchanged():
       x.size for x in jax.tree.leaves(lora_init(CFG, LORA, jax.random.key(1))))
 
 
-def test_adapter_gradient_is_the_full_gradient_projected():
+def _opd_loss_and_batch():
+  """The fused full-vocabulary OPD loss with one teacher of width 24."""
+  head = 0.3 * jax.random.normal(jax.random.key(10), (24, CFG.vocab_size))
+  tokens = jax.random.randint(jax.random.key(11), (2, 8), 0, CFG.vocab_size)
+  batch = {"tokens": tokens, "targets": jnp.roll(tokens, -1, axis=1),
+           "mask": jnp.ones((2, 8), bool), "loss_mask": jnp.ones((2, 8), jnp.float32),
+           "teacher_hidden": (jax.random.normal(jax.random.key(12), (2, 8, 24)),),
+           "teacher_weights": jnp.ones((2, 8, 1), jnp.float32)}
+  return make_opd_loss(CFG, [head], OPDLossConfig(estimator="full")), batch
+
+
+def _lm_loss_and_batch():
+  tokens = jax.random.randint(jax.random.key(3), (2, 9), 0, CFG.vocab_size)
+  return next_token_loss(CFG), {"tokens": tokens}
+
+
+@pytest.mark.parametrize("make", [_lm_loss_and_batch, _opd_loss_and_batch],
+                         ids=["next_token", "opd_full"])
+def test_adapter_gradient_is_the_full_gradient_projected(make):
   params = init_params(CFG, jax.random.key(0))
   adapters = _random_adapters(CFG, LORA, 2)
-  tokens = jax.random.randint(jax.random.key(3), (2, 9), 0, CFG.vocab_size)
-  loss = next_token_loss(CFG)
-  batch = {"tokens": tokens}
+  loss, batch = make()
   key = jax.random.key(4)
   g_ad = jax.grad(lambda ad: loss(lora_apply(params, ad, LORA), batch, key)[0])(adapters)
   g_full = jax.grad(lambda p: loss(p, batch, key)[0])(lora_apply(params, adapters, LORA))
@@ -76,6 +93,7 @@ def test_adapter_gradient_is_the_full_gradient_projected():
       a = _matrix(adapters[layer][module][name]["a"], n_in)
       b = _matrix(adapters[layer][module][name]["b"], 1)
       g = _matrix(g_full[layer][module][name], n_in)
+      assert np.abs(g).max() > 1e-5  # a gradient that could disagree
       # Chain rule on W = W0 + s a b: dL/da = s g b^T, dL/db = s a^T g.
       np.testing.assert_allclose(_matrix(g_ad[layer][module][name]["a"], n_in),
                                  LORA.scale * g @ b.T, rtol=1e-4, atol=1e-7)
