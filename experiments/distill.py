@@ -30,7 +30,7 @@ from experiments import common
 from opd.config.fields import from_group
 from opd.config.overrides import config_to_dict
 from opd.distill import OPDConfig, Teacher, TeacherPool, make_heldout_eval, train_opd
-from opd.distill.cold_start import teacher_sft_pairs
+from opd.distill.cold_start import AnswerSampling, teacher_sft_pairs
 from opd.models import init_params, to_model_config
 from opd.parallel import distributed
 from opd.tasks import domain_examples
@@ -159,10 +159,11 @@ def run_cold_start(config, workdir: str) -> dict:
   cs = config.cold_start
   prompts = domain_examples(_domains(teachers), "train", cs.num_prompts, config.seed,
                             tuple(config.data.difficulties))
-  data = teacher_sft_pairs(teachers, prompts, tokenizer=tok, max_new_tokens=cs.max_new_tokens,
-                           temperature=cs.temperature, samples_per_prompt=cs.samples_per_prompt,
-                           min_reward=cs.min_reward, batch_size=cs.sample_batch_size,
-                           seed=config.seed, mesh=distributed.host_work_mesh(mesh), rules=rules)
+  answers = AnswerSampling(max_new_tokens=cs.max_new_tokens, temperature=cs.temperature,
+                           samples_per_prompt=cs.samples_per_prompt, min_reward=cs.min_reward,
+                           batch_size=cs.sample_batch_size)
+  data = teacher_sft_pairs(teachers, prompts, answers, tokenizer=tok, seed=config.seed,
+                           mesh=distributed.host_work_mesh(mesh), rules=rules)
   print("[cold_start] " + ", ".join(f"{k.split('/', 1)[1]}={v:g}"
                                     for k, v in data.metrics.items()), flush=True)
   if not data.pairs:

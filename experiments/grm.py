@@ -73,6 +73,7 @@ from opd import tasks as tasks_lib
 from opd.config.fields import from_group
 from opd.models import to_model_config
 from opd.rl.config import GRPOConfig
+from opd.rollout.episodes import RolloutLog
 from opd.training import lm_trainer
 from opd.training.checkpoints import CheckpointManager
 from opd.training.metrics_writer import MetricWriter
@@ -104,7 +105,7 @@ def _stage_data(ctx: common.JobContext, workdir: pathlib.Path) -> dict:
   timings: dict[str, float] = {}
   cands = sample_candidates(models, ctx.tok, examples, temperatures=tuple(c.data.temperatures),
                             max_new_tokens=c.data.max_new_tokens, seed=c.seed, mesh=ctx.mesh,
-                            rules=ctx.rules, timings=timings)
+                            rules=ctx.rules, log=RolloutLog(timings=timings))
   if c.data.include_reference:  # tiny: a verified correct candidate per single-turn example
     for ex, row in zip(examples, cands):
       if not tasks_lib.is_multi_turn(ex.domain):

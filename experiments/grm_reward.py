@@ -102,10 +102,10 @@ def run(config, workdir: str) -> dict:
   def test_scores(params) -> dict:
     """Means, bootstrap SEs (``<key>_se``, 0-1 scale) and the per-test-prompt
     values (``per_example``) of the greedy and sampled scores."""
-    episodes = rollout_lib.rollout(model_cfg, params, tok, test, jax.random.key(config.seed),
-                                   greedy, mesh=mesh, rules=rules)
-    many = rollout_lib.rollout(model_cfg, params, tok, list(test) * n_samples,
-                               jax.random.key(config.seed + 1), sampled, mesh=mesh, rules=rules)
+    policy = rollout_lib.Policy(model_cfg, params, tok, mesh, rules)
+    episodes = rollout_lib.rollout(policy, test, jax.random.key(config.seed), greedy)
+    many = rollout_lib.rollout(policy, list(test) * n_samples, jax.random.key(config.seed + 1),
+                               sampled)
     # list(test) * n: sample j of prompt i is row j * len(test) + i.
     per = {"rubric": [ep.reward.reward for ep in episodes],
            f"rubric_mean@{n_samples}": np.asarray(

@@ -51,8 +51,8 @@ def sample_text(model_cfg, params, tok, seed: int, mesh, rules, n: int = 4) -> s
   examples = [tasks_lib.get_task(d).examples("test", 1, seed=seed)[0]
               for d in tasks_lib.ALL_DOMAINS[:n]]
   sampling = rollout.sampling_for_chat(tok, max_new_tokens=48, temperature=0.0)
-  comps = rollout.sample(model_cfg, params, tok, [rollout.prompt_ids(tok, e) for e in examples],
-                         seed, sampling, mesh=mesh, rules=rules)
+  comps = rollout.sample(rollout.Policy(model_cfg, params, tok, mesh, rules),
+                         [rollout.prompt_ids(tok, e) for e in examples], seed, sampling)
   return "\n\n".join(f"**{e.domain}** `{e.prompt}` → `{c.text}`" for e, c in zip(examples, comps))
 
 

@@ -38,7 +38,8 @@ import numpy as np
 from grm.correctness import check_ratings
 from grm.format import GRMPrompt, Principle, build_prompt, format_judgement, shuffle
 from opd.models import ModelConfig
-from opd.rollout.episodes import Episode, rollout, sampling_for_chat
+from opd.rollout.episodes import RolloutLog, rollout
+from opd.rollout.policy import Episode, Policy, sampling_for_chat
 from opd.tasks import Example, Reward
 
 # Short texts (byte-level models: every character is a token the GRM writes).
@@ -109,12 +110,13 @@ def episode_text(episode: Episode) -> str:
 
 def sample_candidates(models: Sequence[tuple[ModelConfig, object]], tokenizer,
                       examples: Sequence[Example], *, temperatures: Sequence[float],
-                      max_new_tokens: int, seed: int, **rollout_kwargs
-                      ) -> list[list[Candidate]]:
+                      max_new_tokens: int, seed: int, mesh=None, rules=None,
+                      log: RolloutLog | None = None) -> list[list[Candidate]]:
   """``[E][len(models) * len(temperatures)]`` verified candidates per example.
 
   Each (model, temperature) pair is one ``opd.rollout.rollout`` call over
-  all examples (key folded from ``seed`` and the pair's index).
+  all examples (key folded from ``seed`` and the pair's index), on ``mesh``
+  with ``rules``, adding to ``log`` (reward counts, timings).
   """
   if not models or not temperatures:
     raise ValueError(f"need at least one model and one temperature, got {len(models)} models "
@@ -125,7 +127,8 @@ def sample_candidates(models: Sequence[tuple[ModelConfig, object]], tokenizer,
       sampling = sampling_for_chat(tokenizer, max_new_tokens=max_new_tokens,
                                    temperature=temperature)
       key = jax.random.fold_in(jax.random.key(int(seed)), m * len(temperatures) + t)
-      episodes = rollout(cfg, params, tokenizer, examples, key, sampling, **rollout_kwargs)
+      episodes = rollout(Policy(cfg, params, tokenizer, mesh, rules), examples, key, sampling,
+                         log=log)
       for e, ep in enumerate(episodes):
         out[e].append(Candidate(episode_text(ep), ep.reward))
   return out

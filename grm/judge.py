@@ -2,7 +2,7 @@
 
 For E examples (a query and its n_e responses) and k samples each, the E·k
 prompts, every one with its own seeded response order (seed ``(seed, e,
-j)``), go through ``opd.rollout.episodes.sample`` together (``sample_rows``:
+j)``), go through ``opd.rollout.policy.sample`` together (``sample_rows``:
 one call, or fixed-size chunks of ``batch_size`` rows at a fixed prompt
 width when there are more), then each output is parsed (``grm.parse``) and
 its scores mapped back to the original order.
@@ -37,7 +37,7 @@ from grm.parse import REASONS as PARSE_REASONS
 from grm.parse import Judgement, parse_judgement
 from opd.models import ModelConfig
 from opd.rollout.constraint import TokenAutomaton, compile_patterns
-from opd.rollout.episodes import Completion, sample
+from opd.rollout.policy import Completion, Policy, sample
 from opd.rollout.sampler import SamplingConfig
 
 TRUNCATED = "truncated"
@@ -158,7 +158,7 @@ def sample_rows(model_cfg: ModelConfig, params, tokenizer, prompts: Sequence[np.
   """One completion per prompt (id arrays), in sampler calls of at most ``batch_size`` rows.
 
   ``batch_size`` None, or at least ``len(prompts)``: one call of
-  ``opd.rollout.episodes.sample`` with key ``seed``. Otherwise the prompts
+  ``opd.rollout.policy.sample`` with key ``seed``. Otherwise the prompts
   go in chunks of exactly ``batch_size`` rows (the last padded by
   ``sample``), chunk c with key ``fold_in(key(seed), c)``, and the prompt
   width is fixed so the chunks share compiled samplers:
@@ -174,15 +174,15 @@ def sample_rows(model_cfg: ModelConfig, params, tokenizer, prompts: Sequence[np.
 
   ``progress``: a label for a progress bar over the chunks (None: no bar).
   ``constraint``, ``patterns``: constrained decoding, prompt i under pattern
-  ``patterns[i]`` of the automaton (``opd.rollout.episodes.sample``).
+  ``patterns[i]`` of the automaton (``opd.rollout.policy.sample``).
   """
   if not prompts:
     return []
+  policy = Policy(model_cfg, params, tokenizer, mesh, rules)
   n = len(prompts)
   if batch_size is None or n <= batch_size:
-    return sample(model_cfg, params, tokenizer, list(prompts), int(seed), sampling,
-                  batch_size=batch_size, prompt_bucket=prompt_bucket, mesh=mesh, rules=rules,
-                  constraint=constraint, patterns=patterns)
+    return sample(policy, list(prompts), int(seed), sampling, batch_size=batch_size,
+                  prompt_bucket=prompt_bucket, constraint=constraint, patterns=patterns)
   if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
       or batch_size < 1:
     raise ValueError(f"batch_size={batch_size!r} must be an int >= 1 or None")
@@ -204,9 +204,8 @@ def sample_rows(model_cfg: ModelConfig, params, tokenizer, prompts: Sequence[np.
     longest = int(lengths.max() if length_bucket is None else lengths[idx].max())
     step = prompt_bucket if length_bucket is None else int(length_bucket)
     width = step * math.ceil(longest / step)
-    got = sample(model_cfg, params, tokenizer, [prompts[i] for i in idx],
-                 jax.random.fold_in(key, c), sampling, batch_size=int(batch_size),
-                 prompt_bucket=width, mesh=mesh, rules=rules, constraint=constraint,
+    got = sample(policy, [prompts[i] for i in idx], jax.random.fold_in(key, c), sampling,
+                 batch_size=int(batch_size), prompt_bucket=width, constraint=constraint,
                  patterns=None if patterns is None else [patterns[i] for i in idx])
     for i, comp in zip(idx, got):
       out[int(i)] = comp

@@ -156,9 +156,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
 
 # Cycles that exist today (issue #24 assigns them); each entry must still be
 # a cycle, so the list only shrinks.
-KNOWN_CYCLES = {
-    ("opd.rollout.agent", "opd.rollout.episodes"),  # episodes.rollout runs agent episodes
-}
+KNOWN_CYCLES: set[tuple[str, ...]] = set()
 
 
 def test_no_module_imports_itself_back():

@@ -56,8 +56,8 @@ commit before the verify-stage optimisation; ``none`` skips it) runs this
 very script in a child process whose ``opd`` and ``pallas_kernels`` packages
 are REV's (``git archive REV opd pallas_kernels`` into a temporary directory
 put first on ``sys.path``; a REV without ``opd/rollout/batches.py``, the
-batch assembly this script calls, gets this checkout's copy of it), then merges its stage times into this run's JSON
-as ``baseline`` with per-stage ``speedup`` = baseline seconds / these seconds.
+batch assembly this script calls, gets ``BATCHES_BEFORE_POLICY``'s), then
+merges its stage times into this run's JSON as ``baseline`` with per-stage ``speedup`` = baseline seconds / these seconds.
 Both runs record their commit; ``outputs_match`` says whether the two
 produced identical episodes and rewards (a digest of every batch's response
 ids and rewards), which is what makes the comparison one of equal work.
@@ -92,6 +92,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # The commit before the sandbox's batched runs (the optimisation this
 # benchmark measures); --baseline overrides it.
 BASELINE_COMMIT = "9c171e7"
+# The last opd/rollout/batches.py written against episodes.rollout(model_cfg,
+# params, tokenizer, ...): what a baseline without batches.py runs.
+BATCHES_BEFORE_POLICY = "b63ab0e"
 GRPO_STAGES = ("sample", "verify", "reference", "assembly")
 OPD_STAGES = ("sample", "verify", "teacher", "assembly")
 
@@ -185,17 +188,32 @@ def _digest(episodes) -> str:
   return h.hexdigest()[:16]
 
 
+def _sample_groups(setup: dict, step: int, sampling, timings: dict[str, float], **kwargs):
+  """``opd.rollout.batches.sample_groups`` of the setup's prompts with step
+  ``step``'s key, adding ``rollout``'s seconds to ``timings``. A baseline's
+  ``opd`` predates ``opd.rollout.Policy`` and ``RolloutLog``: its ``batches``
+  (``BATCHES_BEFORE_POLICY``'s) takes the model, params, tokenizer, mesh,
+  rules and ``timings`` loose."""
+  from opd.rollout import batches
+  args = (setup["examples"], setup["rollout"], jax.random.key(0), step, sampling)
+  if not hasattr(batches, "Policy"):
+    return batches.sample_groups(setup["model_cfg"], setup["params"], setup["tok"], *args,
+                                 mesh=setup["mesh"], rules=setup["rules"], timings=timings,
+                                 **kwargs)
+  from opd.rollout.episodes import RolloutLog
+  policy = batches.Policy(setup["model_cfg"], setup["params"], setup["tok"], setup["mesh"],
+                          setup["rules"])
+  return batches.sample_groups(policy, *args, log=RolloutLog(timings=timings), **kwargs)
+
+
 def _sample(stages: _Stages, setup: dict, step: int, *, verify: bool):
   """``opd.rollout.batches.sample_groups`` of the setup's prompts (each
   repeated G times) with step ``step``'s key, as the sources call it;
   ``sample`` and ``verify`` seconds from ``rollout``'s timings."""
-  from opd.rollout import batches
   timings: dict[str, float] = {}
   t0 = time.perf_counter()
-  episodes = batches.sample_groups(
-      setup["model_cfg"], setup["params"], setup["tok"], setup["examples"], setup["rollout"],
-      jax.random.key(0), step, setup["sampling"], timings=timings, mesh=setup["mesh"],
-      rules=setup["rules"], verify=verify, task_kwargs=setup.get("task_kwargs"))
+  episodes = _sample_groups(setup, step, setup["sampling"], timings, verify=verify,
+                            task_kwargs=setup.get("task_kwargs"))
   total = time.perf_counter() - t0
   stages.add("verify", timings.get("verify", 0.0))
   stages.add("sample", total - timings.get("verify", 0.0))  # sampling + episode building
@@ -457,15 +475,12 @@ def _sample_stage(setup: dict, share: bool | None, step: int) -> dict[str, Any]:
   wall and CPU seconds, prompts, policy tokens and the episodes' digest.
   ``share``: ``share_prefill`` (None: the setup's sampling as it is, for a
   baseline whose ``SamplingConfig`` may predate the field)."""
-  from opd.rollout import batches
   sampling = setup["sampling"]
   if share is not None:
     sampling = sampling.replace(share_prefill=share)
   wall, cpu = time.perf_counter(), time.process_time()
-  episodes = batches.sample_groups(
-      setup["model_cfg"], setup["params"], setup["tok"], setup["examples"], setup["rollout"],
-      jax.random.key(0), step, sampling, mesh=setup["mesh"], rules=setup["rules"],
-      verify=False, task_kwargs=setup.get("task_kwargs"))
+  episodes = _sample_groups(setup, step, sampling, {}, verify=False,
+                            task_kwargs=setup.get("task_kwargs"))
   return {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
           "prompts": len(episodes), "policy_tokens": sum(ep.num_policy_tokens for ep in episodes),
           "digest": _digest(episodes)}
@@ -591,8 +606,11 @@ def run_baseline(rev: str, args) -> dict[str, Any]:
     batches = pathlib.Path(tmp, "opd", "rollout", "batches.py")
     if not batches.exists():
       # This script assembles batches with the library's opd.rollout.batches
-      # (as the sources do); a rev that predates it gets this checkout's.
-      batches.write_text((ROOT / "opd" / "rollout" / "batches.py").read_text())
+      # (as the sources do); a rev that predates it gets the last one that
+      # still called the rollout of its time (before opd.rollout.Policy).
+      batches.write_bytes(subprocess.run(
+          ["git", "show", f"{BATCHES_BEFORE_POLICY}:opd/rollout/batches.py"], cwd=ROOT,
+          capture_output=True, check=True).stdout)
     commit = subprocess.run(["git", "rev-parse", rev], cwd=ROOT, capture_output=True,
                             text=True, check=True).stdout.strip()
     policies = _policies_dir(args.policies)

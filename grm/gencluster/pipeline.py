@@ -36,18 +36,18 @@ def sample_texts(model_cfg, params, tokenizer, prompts: Sequence[str], *, seed: 
   prompt of all, so one compiled sampler serves every call); ``constraint``:
   an ``opd.rollout.constraint.TokenAutomaton`` whose first pattern every row follows."""
   import jax  # noqa: PLC0415 (jax-heavy; the rest of the module is not)
-  from opd.rollout.episodes import sample  # noqa: PLC0415
+  from opd.rollout import policy as policy_lib  # noqa: PLC0415
   ids = [user_prompt_ids(tokenizer, p) for p in prompts]
   out: list[str] = []
   if not ids:
     return out
   bucket = 32 * math.ceil(max(len(x) for x in ids) / 32)
+  policy = policy_lib.Policy(model_cfg, params, tokenizer, mesh, rules)
   for b, start in enumerate(tqdm(range(0, len(ids), batch_size), desc=desc, leave=False)):
     chunk = ids[start:start + batch_size]
-    out += [c.text for c in sample(model_cfg, params, tokenizer, chunk,
-                                   jax.random.fold_in(jax.random.key(int(seed)), b), sampling,
-                                   batch_size=batch_size, prompt_bucket=bucket, mesh=mesh,
-                                   rules=rules, constraint=constraint)]
+    out += [c.text for c in policy_lib.sample(
+        policy, chunk, jax.random.fold_in(jax.random.key(int(seed)), b), sampling,
+        batch_size=batch_size, prompt_bucket=bucket, constraint=constraint)]
   return out
 
 

@@ -2,7 +2,7 @@
 
 ``sampler_fn`` renders each prompt as one user turn with the assistant turn
 opened (``grm.format.user_prompt_ids``), samples through
-``opd.rollout.episodes.sample`` in chunks of ``batch_size`` rows (so every
+``opd.rollout.policy.sample`` in chunks of ``batch_size`` rows (so every
 call reuses one compiled sampler), and decodes. Each chunk of each call draws
 its own key, ``fold_in(key(seed), running chunk count)``: calling twice with
 the same prompts gives fresh samples, and a run is reproducible from
@@ -23,7 +23,7 @@ from grm.format import user_prompt_ids
 from grm.verify.format import SCORE_PATTERN
 from opd.models import ModelConfig
 from opd.rollout.constraint import compile_patterns
-from opd.rollout.episodes import sample
+from opd.rollout.policy import Policy, sample
 from opd.rollout.sampler import SamplingConfig
 
 TRUNCATED = "[truncated]"
@@ -39,7 +39,7 @@ def sampler_fn(model_cfg: ModelConfig, params, tokenizer, sampling: SamplingConf
     sampling: e.g. ``opd.rollout.episodes.sampling_for_chat(tok, max_new_tokens=...)``.
     seed: base seed of every call's keys.
     batch_size: rows per sampler call (None: each call's prompt count).
-    prompt_bucket, mesh, rules: passed to ``opd.rollout.episodes.sample``.
+    prompt_bucket, mesh, rules: passed to ``opd.rollout.policy.sample``.
     constrained: decode under ``SCORE_PATTERN`` (module docstring).
   """
   if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
@@ -49,6 +49,7 @@ def sampler_fn(model_cfg: ModelConfig, params, tokenizer, sampling: SamplingConf
   automaton = compile_patterns([SCORE_PATTERN], tokenizer, end_ids=sampling.end_ids,
                                vocab_size=model_cfg.vocab_size) if constrained else None
   chunks = itertools.count()
+  policy = Policy(model_cfg, params, tokenizer, mesh, rules)
 
   def fn(prompts: Sequence[str]) -> list[str]:
     if isinstance(prompts, str):
@@ -58,9 +59,8 @@ def sampler_fn(model_cfg: ModelConfig, params, tokenizer, sampling: SamplingConf
     out = []
     for start in range(0, len(ids), rows):
       key = jax.random.fold_in(base, next(chunks))
-      for c in sample(model_cfg, params, tokenizer, ids[start:start + rows], key, sampling,
-                      batch_size=rows, prompt_bucket=prompt_bucket, mesh=mesh, rules=rules,
-                      constraint=automaton):
+      for c in sample(policy, ids[start:start + rows], key, sampling, batch_size=rows,
+                      prompt_bucket=prompt_bucket, constraint=automaton):
         out.append(c.text if c.finished else f"{c.text}\n{TRUNCATED}")
     return out
 

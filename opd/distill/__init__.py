@@ -28,7 +28,7 @@ compose them into the trainer on ``opd.training.loop``, roughly as below;
 """
 from opd.distill import (cache, cold_start, diagnostics, faults, loss, server, source,
                          teacher_weighting, teachers, trainer)
-from opd.distill.cold_start import ColdStartData, teacher_sft_pairs
+from opd.distill.cold_start import AnswerSampling, ColdStartData, teacher_sft_pairs
 from opd.distill.cache import CachedBatch, HiddenStateCache, loss_batch
 from opd.distill.diagnostics import (logit_diagnostics, sample_response_positions,
                                      teacher_diagnostics)
@@ -49,7 +49,7 @@ from opd.distill.trainer import OPDRun, make_heldout_eval, train_opd
 __all__ = [
     "CachedBatch", "ColdStartData", "ESTIMATORS", "FaultTolerantTeachers", "HiddenStateCache", "OPDConfig",
     "OPDLossConfig", "OPDRun", "OPDSource", "make_heldout_eval", "source", "train_opd", "trainer",
-    "cold_start", "teacher_sft_pairs", "merging", "offpolicy", "average_params",
+    "cold_start", "AnswerSampling", "teacher_sft_pairs", "merging", "offpolicy", "average_params",
     "task_arithmetic", "task_vectors", "OffPolicyConfig", "train_offpolicy_kd",
     "PLACEMENTS", "REASONS", "RemoteTeacher", "SkipCounter", "Teacher", "TeacherAnswers",
     "TeacherFaultError",

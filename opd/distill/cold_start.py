@@ -17,6 +17,7 @@ counted per teacher and per reason.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -25,7 +26,31 @@ from opd import rollout as rollout_lib
 from opd.distill.teachers import Teacher
 from opd.tasks import ALL_DOMAINS, Example, RewardStats
 
-__all__ = ["ColdStartData", "teacher_sft_pairs"]
+__all__ = ["AnswerSampling", "ColdStartData", "teacher_sft_pairs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AnswerSampling:
+  """How each teacher answers its prompts, and which answers are kept.
+
+  Attributes:
+    max_new_tokens, temperature: sampling (per assistant turn).
+    samples_per_prompt: answers each teacher samples per prompt.
+    min_reward: the verifier reward an answer needs to be kept (1.0: fully
+      correct).
+    batch_size: sampler rows per call (``rollout(chunked=True)``).
+  """
+  max_new_tokens: int
+  temperature: float = 1.0
+  samples_per_prompt: int = 1
+  min_reward: float = 1.0
+  batch_size: int = 16
+
+  def __post_init__(self):
+    if not (0.0 <= self.min_reward <= 1.0):
+      raise ValueError(f"min_reward={self.min_reward!r} must be in [0, 1]")
+    if not isinstance(self.samples_per_prompt, int) or self.samples_per_prompt < 1:
+      raise ValueError(f"samples_per_prompt={self.samples_per_prompt!r} must be a positive int")
 
 
 class ColdStartData(NamedTuple):
@@ -47,9 +72,8 @@ def _answerer(teachers: Sequence[Teacher], ex: Example) -> list[Teacher]:
   return own or [t for t in teachers if t.domain is None]
 
 
-def teacher_sft_pairs(teachers: Sequence[Teacher], prompts: Sequence[Example], *, tokenizer,
-                      max_new_tokens: int, temperature: float = 1.0, samples_per_prompt: int = 1,
-                      min_reward: float = 1.0, batch_size: int = 16, seed: int = 0, mesh=None,
+def teacher_sft_pairs(teachers: Sequence[Teacher], prompts: Sequence[Example],
+                      answers: AnswerSampling, *, tokenizer, seed: int = 0, mesh=None,
                       rules=None, task_kwargs: Mapping[str, Mapping[str, Any]] | None = None
                       ) -> ColdStartData:
   """Teacher answers to their domains' prompts, verified; the correct ones as SFT pairs.
@@ -57,12 +81,8 @@ def teacher_sft_pairs(teachers: Sequence[Teacher], prompts: Sequence[Example], *
   Args:
     teachers: the specialists (``Teacher``s; their params are used as is).
     prompts: task ``Example``s; each goes to the teachers of its domain.
+    answers: how the teachers sample and which answers are kept.
     tokenizer: the byte tokenizer shared by teachers and student.
-    max_new_tokens, temperature: sampling (per assistant turn).
-    samples_per_prompt: answers each teacher samples per prompt.
-    min_reward: the verifier reward an answer needs to be kept (1.0: fully
-      correct).
-    batch_size: sampler rows per call (``rollout(chunked=True)``).
     seed: teacher k samples with key ``seed + k``.
     mesh, rules, task_kwargs: passed to ``opd.rollout.rollout``.
 
@@ -73,10 +93,8 @@ def teacher_sft_pairs(teachers: Sequence[Teacher], prompts: Sequence[Example], *
   teachers = list(teachers)
   if not teachers:
     raise ValueError("teachers=[]: the cold start needs at least one teacher")
-  if not (0.0 <= min_reward <= 1.0):
-    raise ValueError(f"min_reward={min_reward!r} must be in [0, 1]")
-  if not isinstance(samples_per_prompt, int) or samples_per_prompt < 1:
-    raise ValueError(f"samples_per_prompt={samples_per_prompt!r} must be a positive int")
+  if not isinstance(answers, AnswerSampling):
+    raise ValueError(f"answers must be an AnswerSampling, got {type(answers).__name__}")
   todo: dict[str, list[Example]] = {t.name: [] for t in teachers}
   for ex in prompts:
     if ex.domain not in ALL_DOMAINS:
@@ -87,20 +105,22 @@ def teacher_sft_pairs(teachers: Sequence[Teacher], prompts: Sequence[Example], *
       raise ValueError(f"prompt {ex.id!r} of domain={ex.domain!r} has no teacher; teacher "
                        f"domains: {[t.domain for t in teachers]}")
     for t in who:
-      todo[t.name] += [ex] * samples_per_prompt
-  sampling = rollout_lib.sampling_for_chat(tokenizer, max_new_tokens=max_new_tokens,
-                                           temperature=temperature)
+      todo[t.name] += [ex] * answers.samples_per_prompt
+  sampling = rollout_lib.sampling_for_chat(tokenizer, max_new_tokens=answers.max_new_tokens,
+                                           temperature=answers.temperature)
   pairs, kept_eps, metrics = [], [], {}
   reasons: collections.Counter = collections.Counter()
   for k, t in enumerate(teachers):
     if not todo[t.name]:
       continue
-    episodes = rollout_lib.rollout(t.cfg, t.params, tokenizer, todo[t.name], seed + k, sampling,
-                                   stats=RewardStats(), batch_size=batch_size, chunked=True,
-                                   mesh=mesh, rules=rules, task_kwargs=task_kwargs)
+    policy = rollout_lib.Policy(t.cfg, t.params, tokenizer, mesh, rules)
+    episodes = rollout_lib.rollout(policy, todo[t.name], seed + k, sampling,
+                                   log=rollout_lib.RolloutLog(stats=RewardStats()),
+                                   batch_size=answers.batch_size, chunked=True,
+                                   task_kwargs=task_kwargs)
     kept = 0
     for ep in episodes:
-      if ep.reward is not None and ep.reward.reward >= min_reward and not ep.truncated:
+      if ep.reward is not None and ep.reward.reward >= answers.min_reward and not ep.truncated:
         ids = np.concatenate([ep.prompt_ids, ep.response_ids]).astype(np.int32)
         mask = np.concatenate([np.zeros(len(ep.prompt_ids), bool), ep.policy_mask])
         pairs.append((ids, mask))

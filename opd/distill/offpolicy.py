@@ -43,7 +43,7 @@ import numpy as np
 
 import pallas_kernels
 from opd.config import fields
-from opd.distill.cold_start import teacher_sft_pairs
+from opd.distill.cold_start import AnswerSampling, teacher_sft_pairs
 from opd.distill.loss import AGGREGATIONS, BATCH_KEYS
 from opd.distill.teachers import Teacher, TeacherPool
 from opd.models import ModelConfig, forward, head_matrix
@@ -116,10 +116,11 @@ def teacher_rollouts(teachers: Sequence[Teacher], prompts: Sequence[Example],
   """Each teacher answers its domain's ``prompts`` (``teacher_sft_pairs``); the kept
   answers with the index of the teacher that wrote each."""
   teachers = list(teachers)
-  data = teacher_sft_pairs(teachers, prompts, tokenizer=tokenizer,
-                           max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+  answers = AnswerSampling(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                            samples_per_prompt=cfg.samples_per_prompt, min_reward=cfg.min_reward,
-                           batch_size=cfg.sample_batch_size, seed=seed, mesh=mesh, rules=rules)
+                           batch_size=cfg.sample_batch_size)
+  data = teacher_sft_pairs(teachers, prompts, answers, tokenizer=tokenizer, seed=seed, mesh=mesh,
+                           rules=rules)
   # teacher_sft_pairs appends each teacher's kept answers in teacher order.
   kept = [int(data.metrics.get(f"cold_start/{t.name}/kept", 0)) for t in teachers]
   owner = np.repeat(np.arange(len(teachers)), kept).astype(np.int32)

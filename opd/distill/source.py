@@ -69,6 +69,8 @@ from opd.rl.config import GRPOConfig
 from opd.rl.scoring import score_episodes
 from opd.rollout.batches import (PromptPosition, RolloutConfig, check_rollout_fields,
                                  draw_prompts, prompt_problem, sample_groups, training_arrays)
+from opd.rollout.episodes import RolloutLog
+from opd.rollout.policy import Policy
 from opd.tasks import RewardStats
 from opd.training.train_step import shard_batch
 
@@ -306,10 +308,10 @@ class OPDSource(PromptPosition):
       return None
     examples = [ex for ex in drawn for _ in range(cfg.group_size)]  # row p * G + g: prompt p
     params = distributed.replicate_on(state.params, self.mesh) if self._multi else state.params
-    episodes = sample_groups(self.student_cfg, params, self.tokenizer, drawn, cfg.rollout,
-                             self._key, step, self._sampling,
-                             stats=stats if cfg.verifies else None, mesh=self.mesh,
-                             rules=self.rules, verify=cfg.verifies)
+    policy = Policy(self.student_cfg, params, self.tokenizer, self.mesh, self.rules)
+    episodes = sample_groups(policy, drawn, cfg.rollout, self._key, step, self._sampling,
+                             log=RolloutLog(stats=stats if cfg.verifies else None),
+                             verify=cfg.verifies)
     t1 = time.perf_counter()
     host, _ = training_arrays(episodes, seq_len=cfg.seq_len, length_bucket=cfg.length_bucket,
                               pad_id=self.tokenizer.pad_id)

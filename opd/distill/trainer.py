@@ -175,8 +175,8 @@ def make_heldout_eval(student_cfg: ModelConfig, pool: TeacherPool, prompts: Sequ
   def fn(params) -> dict[str, float]:
     if jax.process_count() > 1:
       params = distributed.replicate_on(params, mesh)
-    episodes = rollout_lib.rollout(student_cfg, params, tokenizer, prompts, seed, sampling,
-                                   mesh=mesh, rules=rules, verify=False)
+    policy = rollout_lib.Policy(student_cfg, params, tokenizer, mesh, rules)
+    episodes = rollout_lib.rollout(policy, prompts, seed, sampling, verify=False)
     host = rollout_lib.batch_episodes(
         episodes, seq_len=training_length(episodes, cfg.seq_len, cfg.length_bucket),
         pad_id=tokenizer.pad_id)

@@ -82,17 +82,18 @@ def evaluate(model_cfg: ModelConfig, params, tokenizer, cfg: EvalConfig, *, rng=
   examples = eval_examples(cfg)
   flat = [ex for d in cfg.domains for ex in examples[d]]
   key = rollout_lib.as_key(cfg.seed if rng is None else rng)
-  timings = {"generate": 0.0, "verify": 0.0}
-  verified: dict = {}
+  log = rollout_lib.RolloutLog(timings={"generate": 0.0, "verify": 0.0})
+  timings = log.timings
+  policy = rollout_lib.Policy(model_cfg, params, tokenizer, mesh, rules)
+  task_kwargs = rollout_lib.with_agent_config(task_kwargs, agent_config)
 
   def run(rows: Sequence[Example], temperature: float, pass_key) -> list[rollout_lib.Episode]:
     sampling = rollout_lib.sampling_for_chat(
         tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=temperature,
         top_p=cfg.top_p if temperature > 0 else 1.0)
     return rollout_lib.rollout(
-        model_cfg, params, tokenizer, rows, pass_key, sampling, agent_config=agent_config,
-        task_kwargs=task_kwargs, prompt_bucket=cfg.prompt_bucket, batch_size=cfg.batch_size,
-        chunked=True, verify_cache=verified, timings=timings, mesh=mesh, rules=rules)
+        policy, rows, pass_key, sampling, log=log, task_kwargs=task_kwargs,
+        prompt_bucket=cfg.prompt_bucket, batch_size=cfg.batch_size, chunked=True)
 
   greedy = run(flat, 0.0, key) if cfg.greedy else None
   sampled = None

@@ -35,6 +35,8 @@ from opd.rl.config import GRPOConfig
 from opd.rl.scoring import RewardFn, reward_metrics, score_episodes
 from opd.rollout.batches import (PromptPosition, draw_prompts, prompt_problem, sample_groups,
                                  training_arrays)
+from opd.rollout.episodes import RolloutLog, with_agent_config
+from opd.rollout.policy import Policy
 from opd.tasks import AgentRewardConfig, RewardStats, VerifierFailureError
 from opd.training.train_step import shard_batch
 
@@ -143,7 +145,8 @@ class GRPOSource(PromptPosition):
     self.model_cfg, self.cfg, self.prompts, self.tokenizer = model_cfg, cfg, prompts, tokenizer
     self.mesh, self.rules = mesh, rules
     self.ref_params = _place(ref_params, param_shardings) if ref_params is not None else None
-    self.reward_fn, self.agent_config, self.task_kwargs = reward_fn, agent_config, task_kwargs
+    self.reward_fn = reward_fn
+    self.task_kwargs = with_agent_config(task_kwargs, agent_config)  # the agent's weights merged
     self.updates_per_batch, self.text_every = cfg.updates_per_batch, text_every
     self._key = jax.random.key(seed)
     self._reference = (make_reference_fn(model_cfg, cfg.temperature, mesh=mesh, rules=rules)
@@ -164,10 +167,11 @@ class GRPOSource(PromptPosition):
     # Row p * G + g is sample g of prompt p: the reshape to [P, G] below
     # relies on this order to normalise within same-prompt groups.
     custom = self.reward_fn is not None
+    policy = Policy(self.model_cfg, state.params, self.tokenizer, self.mesh, self.rules)
     episodes = sample_groups(
-        self.model_cfg, state.params, self.tokenizer, examples, cfg.rollout, self._key, step,
-        self._sampling, stats=None if custom else stats, agent_config=self.agent_config,
-        task_kwargs=self.task_kwargs, mesh=self.mesh, rules=self.rules, verify=not custom)
+        policy, examples, cfg.rollout, self._key, step, self._sampling,
+        log=RolloutLog(stats=None if custom else stats), task_kwargs=self.task_kwargs,
+        verify=not custom)
     t1 = time.perf_counter()
     scores = score_episodes(episodes, self.reward_fn, stats=stats if custom else None)
     t2 = time.perf_counter()

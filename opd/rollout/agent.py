@@ -20,22 +20,21 @@ import jax
 import numpy as np
 
 from opd import tasks as tasks_lib
-from opd.models import ModelConfig
-from opd.rollout import episodes as episodes_lib
+from opd.rollout import policy as policy_lib
+from opd.rollout.policy import Episode, Policy
 from opd.rollout.sampler import SamplingConfig
 from opd.tasks import Example, Reward, RewardStats, Task
 from opd.text.tokenizers import ASSISTANT, END, TOOL, TOOL_RESULT_CLOSE, TOOL_RESULT_OPEN
 
 
-def rollout_multi_turn(model_cfg: ModelConfig, params, tokenizer, examples: Sequence[Example],
-                       rng, sampling: SamplingConfig, *, tasks: Mapping[str, Task] | None = None,
+def rollout_multi_turn(policy: Policy, examples: Sequence[Example], rng, sampling: SamplingConfig,
+                       *, tasks: Mapping[str, Task] | None = None,
                        stats: RewardStats | None = None, prompt_bucket: int = 32,
-                       batch_size: int | None = None, mesh=None,
-                       rules=None) -> list[episodes_lib.Episode]:
+                       batch_size: int | None = None) -> list[Episode]:
   """Batched multi-turn episodes, one per example, each with its reward.
 
   Args:
-    model_cfg, params, tokenizer: the policy.
+    policy: the model that samples (its mesh and rules go to the sampler).
     examples: examples of multi-turn tasks.
     rng: int seed or key; round r samples with the r-th ``jax.random.split``.
     sampling: per-turn sampling (``max_new_tokens`` is per assistant turn).
@@ -44,7 +43,6 @@ def rollout_multi_turn(model_cfg: ModelConfig, params, tokenizer, examples: Sequ
     stats: counts the rewards' reasons.
     prompt_bucket: contexts are left-padded to a multiple of this.
     batch_size: sampler rows per round (default ``len(examples)``).
-    mesh, rules: passed to the sampler.
 
   Returns:
     Episodes in the order of ``examples``; ``turns`` holds the assistant
@@ -57,19 +55,19 @@ def rollout_multi_turn(model_cfg: ModelConfig, params, tokenizer, examples: Sequ
       tasks[ex.domain] = tasks_lib.get_task(ex.domain)
     envs.append(tasks[ex.domain].make_env())
     envs[-1].reset(ex)
-  prompts = [episodes_lib.prompt_ids(tokenizer, ex) for ex in examples]
+  tokenizer = policy.tokenizer
+  prompts = [policy_lib.prompt_ids(tokenizer, ex) for ex in examples]
   # (ids, logprobs, is_policy) pieces after the prompt, per episode.
   pieces: list[list[tuple[np.ndarray, np.ndarray, bool]]] = [[] for _ in examples]
   turns: list[list[str]] = [[] for _ in examples]
   truncated = [False] * len(examples)
   active = list(range(len(examples)))
-  key = episodes_lib.as_key(rng)
+  key = policy_lib.as_key(rng)
   while active:
     key, sub = jax.random.split(key)
     contexts = [np.concatenate([prompts[i]] + [p[0] for p in pieces[i]]) for i in active]
-    comps = episodes_lib.sample(model_cfg, params, tokenizer, contexts, sub, sampling,
-                                batch_size=batch_size or len(examples),
-                                prompt_bucket=prompt_bucket, mesh=mesh, rules=rules)
+    comps = policy_lib.sample(policy, contexts, sub, sampling,
+                              batch_size=batch_size or len(examples), prompt_bucket=prompt_bucket)
     still = []
     for i, c in zip(active, comps):
       pieces[i].append((c.ids, c.logprobs, True))
@@ -90,13 +88,12 @@ def rollout_multi_turn(model_cfg: ModelConfig, params, tokenizer, examples: Sequ
   for i, ex in enumerate(examples):
     ids = np.concatenate([p[0] for p in pieces[i]]).astype(np.int32)
     logps = np.concatenate([p[1] for p in pieces[i]]).astype(np.float32)
-    policy = np.concatenate([np.full(len(p[0]), p[2], bool) for p in pieces[i]])
+    policy_mask = np.concatenate([np.full(len(p[0]), p[2], bool) for p in pieces[i]])
     try:
       reward = envs[i].reward()
     except Exception as e:  # noqa: BLE001 - count, score 0, never crash a trainer
       reward = Reward(0.0, 0.0, {}, f"verifier_error:{type(e).__name__}: {e}"[:300])
     if stats is not None:
       stats.add(reward)
-    out.append(episodes_lib.Episode(ex, prompts[i], ids, policy, logps, turns[i], truncated[i],
-                                    reward))
+    out.append(Episode(ex, prompts[i], ids, policy_mask, logps, turns[i], truncated[i], reward))
   return out

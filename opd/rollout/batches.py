@@ -33,9 +33,9 @@ import jax
 import numpy as np
 
 from opd.config import fields
-from opd.models import ModelConfig
 from opd.rollout import episodes as episodes_lib
-from opd.rollout.episodes import Episode
+from opd.rollout import policy as policy_lib
+from opd.rollout.policy import Episode, Policy
 from opd.rollout.sampler import SamplingConfig
 from opd.tasks import (ALL_DOMAINS, Example, Reward, RewardStats, VerifierFailureError, get_task,
                        is_multi_turn)
@@ -107,7 +107,7 @@ class RolloutConfig:
 
   def sampling(self, tokenizer) -> SamplingConfig:
     """The sampler's settings for chat prompts rendered by ``tokenizer``."""
-    return episodes_lib.sampling_for_chat(tokenizer, max_new_tokens=self.max_new_tokens,
+    return policy_lib.sampling_for_chat(tokenizer, max_new_tokens=self.max_new_tokens,
                                           temperature=self.temperature, top_k=self.top_k,
                                           top_p=self.top_p)
 
@@ -264,7 +264,7 @@ def prompt_problem(ex: Any, tokenizer, cfg: RolloutConfig, *, custom_reward: boo
   try:
     if known and is_multi_turn(ex.domain):
       get_task(ex.domain).make_env().reset(ex)  # the environment accepts its prompt
-    n = len(episodes_lib.prompt_ids(tokenizer, ex))
+    n = len(policy_lib.prompt_ids(tokenizer, ex))
   except Exception as e:  # noqa: BLE001 - a malformed prompt is data, not a crash
     return f"cannot render: {type(e).__name__}: {e}"
   if n + cfg.max_new_tokens - 1 > cfg.seq_len:
@@ -295,8 +295,8 @@ def draw_prompts(stream: Iterator, n: int, problem: Callable[[Any], str | None],
   return out
 
 
-def sample_groups(model_cfg: ModelConfig, params, tokenizer, examples: Sequence[Example],
-                  cfg: RolloutConfig, key: jax.Array, step: int, sampling: SamplingConfig,
+def sample_groups(policy: Policy, examples: Sequence[Example], cfg: RolloutConfig,
+                  key: jax.Array, step: int, sampling: SamplingConfig,
                   **rollout_kwargs: Any) -> list[Episode]:
   """``opd.rollout.rollout`` of each example ``cfg.group_size`` times.
 
@@ -307,12 +307,11 @@ def sample_groups(model_cfg: ModelConfig, params, tokenizer, examples: Sequence[
   recompile as its parts change size).
 
   Args:
-    rollout_kwargs: passed to ``rollout`` (``stats``, ``verify``, ``mesh``,
-      ``rules``, ``timings``, ``agent_config``, ``task_kwargs``).
+    rollout_kwargs: passed to ``rollout`` (``log``, ``verify``, ``task_kwargs``).
   """
   group = [ex for ex in examples for _ in range(cfg.group_size)]
-  return episodes_lib.rollout(model_cfg, params, tokenizer, group, jax.random.fold_in(key, step),
-                              sampling, batch_size=cfg.batch_size, **rollout_kwargs)
+  return episodes_lib.rollout(policy, group, jax.random.fold_in(key, step), sampling,
+                              batch_size=cfg.batch_size, **rollout_kwargs)
 
 
 def training_length(episodes: Sequence[Episode], seq_len: int, length_bucket: int) -> int:

@@ -21,11 +21,11 @@ def _fake_sampler(calls):
   """A stand-in for ``opd.rollout.episodes.sample`` that judges by reading
   each shown response's hidden score ("resp-<i>-s<score>")."""
 
-  def sample(model_cfg, params, tokenizer, prompts, rng, sampling, **kwargs):
+  def sample(policy, prompts, rng, sampling, **kwargs):
     calls.append(len(prompts))
     out = []
     for ids in prompts:
-      text = tokenizer.decode(ids)
+      text = policy.tokenizer.decode(ids)
       shown = [int(s) for s in re.findall(r"\[Response \d+\]\nresp-\d+-s(\d+)", text)]
       body = format_judgement(["Correctness."], "Read the scores.", shown)
       out.append(Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), True, body))
@@ -109,10 +109,10 @@ def test_pairwise_round_trip_reasons_and_swap_mapping(monkeypatch):
 
   # A judge that always prefers the response "good" must map back to its
   # original index whichever side it was shown on.
-  def sample(model_cfg, params, tokenizer, prompts, rng, sampling, **kwargs):
+  def sample(policy, prompts, rng, sampling, **kwargs):
     out = []
     for ids in prompts:
-      text = tokenizer.decode(ids)
+      text = policy.tokenizer.decode(ids)
       a = re.search(r"\[Response A\]\n(\w+)", text).group(1)
       body = pairwise_lib.format_pairwise("", "A" if a == "good" else "B")
       out.append(Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), True, body))
@@ -132,7 +132,7 @@ def test_pairwise_round_trip_reasons_and_swap_mapping(monkeypatch):
 def test_a_truncated_sample_is_invalid_even_when_it_ends_on_a_valid_scores_line(monkeypatch):
   text = format_judgement(["Correctness."], "Fine.", [7, 2])
 
-  def sample(model_cfg, params, tokenizer, prompts, rng, sampling, **kwargs):
+  def sample(policy, prompts, rng, sampling, **kwargs):
     return [Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), finished, text)
             for finished, _ in zip((True, False, True), prompts)]
 
@@ -153,12 +153,12 @@ def _echo_sampler(calls):
   """Records each call's (rows, batch_size, prompt width) and returns each prompt's own text,
   so a completion can be checked against the prompt it belongs to."""
 
-  def sample(model_cfg, params, tokenizer, prompts, rng, sampling, *, batch_size=None,
+  def sample(policy, prompts, rng, sampling, *, batch_size=None,
              prompt_bucket=32, **kwargs):
     longest = max(len(p) for p in prompts)
     calls.append((len(prompts), batch_size, prompt_bucket * -(-longest // prompt_bucket)))
     return [Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), True,
-                       tokenizer.decode(p)) for p in prompts]
+                       policy.tokenizer.decode(p)) for p in prompts]
 
   return sample
 

@@ -121,7 +121,7 @@ def test_constrained_patterns_accept_exactly_valid_last_lines():
 def test_sample_judgements_constrained_gives_each_row_its_n(monkeypatch):
   seen = []
 
-  def fake_sample(model_cfg, params, tokenizer, prompts, rng, sampling, **kwargs):
+  def fake_sample(policy, prompts, rng, sampling, **kwargs):
     seen.append((kwargs["constraint"], list(kwargs["patterns"])))
     return [Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), True, "x")
             for _ in prompts]
@@ -151,7 +151,7 @@ def test_other_call_sites_pass_their_pattern(monkeypatch):
   sampling = sampling_for_chat(TOK, max_new_tokens=8)
   seen = []
 
-  def fake_sample(model_cfg, params, tokenizer, prompts, rng, sampling, **kwargs):
+  def fake_sample(policy, prompts, rng, sampling, **kwargs):
     seen.append(kwargs.get("constraint"))
     return [Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), True, "x")
             for _ in prompts]
@@ -161,7 +161,7 @@ def test_other_call_sites_pass_their_pattern(monkeypatch):
     verify_sampling.sampler_fn(cfg, None, TOK, sampling, constrained=constrained)(["p"])
   assert seen[0] is None and seen[1].patterns == (SCORE_PATTERN,)
   assert set(seen[1].end_ids) == set(sampling.end_ids)
-  monkeypatch.setattr("opd.rollout.episodes.sample", fake_sample)
+  monkeypatch.setattr("opd.rollout.policy.sample", fake_sample)
   for constrained in (False, True):
     pipeline.model_judge(cfg, None, TOK, sampling, batch_size=2, constrained=constrained)(
         ["p"], 0)

@@ -37,11 +37,11 @@ def _controlled_grm(calls):
   """A GRM whose outputs are fixed by the response it is shown: sample i of
   the batch scores ``_rule(c) + i % 2`` (so k = 2 votes average to +0.5)."""
 
-  def sample(model_cfg, params, tokenizer, prompts, rng, sampling, **kwargs):
+  def sample(policy, prompts, rng, sampling, **kwargs):
     calls.append(len(prompts))
     out = []
     for i, ids in enumerate(prompts):
-      text = tokenizer.decode(ids)
+      text = policy.tokenizer.decode(ids)
       shown = re.search(r"\[Response 1\]\n(.*)\n\[End of Response 1\]", text, re.S).group(1)
       base = _rule(_lower(shown))
       body = "Critique:\nno verdict." if base is None else format_judgement(
@@ -144,7 +144,7 @@ def test_each_grm_reward_call_samples_with_a_fresh_seed(monkeypatch):
   replay the same shuffles and draws every step."""
   seeds = []
 
-  def sample(model_cfg, params, tokenizer, prompts, rng, sampling, **kwargs):
+  def sample(policy, prompts, rng, sampling, **kwargs):
     seeds.append(rng)
     body = format_judgement(["Be short."], "Fine.", [5])
     return [Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), True, body)

@@ -15,13 +15,13 @@ TOK = ByteTokenizer()
 def test_chunks_keys_and_truncation(monkeypatch):
   seen = []
 
-  def fake_sample(model_cfg, params, tokenizer, prompts, rng, sampling, *, batch_size, **kw):
+  def fake_sample(policy, prompts, rng, sampling, *, batch_size, **kw):
     seen.append((len(prompts), batch_size, jax.random.key_data(rng).tolist(),
-                 [tokenizer.decode(p) for p in prompts]))
+                 [policy.tokenizer.decode(p) for p in prompts]))
     # Echo a score line; the prompt "cut" is a sample that hit the budget after "Score: 0".
     return [Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), "cut" not in text,
                        "No issues.\nScore: 0" if "cut" in text else "No issues.\nScore: 1")
-            for text in (tokenizer.decode(p) for p in prompts)]
+            for text in (policy.tokenizer.decode(p) for p in prompts)]
 
   monkeypatch.setattr(sampling_lib, "sample", fake_sample)
   fn = sampling_lib.sampler_fn(None, None, TOK, sampling_for_chat(TOK, max_new_tokens=4), seed=3,

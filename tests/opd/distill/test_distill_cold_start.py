@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from opd import rollout as rollout_lib
-from opd.distill.cold_start import teacher_sft_pairs
+from opd.distill.cold_start import AnswerSampling, teacher_sft_pairs
 from opd.distill.teachers import Teacher
 from opd.models import ModelConfig, init_params
 from opd.tasks import get_task
@@ -49,8 +49,9 @@ def test_only_verified_answers_are_kept_and_rejections_are_counted():
   last = int(rollout_lib.prompt_ids(TOK, fours[0])[-1])
   assert all(int(rollout_lib.prompt_ids(TOK, ex)[-1]) == last for ex in others)
   teacher = answering_teacher(last)
-  data = teacher_sft_pairs([teacher], fours + others, tokenizer=TOK, max_new_tokens=16,
-                           temperature=1.0, samples_per_prompt=2, batch_size=8)
+  data = teacher_sft_pairs([teacher], fours + others,
+                           AnswerSampling(max_new_tokens=16, temperature=1.0,
+                                          samples_per_prompt=2, batch_size=8), tokenizer=TOK)
   assert data.metrics["cold_start/math_teacher/answered"] == 16
   assert data.metrics["cold_start/kept"] == data.metrics["cold_start/math_teacher/kept"] == 6
   assert data.metrics["cold_start/rejected"] == 10
@@ -71,12 +72,12 @@ def test_prompts_without_a_teacher_or_verifier_are_rejected():
   math = get_task("math").examples("train", 1, seed=0, difficulty=1)
   code = get_task("code").examples("train", 1, seed=0, difficulty=1)
   with pytest.raises(ValueError, match="domain='code' has no teacher"):
-    teacher_sft_pairs([teacher], math + code, tokenizer=TOK, max_new_tokens=4)
+    teacher_sft_pairs([teacher], math + code, AnswerSampling(max_new_tokens=4), tokenizer=TOK)
   with pytest.raises(ValueError, match="teachers=\\[\\]"):
-    teacher_sft_pairs([], math, tokenizer=TOK, max_new_tokens=4)
+    teacher_sft_pairs([], math, AnswerSampling(max_new_tokens=4), tokenizer=TOK)
   bad = [math[0].__class__("nowhere", "x", "train", 1, "hi", (("assistant", "x"),), {})]
   with pytest.raises(ValueError, match="domain='nowhere', which has no verifier"):
-    teacher_sft_pairs([teacher], bad, tokenizer=TOK, max_new_tokens=4)
+    teacher_sft_pairs([teacher], bad, AnswerSampling(max_new_tokens=4), tokenizer=TOK)
 
 
 def test_a_correct_answer_cut_at_the_token_limit_is_rejected_and_counted():
@@ -89,8 +90,9 @@ def test_a_correct_answer_cut_at_the_token_limit_is_rejected_and_counted():
   # The premise: the verifier accepts the text the teacher writes on these prompts.
   assert all(get_task("math").verify(ex, ANSWER).reward == 1.0 for ex in fours)
   teacher = answering_teacher(int(rollout_lib.prompt_ids(TOK, fours[0])[-1]))
-  data = teacher_sft_pairs([teacher], fours, tokenizer=TOK, max_new_tokens=len(TOK.encode(ANSWER)),
-                           samples_per_prompt=2, batch_size=8)
+  data = teacher_sft_pairs([teacher], fours,
+                           AnswerSampling(max_new_tokens=len(TOK.encode(ANSWER)),
+                                          samples_per_prompt=2, batch_size=8), tokenizer=TOK)
   assert data.pairs == [] and data.episodes == []
   assert data.metrics["cold_start/math_teacher/answered"] == 6
   assert data.metrics["cold_start/math_teacher/kept"] == data.metrics["cold_start/kept"] == 0
@@ -104,7 +106,8 @@ def test_a_generalist_answers_only_the_domains_without_a_specialist():
   instruct = get_task("instruct").examples("train", 2, seed=0, difficulty=1)
   specialist = answering_teacher(int(rollout_lib.prompt_ids(TOK, math[0])[-1]))
   generalist = Teacher("generalist", specialist.cfg, specialist.params, None)
-  data = teacher_sft_pairs([specialist, generalist], math + instruct, tokenizer=TOK,
-                           max_new_tokens=16, samples_per_prompt=2, batch_size=8)
+  data = teacher_sft_pairs([specialist, generalist], math + instruct,
+                           AnswerSampling(max_new_tokens=16, samples_per_prompt=2, batch_size=8),
+                           tokenizer=TOK)
   assert data.metrics["cold_start/math_teacher/answered"] == 2 * len(math)
   assert data.metrics["cold_start/generalist/answered"] == 2 * len(instruct)

@@ -245,8 +245,8 @@ def test_heldout_kl_matches_a_numpy_reference(mesh, student, teachers):
   held_out = prompts(2, "test")
   got = make_heldout_eval(STUDENT, pool, held_out, OPD, tokenizer=TOK, mesh=mesh)(student)
   sampling = rollout_lib.sampling_for_chat(TOK, max_new_tokens=OPD.max_new_tokens)
-  eps = rollout_lib.rollout(STUDENT, student, TOK, held_out, 1, sampling, mesh=mesh,
-                            verify=False)
+  eps = rollout_lib.rollout(rollout_lib.Policy(STUDENT, student, TOK, mesh), held_out, 1,
+                            sampling, verify=False)
   host = rollout_lib.batch_episodes(eps, seq_len=OPD.seq_len, pad_id=TOK.pad_id)
   lp = np.asarray(jax.nn.log_softmax(forward(STUDENT, student, host["tokens"], None,
                                              host["mask"]).logits), np.float64)

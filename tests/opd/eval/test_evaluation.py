@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from opd.eval import evaluation as ev
-from opd.rollout import episodes as rl
+from opd import rollout as rl
+from opd.rollout import policy as policy_lib
 from opd.rollout import sampler
 from opd.models import ModelConfig, init_params
 from opd.tasks import ALL_DOMAINS, AgentEnv, get_task
@@ -57,11 +58,11 @@ def _scripted_sampler(examples, greedy_ok, sample_ok, seen_sampling):
   by_prompt = {ex.prompt: ex for exs in examples.values() for ex in exs}
   counts = collections.Counter()
 
-  def fake(model_cfg, params, tokenizer, prompts, rng, sampling, **kw):
+  def fake(policy, prompts, rng, sampling, **kw):
     seen_sampling.append((sampling.temperature, len(prompts), kw.get("batch_size")))
     out = []
     for p in prompts:
-      text = tokenizer.decode(p)
+      text = policy.tokenizer.decode(p)
       ex = by_prompt[text.split("<|user|>")[1].split("<|end|>")[0]]
       turn = text.count("<|assistant|>") - 1
       if turn > 0:  # only episodes whose first turn was right get here
@@ -73,7 +74,7 @@ def _scripted_sampler(examples, greedy_ok, sample_ok, seen_sampling):
         counts[ex.id] += 1
       assistant = [c for r, c in ex.reference if r == "assistant"]
       reply = assistant[turn] if ok else _wrong_text(ex)
-      ids = np.asarray(tokenizer.encode(reply + "<|end|>"), np.int32)
+      ids = np.asarray(policy.tokenizer.encode(reply + "<|end|>"), np.int32)
       out.append(rl.Completion(ids, np.zeros(len(ids), np.float32), True, reply))
     return out
 
@@ -87,7 +88,7 @@ def _scripted_run(monkeypatch, seed, name):
   greedy_ok = dict(zip(ids, (rng.random(len(ids)) < 0.5).tolist()))
   sample_ok = dict(zip(ids, rng.integers(0, N_SAMPLES + 1, len(ids)).tolist()))
   seen = []
-  monkeypatch.setattr(rl, "sample", _scripted_sampler(examples, greedy_ok, sample_ok, seen))
+  monkeypatch.setattr(policy_lib, "sample", _scripted_sampler(examples, greedy_ok, sample_ok, seen))
   result = ev.evaluate(CFG, None, TOK, SCRIPT_CFG, name=name)
   return result, examples, greedy_ok, sample_ok, seen
 
@@ -162,7 +163,7 @@ def test_scripted_greedy_only_and_sampled_only(monkeypatch):
   examples = ev.eval_examples(SCRIPT_CFG)
   ids = [ex.id for exs in examples.values() for ex in exs]
   seen = []
-  monkeypatch.setattr(rl, "sample", _scripted_sampler(examples, dict.fromkeys(ids, True),
+  monkeypatch.setattr(policy_lib, "sample", _scripted_sampler(examples, dict.fromkeys(ids, True),
                                                       dict.fromkeys(ids, 1), seen))
   cfg = ev.EvalConfig(domains=("math", "agent"), n_per_domain=N_EX, num_samples=0,
                       batch_size=4, max_new_tokens=80, seed=3)
@@ -191,10 +192,10 @@ def test_real_tiny_model_all_domains(monkeypatch):
   real_sample = rl.sample
 
   def counting(*args, **kw):
-    calls.append((len(args[3]), kw.get("batch_size"), kw.get("prompt_bucket")))
+    calls.append((len(args[1]), kw.get("batch_size"), kw.get("prompt_bucket")))
     return real_sample(*args, **kw)
 
-  monkeypatch.setattr(rl, "sample", counting)
+  monkeypatch.setattr(policy_lib, "sample", counting)
   params = init_params(CFG, jax.random.key(0))
   compiled_before = sampler._generate_jit._cache_size()
   r0 = ev.evaluate(CFG, params, TOK, cfg, name="base")
@@ -240,14 +241,14 @@ def test_evaluate_runs_rollout_with_the_documented_keys(monkeypatch):
   from opd import rollout as rollout_lib
   examples = ev.eval_examples(SCRIPT_CFG)
   ids = [ex.id for exs in examples.values() for ex in exs]
-  monkeypatch.setattr(rl, "sample", _scripted_sampler(examples, dict.fromkeys(ids, True),
+  monkeypatch.setattr(policy_lib, "sample", _scripted_sampler(examples, dict.fromkeys(ids, True),
                                                       dict.fromkeys(ids, 1), []))
   seen, real = [], rollout_lib.rollout
 
-  def spy(model_cfg, params, tokenizer, rows, key, sampling, **kw):
+  def spy(policy, rows, key, sampling, **kw):
     seen.append(([e.id for e in rows], np.asarray(jax.random.key_data(key)).tolist(),
                  sampling.temperature, kw))
-    return real(model_cfg, params, tokenizer, rows, key, sampling, **kw)
+    return real(policy, rows, key, sampling, **kw)
 
   monkeypatch.setattr(rollout_lib, "rollout", spy)
   ev.evaluate(CFG, None, TOK, SCRIPT_CFG)
@@ -260,4 +261,4 @@ def test_evaluate_runs_rollout_with_the_documented_keys(monkeypatch):
   for kw in (g_kw, s_kw):
     assert kw["chunked"] and kw["batch_size"] == SCRIPT_CFG.batch_size
     assert kw["prompt_bucket"] == SCRIPT_CFG.prompt_bucket
-  assert g_kw["verify_cache"] is s_kw["verify_cache"]
+  assert g_kw["log"].verify_cache is s_kw["log"].verify_cache

@@ -4,7 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from opd.rollout import episodes as rl
+from opd import rollout as rl
+from opd.rollout import policy as policy_lib
 from opd.rollout.agent import rollout_multi_turn
 from opd.tasks import get_task
 from opd.tasks.math_task import MathTask
@@ -26,21 +27,21 @@ def test_agent_loop_with_scripted_policy(monkeypatch):
     by_prompt[ex.prompt] = [c for role, c in ex.reference if role == "assistant"]
   calls = []
 
-  def scripted(model_cfg, params, tokenizer, prompts, rng, sampling, **kw):
+  def scripted(policy, prompts, rng, sampling, **kw):
     calls.append(len(prompts))
     out = []
     for p in prompts:
-      text = tokenizer.decode(p)
+      text = policy.tokenizer.decode(p)
       prompt = text.split("<|user|>")[1].split("<|end|>")[0]
       turn = text.count("<|assistant|>") - 1
       reply = by_prompt[prompt][turn]
-      ids = np.asarray(tokenizer.encode(reply + "<|end|>"), np.int32)
+      ids = np.asarray(policy.tokenizer.encode(reply + "<|end|>"), np.int32)
       out.append(rl.Completion(ids, np.full(len(ids), -0.5, np.float32), True, reply))
     return out
 
-  monkeypatch.setattr(rl, "sample", scripted)
+  monkeypatch.setattr(policy_lib, "sample", scripted)
   sampling = rl.sampling_for_chat(TOK, max_new_tokens=80)
-  eps = rollout_multi_turn(CFG, None, TOK, examples, jax.random.key(0), sampling)
+  eps = rollout_multi_turn(rl.Policy(CFG, None, TOK), examples, jax.random.key(0), sampling)
   for ep, ex in zip(eps, examples):
     assert ep.reward.reward == pytest.approx(1.0), ep.reward
     text = TOK.decode(ep.response_ids)
@@ -79,14 +80,15 @@ def test_rollout_dispatches_on_the_task_property(monkeypatch):
   monkeypatch.setattr(MathTask, "make_env", lambda self: _EchoEnv())
   rounds = []
 
-  def say_hi(model_cfg, params, tokenizer, prompts, rng, sampling, **kw):
+  def say_hi(policy, prompts, rng, sampling, **kw):
     rounds.append(len(prompts))
-    ids = np.asarray(tokenizer.encode("hi<|end|>"), np.int32)
+    ids = np.asarray(policy.tokenizer.encode("hi<|end|>"), np.int32)
     return [rl.Completion(ids, np.zeros(len(ids), np.float32), True, "hi") for _ in prompts]
 
-  monkeypatch.setattr(rl, "sample", say_hi)
+  monkeypatch.setattr(policy_lib, "sample", say_hi)
   examples = get_task("math").examples("train", 2)
-  eps = rl.rollout(CFG, None, TOK, examples, 0, rl.sampling_for_chat(TOK, max_new_tokens=8))
+  eps = rl.rollout(rl.Policy(CFG, None, TOK), examples, 0,
+                   rl.sampling_for_chat(TOK, max_new_tokens=8))
   assert rounds == [2, 2]
   for ep in eps:
     assert ep.turns == ["hi", "hi"] and ep.reward.reward == 1.0

@@ -5,7 +5,8 @@ import jax
 import numpy as np
 import pytest
 
-from opd.rollout import episodes as rl
+from opd import rollout as rl
+from opd.rollout import policy as policy_lib
 from opd.models import ModelConfig, forward, init_params, token_logprobs
 from opd.tasks import get_task
 from opd.text.tokenizers import ByteTokenizer
@@ -27,7 +28,7 @@ def test_batch_logprobs_match_full_forward(params):
               + get_task("instruct").examples("train", 1, seed=0)
               + get_task("agent").examples("train", 1, seed=0))
   sampling = rl.sampling_for_chat(TOK, max_new_tokens=12, temperature=0.8)
-  eps = rl.rollout(CFG, params, TOK, examples, jax.random.key(1), sampling)
+  eps = rl.rollout(rl.Policy(CFG, params, TOK), examples, jax.random.key(1), sampling)
   assert [e.example.id for e in eps] == [e.id for e in examples]
   for ep in eps:
     assert ep.reward is not None and 0.0 <= ep.reward.reward <= 1.0
@@ -55,7 +56,7 @@ def test_model_vocab_beyond_tokenizer_is_refused(params):
   big = CFG.replace(vocab_size=TOK.vocab_size + 2)
   ex = get_task("math").examples("train", 1)[0]
   with pytest.raises(ValueError, match=f"vocab_size={TOK.vocab_size + 2} exceeds"):
-    rl.rollout(big, None, TOK, [ex], 0, rl.sampling_for_chat(TOK, max_new_tokens=4))
+    rl.rollout(rl.Policy(big, None, TOK), [ex], 0, rl.sampling_for_chat(TOK, max_new_tokens=4))
 
 
 def test_identical_responses_are_verified_once(monkeypatch):
@@ -64,19 +65,20 @@ def test_identical_responses_are_verified_once(monkeypatch):
   ex = get_task("code").examples("train", 2, seed=1)
   group = [ex[0]] * 3 + [ex[1]] * 2
 
-  def fake_sample(model_cfg, params, tokenizer, prompts, rng, sampling, **kw):
+  def fake_sample(policy, prompts, rng, sampling, **kw):
     texts = [ex[0].reference_text, ex[0].reference_text, "def f(x): return 0", "bad", "bad"]
     return [rl.Completion(np.asarray(TOK.encode(t + "<|end|>"), np.int32),
                           np.zeros(len(TOK.encode(t)) + 1, np.float32), True, t) for t in texts]
 
   calls = []
   real = tasks_lib.safe_verify_batch
-  monkeypatch.setattr(rl, "sample", fake_sample)
+  monkeypatch.setattr(policy_lib, "sample", fake_sample)
   monkeypatch.setattr(tasks_lib, "safe_verify_batch",
                       lambda task, exs, rs, **kw: calls.append(len(rs)) or real(task, exs, rs, **kw))
   stats = tasks_lib.RewardStats()
-  eps = rl.rollout(CFG, None, TOK, group, 0, rl.sampling_for_chat(TOK, max_new_tokens=40),
-                   stats=stats)
+  eps = rl.rollout(rl.Policy(CFG, None, TOK), group, 0,
+                   rl.sampling_for_chat(TOK, max_new_tokens=40),
+                   log=rl.RolloutLog(stats=stats))
   assert calls == [3]  # (ex0, ref), (ex0, wrong), (ex1, bad)
   assert [e.reward.reward for e in eps[:2]] == [1.0, 1.0] and eps[2].reward.reward < 1.0
   assert eps[3].reward == eps[4].reward and stats.total == 5
@@ -85,16 +87,16 @@ def test_identical_responses_are_verified_once(monkeypatch):
 def _reference_sampler(calls):
   """A fake ``rl.sample`` answering every prompt with the reference's next
   assistant turn; records (n prompts, batch_size, prompt_bucket, key data)."""
-  def fake(model_cfg, params, tokenizer, prompts, rng, sampling, **kw):
+  def fake(policy, prompts, rng, sampling, **kw):
     calls.append((len(prompts), kw["batch_size"], kw["prompt_bucket"],
                   np.asarray(jax.random.key_data(rng)).tolist()))
     out = []
     for p in prompts:
-      text = tokenizer.decode(p)
+      text = policy.tokenizer.decode(p)
       turn = text.count("<|assistant|>") - 1
       ex = BY_PROMPT[text.split("<|user|>")[1].split("<|end|>")[0]]
       reply = [c for role, c in ex.reference if role == "assistant"][turn]
-      ids = np.asarray(tokenizer.encode(reply + "<|end|>"), np.int32)
+      ids = np.asarray(policy.tokenizer.encode(reply + "<|end|>"), np.int32)
       out.append(rl.Completion(ids, np.zeros(len(ids), np.float32), True, reply))
     return out
   return fake
@@ -111,16 +113,17 @@ def test_chunked_rollout_fixed_rows_keys_and_padding(monkeypatch):
   episodes; chunk c samples with fold_in(rng, c); padding never comes back."""
   from opd import tasks as tasks_lib
   calls, verified = [], []
-  monkeypatch.setattr(rl, "sample", _reference_sampler(calls))
+  monkeypatch.setattr(policy_lib, "sample", _reference_sampler(calls))
   real = tasks_lib.safe_verify_batch
   monkeypatch.setattr(tasks_lib, "safe_verify_batch",
                       lambda task, exs, rs, **kw: verified.append(len(rs)) or real(task, exs, rs))
   examples = [AGENT[0]] + SINGLE[:4] + AGENT[1:] + SINGLE[4:]
   key = jax.random.key(11)
   stats, cache, timings = tasks_lib.RewardStats(), {}, {}
-  eps = rl.rollout(CFG, None, TOK, examples, key, rl.sampling_for_chat(TOK, max_new_tokens=80),
-                   prompt_bucket=16, batch_size=4, chunked=True, verify_cache=cache,
-                   timings=timings, stats=stats)
+  eps = rl.rollout(rl.Policy(CFG, None, TOK), examples, key,
+                   rl.sampling_for_chat(TOK, max_new_tokens=80),
+                   prompt_bucket=16, batch_size=4, chunked=True,
+                   log=rl.RolloutLog(stats=stats, verify_cache=cache, timings=timings))
   assert [e.example.id for e in eps] == [e.id for e in examples]
   assert all(e.reward.reward == pytest.approx(1.0) for e in eps)
   assert stats.total == len(examples) and set(timings) == {"generate", "verify"}
@@ -137,8 +140,8 @@ def test_chunked_rollout_fixed_rows_keys_and_padding(monkeypatch):
   assert calls[2][0] == 4
   assert sum(verified) == len(SINGLE) and len(cache) == len(SINGLE)
   # A second call with the same cache verifies nothing again.
-  rl.rollout(CFG, None, TOK, SINGLE, 0, rl.sampling_for_chat(TOK, max_new_tokens=80),
-             batch_size=4, chunked=True, verify_cache=cache)
+  rl.rollout(rl.Policy(CFG, None, TOK), SINGLE, 0, rl.sampling_for_chat(TOK, max_new_tokens=80),
+             batch_size=4, chunked=True, log=rl.RolloutLog(verify_cache=cache))
   assert sum(verified) == len(SINGLE)
 
 
@@ -146,10 +149,11 @@ def test_rollout_rejects_bad_chunking_and_double_agent_config():
   from opd.tasks import AgentRewardConfig
   sampling = rl.sampling_for_chat(TOK, max_new_tokens=4)
   with pytest.raises(ValueError, match="chunked=True.*batch_size >= 1, got None"):
-    rl.rollout(CFG, None, TOK, SINGLE, 0, sampling, chunked=True)
+    rl.rollout(rl.Policy(CFG, None, TOK), SINGLE, 0, sampling, chunked=True)
   with pytest.raises(ValueError, match="agent_config and task_kwargs"):
-    rl.rollout(CFG, None, TOK, AGENT, 0, sampling, agent_config=AgentRewardConfig(),
-               task_kwargs={"agent": {"config": AgentRewardConfig()}})
+    rl.rollout(rl.Policy(CFG, None, TOK), AGENT, 0, sampling,
+               task_kwargs=rl.with_agent_config({"agent": {"config": AgentRewardConfig()}},
+                                                AgentRewardConfig()))
 
 
 
@@ -163,11 +167,11 @@ def test_sample_pads_the_batch_to_the_mesh_batch_shards(params):
   prompts = [rl.prompt_ids(TOK, e) for e in examples]
   sampling = rl.sampling_for_chat(TOK, max_new_tokens=6, temperature=0.0)
   mesh = sharding.make_mesh((8, 1, 1))
-  sharded = rl.sample(CFG, params, TOK, prompts, 0, sampling, mesh=mesh)
-  single = rl.sample(CFG, params, TOK, prompts, 0, sampling)
+  sharded = rl.sample(rl.Policy(CFG, params, TOK, mesh), prompts, 0, sampling)
+  single = rl.sample(rl.Policy(CFG, params, TOK), prompts, 0, sampling)
   assert len(sharded) == len(single) == 3
   for a, b in zip(sharded, single):
     np.testing.assert_array_equal(a.ids, b.ids)
     assert a.text == b.text
   with pytest.raises(ValueError, match=r"batch_size=6 is not divisible by the 8 batch shards"):
-    rl.sample(CFG, params, TOK, prompts, 0, sampling, mesh=mesh, batch_size=6)
+    rl.sample(rl.Policy(CFG, params, TOK, mesh), prompts, 0, sampling, batch_size=6)

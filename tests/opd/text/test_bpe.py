@@ -15,7 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from opd.models import ModelConfig, init_params
-from opd.rollout import episodes as episodes_lib
+from opd import rollout as episodes_lib
+from opd.rollout import Policy
 from opd.tasks import ALL_DOMAINS, domain_examples, render_messages
 from opd.tasks.tokenizer import bpe_corpus, task_tokenizer
 from opd.text.bpe import (MIN_VOCAB, BPEConfig, BPETokenizer, build_bpe, parse_tokenizer_spec,
@@ -156,8 +157,8 @@ def test_bpe_model_samples_through_rollout(built):
     byte = ByteTokenizer()
     assert tok.decode(prompt) == byte.decode(episodes_lib.prompt_ids(byte, ex))
   sampling = episodes_lib.sampling_for_chat(tok, max_new_tokens=6, temperature=1.0)
-  eps = episodes_lib.rollout(model, init_params(model, jax.random.key(0)), tok, exs,
-                             jax.random.key(1), sampling)
+  policy = Policy(model, init_params(model, jax.random.key(0)), tok)
+  eps = episodes_lib.rollout(policy, exs, jax.random.key(1), sampling)
   assert [e.example.id for e in eps] == [e.id for e in exs]
   batch = episodes_lib.batch_episodes(eps, seq_len=256, pad_id=tok.pad_id)
   where = batch["loss_mask"] > 0
