@@ -1,0 +1,163 @@
+"""DeepSeek-V4 sliding-window attention with attention sinks and the grouped
+low-rank output projection (docs/DESIGN.md §2, "DeepSeek-V4 components").
+
+Shared-KV multi-query attention: per token ``x [D]``, with H heads of width
+Dh, RoPE on the last Dr dims of each head (interleaved pairs), Cq =
+``q_lora_rank``, G output groups of rank R:
+
+  q_h = RoPE(UnitRMSNorm_h(RMSNorm(x W_qa) W_qb))        [H, Dh]
+  kv  = RoPE(RMSNorm(x W_kv))                            [Dh]  (one head, key = value)
+  p_hts = softmax over {s in window(t)} ∪ {sink} of (q_ht · kv_s / sqrt(Dh), sink_h)
+  o_ht = RoPE⁻¹_t(Σ_s p_hts kv_s)                        (the sink's share is dropped)
+  y_t  = Σ_g (o_{t, heads of g} W_oa_g) W_ob_g            (g = 1..G, each [H/G · Dh] -> [R] -> [D])
+
+``window(t)`` is the keys ``t - W < s <= t`` (W = ``sliding_window``) that the
+padding mask keeps. The sink is one learnt logit per head that absorbs
+probability mass, so a query may attend to nothing. Because the values carry
+the keys' rotation, the output's rope dims are rotated back by the query's
+angle (RoPE⁻¹, the rotation by ``-pos``), leaving a function of ``t - s``.
+
+Params: ``q_a [D, Cq]``, ``q_a_norm/scale [Cq]``, ``q_b [Cq, H, Dh]``,
+``kv [D, Dh]``, ``kv_norm/scale [Dh]``, ``sink_bias [H]`` (zeros at init,
+HF ``sinks``), ``o_a [G, H/G · Dh, R]``, ``o_b [G, R, D]``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from opd.config.fields import check_fields
+from opd.models.layers import RMSNorm, param
+from opd.models.v4.hyper import unit_rms_norm
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class V4AttentionConfig:
+  """Sliding-window attention (transformers' ``DeepseekV4Config`` field in brackets).
+
+  Attributes:
+    d_model: D (``hidden_size``).
+    n_heads: H (``num_attention_heads``; one shared key/value head).
+    head_dim: Dh (``head_dim``).
+    q_lora_rank: Cq, the query's low-rank width (``q_lora_rank``).
+    rope_dim: Dr, the trailing dims of a head that get RoPE
+      (``qk_rope_head_dim = head_dim · partial_rotary_factor``).
+    rope_theta: RoPE base of sliding-window layers (``rope_parameters["main"]``).
+    sliding_window: W, keys per query including itself (``sliding_window``).
+    o_groups: G, head groups of the output projection (``o_groups``).
+    o_lora_rank: R, each group's intermediate width (``o_lora_rank``).
+    norm_eps: every RMSNorm's epsilon (``rms_norm_eps``).
+  """
+  d_model: int
+  n_heads: int
+  head_dim: int
+  q_lora_rank: int
+  rope_dim: int
+  rope_theta: float = 10000.0
+  sliding_window: int = 128
+  o_groups: int = 8
+  o_lora_rank: int = 1024
+  norm_eps: float = 1e-6
+
+  def __post_init__(self):
+    check_fields(self, "V4AttentionConfig",
+                 ints={"d_model": 1, "n_heads": 1, "head_dim": 1, "q_lora_rank": 1,
+                       "rope_dim": 0, "sliding_window": 1, "o_groups": 1, "o_lora_rank": 1},
+                 positive=("rope_theta", "norm_eps"))
+    if self.rope_dim % 2 or self.rope_dim > self.head_dim:
+      raise ValueError(f"V4AttentionConfig.rope_dim={self.rope_dim} must be even and "
+                       f"<= head_dim={self.head_dim}")
+    if self.n_heads % self.o_groups:
+      raise ValueError(f"V4AttentionConfig.n_heads={self.n_heads} is not divisible by "
+                       f"o_groups={self.o_groups}")
+
+
+def rope_tail(x: Array, positions: Array, dr: int, theta: float, inverse: bool = False) -> Array:
+  """Interleaved RoPE on the last ``dr`` dims of ``x [B, T, N, Dh]`` at ``positions [B, T]``.
+
+  Pair i = (x_{2i}, x_{2i+1}) of the tail turns by ``pos · theta^(-2i/dr)``
+  (by minus that angle when ``inverse``); the first ``Dh - dr`` dims pass
+  through. Computed in fp32, returned in ``x``'s dtype.
+  """
+  if dr == 0:
+    return x
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, dr, 2, dtype=jnp.float32) / dr))  # [dr/2]
+  ang = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, dr/2]
+  cos, sin = jnp.cos(ang), jnp.sin(ang)
+  if inverse:
+    sin = -sin
+  tail = x[..., -dr:].astype(jnp.float32)
+  a, b = tail[..., 0::2], tail[..., 1::2]
+  turned = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(tail.shape)
+  return jnp.concatenate([x[..., :-dr], turned.astype(x.dtype)], axis=-1)
+
+
+def window_mask(T: int, window: int, mask: Array | None) -> Array:
+  """``[B or 1, T, T]`` bool: key s visible to query t iff ``t - window < s <= t`` and ``mask[s]``."""
+  t = jnp.arange(T)
+  keep = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - window)
+  keep = keep[None]
+  return keep if mask is None else keep & mask.astype(bool)[:, None, :]
+
+
+def sink_attention(q: Array, kv: Array, keep: Array, sinks: Array, scale: float) -> Array:
+  """Softmax attention with one extra per-head sink logit whose share is dropped.
+
+  Args:
+    q: ``[B, T, H, Dh]``; kv: ``[B, S, Dh]`` the shared key = value head.
+    keep: ``[B or 1, T, S]`` bool visibility; sinks: ``[H]`` logits.
+
+  Returns:
+    ``[B, T, H, Dh]`` = Σ_s p_hts kv_s with p over the visible keys and the sink.
+  """
+  logits = jnp.einsum("BTHD,BSD->BHTS", q, kv, preferred_element_type=jnp.float32) * scale
+  logits = jnp.where(keep[:, None], logits, -jnp.inf)
+  sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], (*logits.shape[:3], 1))
+  probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+  return jnp.einsum("BHTS,BSD->BTHD", probs.astype(kv.dtype), kv)
+
+
+class V4SlidingAttention(nn.Module):
+  """``(x [B, T, D], positions [B, T], mask [B, T] | None) -> [B, T, D]``; see the module docstring.
+
+  ``mask`` (True = real token) hides padded keys; a query with no visible key
+  puts all its mass on the sink and returns zeros.
+  """
+  cfg: V4AttentionConfig
+
+  @nn.compact
+  def __call__(self, x: Array, positions: Array, mask: Array | None = None) -> Array:
+    cfg = self.cfg
+    D, H, Dh, Cq = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.q_lora_rank
+    G, R = cfg.o_groups, cfg.o_lora_rank
+    if x.ndim != 3 or x.shape[-1] != D:
+      raise ValueError(f"V4SlidingAttention: x must be [B, T, d_model={D}], got {x.shape=}")
+    if positions.shape != x.shape[:2]:
+      raise ValueError(f"V4SlidingAttention: {positions.shape=} must be {x.shape[:2]}")
+    B, T, _ = x.shape
+    dt, f32 = x.dtype, jnp.float32
+    norm = lambda name: RMSNorm(cfg.norm_eps, dt, f32, name=name)
+    wqa = param(self, "q_a", (D, Cq), ("embed", "latent"), f32)
+    wqb = param(self, "q_b", (Cq, H, Dh), ("latent", "q_heads", "head_dim"), f32)
+    wkv = param(self, "kv", (D, Dh), ("embed", "head_dim"), f32)
+    sinks = param(self, "sink_bias", (H,), ("q_heads",), f32)
+    woa = param(self, "o_a", (G, H // G * Dh, R), (None, "q_heads", None), f32)
+    wob = param(self, "o_b", (G, R, D), (None, None, "embed"), f32)
+
+    q_res = norm("q_a_norm")(x @ wqa.astype(dt))  # [B, T, Cq]
+    q = jnp.einsum("BTC,CHD->BTHD", q_res, wqb.astype(dt))
+    q = unit_rms_norm(q, cfg.norm_eps).astype(dt)
+    q = rope_tail(q, positions, cfg.rope_dim, cfg.rope_theta)
+    kv = norm("kv_norm")(x @ wkv.astype(dt))  # [B, T, Dh]
+    kv = rope_tail(kv[:, :, None], positions, cfg.rope_dim, cfg.rope_theta)[:, :, 0]
+    keep = window_mask(T, cfg.sliding_window, mask)
+    o = sink_attention(q, kv, keep, sinks, Dh ** -0.5)  # [B, T, H, Dh]
+    o = rope_tail(o, positions, cfg.rope_dim, cfg.rope_theta, inverse=True)
+    o = o.reshape(B, T, G, H // G * Dh)
+    z = jnp.einsum("BTGI,GIR->BTGR", o, woa.astype(dt))
+    return jnp.einsum("BTGR,GRD->BTD", z, wob.astype(dt))
