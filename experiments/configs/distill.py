@@ -10,10 +10,14 @@
       --workdir=workdirs/distill_tiny
   python -m experiments.launch --config=experiments/configs/distill.py:tiny,steps=100 \
       --workdir=workdirs/distill_tiny100
+  # the same with a mixture-of-experts math teacher beside the dense instruct one
+  python -m experiments.launch --config=experiments/configs/distill.py:tiny,moe \
+      --workdir=workdirs/distill_tiny_moe
 
 The variant argument: ``job=opd|cold_start``, ``tiny``, ``steps=N`` (OPD steps),
 ``ablation=estimator|cold_start|weighting`` (below), ``demo=DIR``,
-``teachers_dir=DIR``.
+``teachers_dir=DIR``, ``moe`` (with ``tiny``: the math teacher is a
+DeepSeek-style mixture of experts, ``MOE_TEACHER``; docs/DESIGN.md §2).
 Teachers are ``config.teachers.<name>`` (``init``, ``domain``, ``model``); the
 student is ``config.student`` (``init``, ``model``); only the student is
 trained and checkpointed.
@@ -81,6 +85,11 @@ ESTIMATOR_ARMS = (("full", "full", None), ("top-10", "top_k", 10), ("top-32", "t
 WEIGHTING_ARMS = ("routing", "confidence", "uniform")
 SEEDS = (0, 1, 2)
 TINY_ABLATION_STEPS = 16  # the smallest that leaves loss_fluctuation a few steps to measure
+# ``tiny,moe``'s math teacher: 4 routed experts (top-2, sigmoid scores with the
+# auxiliary-loss-free bias update, 2 groups) plus a shared one, after a dense first layer.
+MOE_TEACHER = dict(n_routed_experts=4, experts_per_token=2, moe_d_ff=48, n_shared_experts=1,
+                   router="sigmoid", n_group=2, topk_group=1, routed_scaling_factor=1.0,
+                   first_k_dense=1, seq_aux_loss_coef=1e-3, bias_update_rate=1e-3)
 
 
 def _teacher(model, init, domain):
@@ -91,7 +100,10 @@ def _teacher(model, init, domain):
 
 def _parse(arg):
   arg = config_utils.parse_arg(arg, tiny=False, job="opd", steps=0, ablation="",
-                               demo="workdirs/demo", teachers_dir="")
+                               demo="workdirs/demo", teachers_dir="", moe=False)
+  if arg["moe"] and not arg["tiny"]:
+    raise ValueError("config arg moe needs tiny (the full-size teachers' architecture is their "
+                     "checkpoints')")
   if arg["job"] not in ("opd", "cold_start"):
     raise ValueError(f"config arg job={arg['job']!r}: expected 'opd' or 'cold_start'")
   if arg["ablation"] and arg["ablation"] not in ABLATIONS:
@@ -182,6 +194,9 @@ def get_config(arg=None):
                     n_layers=1, d_ff=96)
     c.student.init = ""  # a random init
     c.teachers = ml_collections.ConfigDict({d: _teacher(wide, "", d) for d in DOMAINS})
+    if arg["moe"]:
+      c.teachers.math.model.n_layers = 2
+      c.teachers.math.model.moe = ml_collections.ConfigDict(MOE_TEACHER)
     c.build_teachers.sft_steps = 20
     c.optim.update(lr=3e-3, warmup_steps=1, decay_steps=7)
     c.train.update(steps=8, save_every=4, eval_every=4)

@@ -31,10 +31,11 @@ Public API (stable; the Qwen3-MoE and DeepSeek-V3 families both use it):
   the tokens of its expert group are all-gathered over ``expert``, each
   device applies its own experts, and a reduce-scatter (``psum_scatter``)
   returns each token's sum of expert outputs to the device that owns it.
-* ``RouterStats`` (per MoE layer, stacked over layers by the decoder),
-  ``aux_loss(moe, stats)``, ``router_metrics(stats)`` and
-  ``update_selection_bias(cfg, params, stats)`` (DeepSeek-V3's bias update,
-  applied outside the gradient) live in ``opd.models.moe_balance``.
+* ``RouterStats`` / ``router_stats``: one MoE layer's routing statistics
+  (stacked over layers by the decoder). ``aux_loss(moe, stats)``,
+  ``router_metrics(stats)`` and ``update_selection_bias(cfg, params, counts)``
+  (DeepSeek-V3's bias update, applied outside the gradient) live in
+  ``opd.models.moe_balance``.
 """
 from __future__ import annotations
 
@@ -305,6 +306,46 @@ def experts_expert_parallel(x: Array, experts: Array, weights: Array, wg: Array,
       x, experts, weights, wg, wu, wd)
 
 
+class RouterStats(NamedTuple):
+  """Sums over one layer's real tokens (leading axis L once stacked).
+
+  counts: ``[E]`` times each expert was chosen. prob_sum: ``[E]`` Σ_t p_t
+  with p the softmax probabilities (sigmoid router: the scores normalised
+  to sum 1). tokens: real tokens. seq_aux: DeepSeek-V3's
+  ``Σ_e f_e P_e`` per sequence, averaged over sequences with a real token.
+  entropy_sum: Σ_t H(p_t). dropped: (token, expert) pairs not computed.
+  """
+  counts: Array
+  prob_sum: Array
+  tokens: Array
+  seq_aux: Array
+  entropy_sum: Array
+  dropped: Array
+
+
+def router_stats(moe: MoEConfig, r: Routing, mask: Array | None, dropped: Array) -> RouterStats:
+  """``RouterStats`` of ``route``'s result ``r`` for ``[B, T]`` tokens."""
+  E, k = moe.n_routed_experts, moe.experts_per_token
+  B, T = r.experts.shape[:2]
+  m = jnp.ones((B, T), jnp.float32) if mask is None else mask.astype(jnp.float32)
+  p = r.scores if moe.router == "softmax" else r.scores / jnp.sum(r.scores, -1, keepdims=True)
+  chosen = jnp.sum(jax.nn.one_hot(r.experts, E, dtype=jnp.float32), axis=-2)  # [B, T, E]
+  chosen = chosen * m[..., None]
+  probs = p * m[..., None]
+  # Sequence-wise: f_e = E / (k T_b) Σ_t 1[e chosen], P_e = 1 / T_b Σ_t p'_e.
+  t_b = jnp.sum(m, axis=1)  # [B]
+  denom = jnp.maximum(t_b, 1.0)[:, None]
+  f = E / k * jnp.sum(chosen, axis=1) / denom
+  P = jnp.sum(probs, axis=1) / denom
+  per_seq = jnp.sum(f * P, axis=-1)  # [B]
+  has = (t_b > 0).astype(jnp.float32)
+  seq_aux = jnp.sum(per_seq * has) / jnp.maximum(jnp.sum(has), 1.0)
+  entropy = -jnp.sum(p * jnp.log(jnp.maximum(p, 1e-30)), axis=-1)  # [B, T]
+  return RouterStats(counts=jnp.sum(chosen, axis=(0, 1)), prob_sum=jnp.sum(probs, axis=(0, 1)),
+                     tokens=jnp.sum(m), seq_aux=seq_aux, entropy_sum=jnp.sum(entropy * m),
+                     dropped=jnp.asarray(dropped, jnp.int32))
+
+
 def _param(module: nn.Module, name: str, shape, axes, dtype):
   init = nn.initializers.zeros if name.endswith("bias") else nn.initializers.normal(_INIT_STD)
   return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
@@ -322,7 +363,6 @@ class MoEMLP(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, mask: Array | None = None):
-    from opd.models.moe_balance import router_stats  # the statistics' one definition
     cfg, moe = self.cfg, self.cfg.moe
     dt, pdt = cfg.compute_dtype, cfg.storage_dtype
     D, E, Fe = cfg.d_model, moe.n_routed_experts, moe.moe_d_ff

@@ -1,8 +1,9 @@
 """Router statistics and load balancing for ``opd.models.moe`` (docs/DESIGN.md §2).
 
-* ``RouterStats``: one MoE layer's sums over its real (unmasked) tokens; the
-  decoder stacks them over MoE layers (leading axis L) into
-  ``DecoderOutput.moe``.
+* ``RouterStats`` / ``router_stats`` (defined in ``opd.models.moe``, which
+  returns them; re-exported here): one MoE layer's sums over its real
+  (unmasked) tokens; the decoder stacks them over MoE layers (leading axis
+  L, ``stack_stats``) into ``DecoderOutput.moe``.
 * ``aux_loss``: ``aux_loss_coef`` x the Switch / Qwen3-MoE loss
   ``E Σ_e f_e P_e`` over all MoE layers' tokens together (as transformers'
   ``load_balancing_loss_func``) + ``seq_aux_loss_coef`` x DeepSeek-V3's
@@ -24,49 +25,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from opd.models.moe import MoEConfig, Routing
+from opd.models.moe import (MoEConfig, RouterStats,  # noqa: F401 - re-exported
+                             router_stats)
 
 Array = jax.Array
-
-
-class RouterStats(NamedTuple):
-  """Sums over one layer's real tokens (leading axis L once stacked).
-
-  counts: ``[E]`` times each expert was chosen. prob_sum: ``[E]`` Σ_t p_t
-  with p the softmax probabilities (sigmoid router: the scores normalised
-  to sum 1). tokens: real tokens. seq_aux: DeepSeek-V3's
-  ``Σ_e f_e P_e`` per sequence, averaged over sequences with a real token.
-  entropy_sum: Σ_t H(p_t). dropped: (token, expert) pairs not computed.
-  """
-  counts: Array
-  prob_sum: Array
-  tokens: Array
-  seq_aux: Array
-  entropy_sum: Array
-  dropped: Array
-
-
-def router_stats(moe: MoEConfig, r: Routing, mask: Array | None, dropped: Array) -> RouterStats:
-  """``RouterStats`` of ``route``'s result ``r`` for ``[B, T]`` tokens."""
-  E, k = moe.n_routed_experts, moe.experts_per_token
-  B, T = r.experts.shape[:2]
-  m = jnp.ones((B, T), jnp.float32) if mask is None else mask.astype(jnp.float32)
-  p = r.scores if moe.router == "softmax" else r.scores / jnp.sum(r.scores, -1, keepdims=True)
-  chosen = jnp.sum(jax.nn.one_hot(r.experts, E, dtype=jnp.float32), axis=-2)  # [B, T, E]
-  chosen = chosen * m[..., None]
-  probs = p * m[..., None]
-  # Sequence-wise: f_e = E / (k T_b) Σ_t 1[e chosen], P_e = 1 / T_b Σ_t p'_e.
-  t_b = jnp.sum(m, axis=1)  # [B]
-  denom = jnp.maximum(t_b, 1.0)[:, None]
-  f = E / k * jnp.sum(chosen, axis=1) / denom
-  P = jnp.sum(probs, axis=1) / denom
-  per_seq = jnp.sum(f * P, axis=-1)  # [B]
-  has = (t_b > 0).astype(jnp.float32)
-  seq_aux = jnp.sum(per_seq * has) / jnp.maximum(jnp.sum(has), 1.0)
-  entropy = -jnp.sum(p * jnp.log(jnp.maximum(p, 1e-30)), axis=-1)  # [B, T]
-  return RouterStats(counts=jnp.sum(chosen, axis=(0, 1)), prob_sum=jnp.sum(probs, axis=(0, 1)),
-                     tokens=jnp.sum(m), seq_aux=seq_aux, entropy_sum=jnp.sum(entropy * m),
-                     dropped=jnp.asarray(dropped, jnp.int32))
 
 
 def stack_stats(stats: list[RouterStats]) -> RouterStats:
