@@ -112,7 +112,7 @@ def lora_init(cfg: ModelConfig, lora: LoRAConfig, rng, *, boxed: bool = False,
 
 
 def lora_delta(a, b, scale: float):
-  """``scale · a b`` contracted over the rank axis: ``[in..., r] × [r, out...] -> [in..., out...]``."""
+  """``scale · a b`` over the rank axis: ``[in..., r] × [r, out...] -> [in..., out...]``."""
   return scale * jnp.tensordot(a, b, axes=1)
 
 

@@ -77,7 +77,8 @@ def test_int8_teacher_forward_and_kl():
   q = quantize_int8(params)
   tokens = jax.random.randint(jax.random.key(4), (2, 64), 0, CFG.vocab_size)
   zq = forward_int8(CFG, q, tokens).logits
-  np.testing.assert_array_equal(np.asarray(zq), np.asarray(forward(CFG, dequantize(q), tokens).logits))
+  ref = forward(CFG, dequantize(q), tokens).logits
+  np.testing.assert_array_equal(np.asarray(zq), np.asarray(ref))
   zf = forward(CFG, params, tokens).logits
   kl = _kl(_log_softmax(zq), _log_softmax(zf))
   # Every weight quantised: no closed-form bound through the layers (the
