@@ -49,6 +49,7 @@ from grm.gencluster.problems import Problem, generator_prompt, make_problem
 from grm.gencluster.problems import validator_prompt
 from opd import tasks as tasks_lib
 from opd.models import init_params
+from opd.rollout.policy import Policy
 from opd.rollout.episodes import sampling_for_chat
 from opd.tasks.sandbox import Sandbox, SandboxLimits
 from opd.training import lm_trainer
@@ -151,9 +152,9 @@ def _stage_samples(ctx: _Ctx, workdir: pathlib.Path) -> dict:
   per_sub = k + t.n_generators + t.n_validators
   cand_sampling = sampling_for_chat(ctx.tok, max_new_tokens=c.candidates.max_new_tokens,
                                     temperature=c.candidates.temperature)
-  texts = pipeline.sample_texts(ctx.model_cfg, params, ctx.tok, prompts, seed=c.seed,
-                                sampling=cand_sampling, batch_size=c.sample_batch, mesh=ctx.mesh,
-                                rules=ctx.rules, desc="policy samples")
+  texts = pipeline.sample_texts(Policy(ctx.model_cfg, params, ctx.tok, ctx.mesh, ctx.rules),
+                                prompts, seed=c.seed, sampling=cand_sampling,
+                                batch_size=c.sample_batch, desc="policy samples")
   out = {}
   for i, p in enumerate(problems):
     rows = {"candidates": [], "generators": [], "validators": []}
@@ -306,8 +307,8 @@ def _judge(ctx: _Ctx):
     params = _policy_params(ctx)
   sampling = sampling_for_chat(ctx.tok, max_new_tokens=c.judge.max_new_tokens,
                                temperature=c.judge.temperature)
-  return pipeline.model_judge(ctx.model_cfg, params, ctx.tok, sampling,
-                              batch_size=c.sample_batch, mesh=ctx.mesh, rules=ctx.rules,
+  return pipeline.model_judge(Policy(ctx.model_cfg, params, ctx.tok, ctx.mesh, ctx.rules),
+                              sampling, batch_size=c.sample_batch,
                               constrained=c.tournament.get("constrained", False))
 
 

@@ -27,7 +27,8 @@ import types
 import numpy as np
 
 from experiments import common
-from experiments.grm_common import (GRM_STAGES, SHARED, grm_sampler, load_groups,
+from experiments.grm_common import (GRM_STAGES, SHARED, benchmark_chunking, grm_sampler,
+                                    load_groups,
                                     load_test_subsets, shared_cfg, stage_params)
 from experiments.grm_report import PAPER, plot_k_curve, render_report, render_yardstick
 from grm import benchmark_set as bench_lib
@@ -41,6 +42,7 @@ from grm.data import PreferenceGroup
 from grm.evaluation import MULTI
 from grm.reward import bt_input_ids
 from opd.rollout.episodes import sampling_for_chat
+from opd.rollout.policy import Policy
 
 
 def stage_ks(c, stage: str) -> tuple[int, ...]:
@@ -111,8 +113,8 @@ def _baseline_results(ctx, subsets) -> dict:
   both = bool(c.benchmark.get("pairwise_both_orders", False))
   if both:
     correct["pairwise_swap"] = {}
-  judge_kw = dict(seed=c.seed + 17, sampling=sampling, batch_size=c.benchmark.batch_size,
-                  length_bucket=c.benchmark.length_bucket, mesh=ctx.mesh, rules=ctx.rules,
+  pairwise_judge = Policy(ctx.model_cfg, pw, ctx.tok, ctx.mesh, ctx.rules)
+  judge_kw = dict(seed=c.seed + 17, sampling=sampling, chunking=benchmark_chunking(c),
                   constrained=bool(c.benchmark.get("constrained", False)))
   pw_invalid, position = [], {"judgements": [], "swapped": [], "share": []}
   for s, gs in multi.items():
@@ -129,7 +131,7 @@ def _baseline_results(ctx, subsets) -> dict:
                            for g, p in zip(gs, picks)]
     triples, owner = eval_lib.round_robin(gs)
     if both:  # the seeded order alone is the single-order row, as before
-      v = pairwise_lib.judge_pairs_both_orders(ctx.model_cfg, pw, ctx.tok, triples, **judge_kw)
+      v = pairwise_lib.judge_pairs_both_orders(pairwise_judge, triples, **judge_kw)
       preferred, judgements = v.first, v.judgements[:len(triples)]
       picks = eval_lib.round_robin_picks(gs, owner, v.share)
       correct["pairwise_swap"][s] = [bench_lib.decision_correct(g.ratings, pick=p)
@@ -138,8 +140,7 @@ def _baseline_results(ctx, subsets) -> dict:
       position["swapped"] += v.swapped.tolist()
       position["share"] += v.share.tolist()
     else:
-      preferred, judgements = pairwise_lib.judge_pairs(ctx.model_cfg, pw, ctx.tok, triples,
-                                                       **judge_kw)
+      preferred, judgements = pairwise_lib.judge_pairs(pairwise_judge, triples, **judge_kw)
     pw_invalid += [not j.valid for j in judgements]
     picks = eval_lib.round_robin_picks(gs, owner, preferred)
     correct["pairwise"][s] = [bench_lib.decision_correct(g.ratings, pick=p)

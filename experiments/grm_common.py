@@ -11,7 +11,9 @@ from experiments import common
 from grm import training as training_lib
 from grm.data import PreferenceGroup
 from opd.models import init_params, to_model_config
+from grm.judge import Chunking
 from opd.rollout.episodes import sampling_for_chat
+from opd.rollout.policy import Policy
 from opd.training.checkpoints import load_params
 
 GRM_STAGES = ("cold_start", "rft", "rule_rl")
@@ -71,11 +73,15 @@ def grm_sampler(ctx, params, max_new_tokens, temperature, cfg=None, progress=Non
   """Batched GRM sampling with the benchmark's chunking (``progress``: a bar label;
   ``constrained``: the scores line decoded under its grammar, ``grm.judge``)."""
   sampling = sampling_for_chat(ctx.tok, max_new_tokens=max_new_tokens, temperature=temperature)
-  return training_lib.model_sampler(cfg or ctx.model_cfg, params, ctx.tok, sampling,
-                                    batch_size=ctx.config.benchmark.batch_size,
-                                    length_bucket=ctx.config.benchmark.length_bucket,
-                                    mesh=ctx.mesh, rules=ctx.rules, progress=progress,
-                                    constrained=constrained)
+  return training_lib.model_sampler(
+      Policy(cfg or ctx.model_cfg, params, ctx.tok, ctx.mesh, ctx.rules), sampling,
+      chunking=benchmark_chunking(ctx.config), progress=progress, constrained=constrained)
+
+
+def benchmark_chunking(config) -> Chunking:
+  """The benchmark's sampler chunking (``config.benchmark.batch_size`` and ``length_bucket``)."""
+  return Chunking(batch_size=config.benchmark.batch_size,
+                  length_bucket=config.benchmark.length_bucket)
 
 
 SHARED = "shared"

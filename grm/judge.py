@@ -35,7 +35,6 @@ import tqdm
 from grm.format import SCORES_PREFIX, GRMPrompt, build_prompt, prompt_ids, unshuffle
 from grm.parse import REASONS as PARSE_REASONS
 from grm.parse import Judgement, parse_judgement
-from opd.models import ModelConfig
 from opd.rollout.constraint import TokenAutomaton, compile_patterns
 from opd.rollout.policy import Completion, Policy, sample
 from opd.rollout.sampler import SamplingConfig
@@ -108,25 +107,47 @@ def build_prompts(groups, k: int, seed: int, *, hints: Sequence[int | None] | No
           for e, (q, r) in enumerate(groups)]
 
 
-def sample_judgements(model_cfg: ModelConfig, params, tokenizer, groups, *, k: int, seed: int,
-                      sampling: SamplingConfig, hints: Sequence[int | None] | None = None,
-                      prompt_bucket: int = 32, batch_size: int | None = None,
-                      length_bucket: int | None = None, mesh=None, rules=None,
-                      progress: str | None = None,
+@dataclasses.dataclass(frozen=True)
+class Chunking:
+  """How ``sample_rows`` lays rows into sampler calls.
+
+  Attributes:
+    batch_size: rows per sampler call (None: all rows in one call).
+    prompt_bucket: prompts are left-padded to a multiple of this.
+    length_bucket: None: every chunk is padded to the longest prompt of all;
+      L: rows sorted by length, each chunk padded to its own longest rounded
+      up to a multiple of L (``sample_rows``).
+  """
+  batch_size: int | None = None
+  prompt_bucket: int = 32
+  length_bucket: int | None = None
+
+  def __post_init__(self):
+    for name in ("batch_size", "length_bucket"):
+      v = getattr(self, name)
+      if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))
+                            or v < 1):
+        raise ValueError(f"{name}={v!r} must be an int >= 1 or None")
+    p = self.prompt_bucket
+    if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 1:
+      raise ValueError(f"prompt_bucket={p!r} must be an int >= 1")
+
+
+def sample_judgements(policy: Policy, groups, *, k: int, seed: int, sampling: SamplingConfig,
+                      hints: Sequence[int | None] | None = None,
+                      chunking: Chunking = Chunking(), progress: str | None = None,
                       constrained: bool = False) -> list[list[SampledJudgement]]:
   """k judgements per example, all E·k prompts in one batched sampler call.
 
   Args:
-    model_cfg, params: the GRM.
-    tokenizer: its tokenizer (``opd.text.tokenizers``).
+    policy: the GRM (``opd.rollout.Policy``: model, params, tokenizer, mesh, rules).
     groups: E ``(query, responses)`` pairs, responses in their original order.
     k: samples per example.
     seed: seeds both the shuffles (``build_prompts``) and the sampler.
-    sampling: e.g. ``opd.rollout.episodes.sampling_for_chat(tok, ...)``.
+    sampling: e.g. ``opd.rollout.sampling_for_chat(tok, ...)``.
     hints: optional per-example best index for hinted sampling.
-    prompt_bucket, batch_size, length_bucket, mesh, rules, progress: as
-      ``sample_rows`` (``batch_size`` bounds the rows sampled at once; None:
-      all in one call).
+    chunking, progress: as ``sample_rows`` (``chunking.batch_size`` bounds the
+      rows sampled at once; None: all in one call).
     constrained: decode each row under ``score_pattern`` of its n.
 
   Returns:
@@ -134,30 +155,26 @@ def sample_judgements(model_cfg: ModelConfig, params, tokenizer, groups, *, k: i
   """
   prompts = build_prompts(groups, k, seed, hints=hints)
   flat = [p for row in prompts for p in row]
-  ids = [prompt_ids(tokenizer, p) for p in flat]
+  ids = [prompt_ids(policy.tokenizer, p) for p in flat]
   automaton = patterns = None
   if constrained and flat:
     automaton = compile_patterns([score_pattern(n) for n in range(1, max(p.n for p in flat) + 1)],
-                                 tokenizer, end_ids=sampling.end_ids,
-                                 vocab_size=model_cfg.vocab_size)
+                                 policy.tokenizer, end_ids=sampling.end_ids,
+                                 vocab_size=policy.model_cfg.vocab_size)
     patterns = [p.n - 1 for p in flat]
-  completions = sample_rows(model_cfg, params, tokenizer, ids, seed, sampling,
-                            batch_size=batch_size, prompt_bucket=prompt_bucket,
-                            length_bucket=length_bucket, mesh=mesh, rules=rules,
-                            progress=progress, constraint=automaton, patterns=patterns)
+  completions = sample_rows(policy, ids, seed, sampling, chunking=chunking, progress=progress,
+                            constraint=automaton, patterns=patterns)
   out = [judge_completion(p, c.text, c.finished) for p, c in zip(flat, completions)]
   return [out[e * k:(e + 1) * k] for e in range(len(prompts))]
 
 
-def sample_rows(model_cfg: ModelConfig, params, tokenizer, prompts: Sequence[np.ndarray],
-                seed: int, sampling: SamplingConfig, *, batch_size: int | None = None,
-                prompt_bucket: int = 32, length_bucket: int | None = None, mesh=None,
-                rules=None, progress: str | None = None,
-                constraint: TokenAutomaton | None = None,
+def sample_rows(policy: Policy, prompts: Sequence[np.ndarray], seed: int,
+                sampling: SamplingConfig, *, chunking: Chunking = Chunking(),
+                progress: str | None = None, constraint: TokenAutomaton | None = None,
                 patterns: Sequence[int] | None = None) -> list[Completion]:
   """One completion per prompt (id arrays), in sampler calls of at most ``batch_size`` rows.
 
-  ``batch_size`` None, or at least ``len(prompts)``: one call of
+  ``chunking.batch_size`` None, or at least ``len(prompts)``: one call of
   ``opd.rollout.policy.sample`` with key ``seed``. Otherwise the prompts
   go in chunks of exactly ``batch_size`` rows (the last padded by
   ``sample``), chunk c with key ``fold_in(key(seed), c)``, and the prompt
@@ -178,17 +195,14 @@ def sample_rows(model_cfg: ModelConfig, params, tokenizer, prompts: Sequence[np.
   """
   if not prompts:
     return []
-  policy = Policy(model_cfg, params, tokenizer, mesh, rules)
+  if not isinstance(chunking, Chunking):
+    raise ValueError(f"chunking must be a Chunking, got {type(chunking).__name__}")
+  batch_size, prompt_bucket, length_bucket = (chunking.batch_size, chunking.prompt_bucket,
+                                              chunking.length_bucket)
   n = len(prompts)
   if batch_size is None or n <= batch_size:
     return sample(policy, list(prompts), int(seed), sampling, batch_size=batch_size,
                   prompt_bucket=prompt_bucket, constraint=constraint, patterns=patterns)
-  if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
-      or batch_size < 1:
-    raise ValueError(f"batch_size={batch_size!r} must be an int >= 1 or None")
-  if length_bucket is not None and (isinstance(length_bucket, bool) or not isinstance(
-      length_bucket, (int, np.integer)) or length_bucket < 1):
-    raise ValueError(f"length_bucket={length_bucket!r} must be an int >= 1 or None")
   lengths = np.asarray([len(p) for p in prompts])
   if length_bucket is None:
     order = np.arange(n)

@@ -32,9 +32,9 @@ from typing import Sequence
 import numpy as np
 
 from grm.format import plain, user_prompt_ids
-from grm.judge import sample_rows
-from opd.models import ModelConfig
+from grm.judge import Chunking, sample_rows
 from opd.rollout.constraint import compile_patterns
+from opd.rollout.policy import Policy
 from opd.rollout.sampler import SamplingConfig
 
 CHOICE_PREFIX = "Better:"
@@ -171,27 +171,25 @@ def position_stats(judgements: Sequence[PairwiseJudgement], swapped_first: Seque
           "split_rate": float(np.mean(sh[decided] == 0.5)) if decided.any() else nan}
 
 
-def _judge(model_cfg, params, tokenizer, prompts, seed, sampling, constrained, **kwargs):
-  ids = [user_prompt_ids(tokenizer, p.text) for p in prompts]
+def _judge(policy: Policy, prompts, seed, sampling, constrained, chunking):
+  ids = [user_prompt_ids(policy.tokenizer, p.text) for p in prompts]
   automaton = None
   if constrained:
-    automaton = compile_patterns([SCORE_PATTERN], tokenizer, end_ids=sampling.end_ids,
-                                 vocab_size=model_cfg.vocab_size)
-  completions = sample_rows(model_cfg, params, tokenizer, ids, int(seed), sampling,
-                            constraint=automaton, **kwargs)
+    automaton = compile_patterns([SCORE_PATTERN], policy.tokenizer, end_ids=sampling.end_ids,
+                                 vocab_size=policy.model_cfg.vocab_size)
+  completions = sample_rows(policy, ids, int(seed), sampling, chunking=chunking,
+                            constraint=automaton)
   return [parse_pairwise(c.text) for c in completions]
 
 
-def judge_pairs(model_cfg: ModelConfig, params, tokenizer, pairs: Sequence[tuple[str, str, str]],
-                *, seed: int, sampling: SamplingConfig, prompt_bucket: int = 32,
-                batch_size: int | None = None, length_bucket: int | None = None, mesh=None,
-                rules=None, constrained: bool = False
-                ) -> tuple[np.ndarray, list[PairwiseJudgement]]:
+def judge_pairs(policy: Policy, pairs: Sequence[tuple[str, str, str]], *, seed: int,
+                sampling: SamplingConfig, chunking: Chunking = Chunking(),
+                constrained: bool = False) -> tuple[np.ndarray, list[PairwiseJudgement]]:
   """Judges ``(query, first, second)`` triples in batched sampler calls.
 
-  Pair e is swapped with seed ``(seed, e)``. ``batch_size`` (None: all in
-  one call), ``prompt_bucket`` and ``length_bucket`` are those of
-  ``grm.judge.sample_rows``; ``constrained`` decodes under ``SCORE_PATTERN``.
+  Pair e is swapped with seed ``(seed, e)``. ``policy`` is the pairwise judge
+  (``opd.rollout.Policy``); ``chunking`` lays the rows into sampler calls
+  (``grm.judge.sample_rows``); ``constrained`` decodes under ``SCORE_PATTERN``.
 
   Returns:
     ``(preferred [E] int64, judgements)``: the preferred original index per
@@ -199,9 +197,7 @@ def judge_pairs(model_cfg: ModelConfig, params, tokenizer, pairs: Sequence[tuple
   """
   prompts = [build_pairwise_prompt(q, a, b, seed=(int(seed), e))
              for e, (q, a, b) in enumerate(pairs)]
-  judgements = _judge(model_cfg, params, tokenizer, prompts, seed, sampling, constrained,
-                      batch_size=batch_size, prompt_bucket=prompt_bucket,
-                      length_bucket=length_bucket, mesh=mesh, rules=rules)
+  judgements = _judge(policy, prompts, seed, sampling, constrained, chunking)
   preferred = np.asarray([preferred_index(j, p.swapped) for j, p in zip(judgements, prompts)],
                          np.int64)
   return preferred, judgements
@@ -221,19 +217,16 @@ class SwapVerdicts:
   stats: dict[str, float]
 
 
-def judge_pairs_both_orders(model_cfg: ModelConfig, params, tokenizer,
-                            pairs: Sequence[tuple[str, str, str]], *, seed: int,
-                            sampling: SamplingConfig, prompt_bucket: int = 32,
-                            batch_size: int | None = None, length_bucket: int | None = None,
-                            mesh=None, rules=None, constrained: bool = False) -> SwapVerdicts:
+def judge_pairs_both_orders(policy: Policy, pairs: Sequence[tuple[str, str, str]], *,
+                            seed: int, sampling: SamplingConfig,
+                            chunking: Chunking = Chunking(),
+                            constrained: bool = False) -> SwapVerdicts:
   """``judge_pairs`` with every pair judged in both orders (one sampler pass over
   2E prompts) and swap-averaged (module docstring)."""
   first = [build_pairwise_prompt(q, a, b, seed=(int(seed), e))
            for e, (q, a, b) in enumerate(pairs)]
   second = [mirrored(q, a, b, seed=(int(seed), e)) for e, (q, a, b) in enumerate(pairs)]
-  judgements = _judge(model_cfg, params, tokenizer, first + second, seed, sampling, constrained,
-                      batch_size=batch_size, prompt_bucket=prompt_bucket,
-                      length_bucket=length_bucket, mesh=mesh, rules=rules)
+  judgements = _judge(policy, first + second, seed, sampling, constrained, chunking)
   E = len(pairs)
   pa = np.asarray([preferred_index(j, p.swapped) for j, p in zip(judgements[:E], first)],
                   np.int64)

@@ -29,12 +29,13 @@ from typing import Sequence
 import numpy as np
 
 from grm.format import MAX_SCORE, MIN_SCORE, user_prompt_ids
-from grm.judge import invalid_sample_counts, sample_judgements, score_arrays
+from grm.judge import Chunking, invalid_sample_counts, sample_judgements, score_arrays
 from grm.scalar_rm import score_sequences
 from grm.voting import vote
 from opd.config.fields import check_float, check_int
 from opd.models import ModelConfig
 from opd.rollout.episodes import Episode
+from opd.rollout.policy import Policy
 from opd.rollout.sampler import SamplingConfig
 from opd.tasks import Reward
 
@@ -77,7 +78,8 @@ class GRMReward:
     self.fallback = check_float("GRMReward", "fallback", fallback, min_value=0.0, max_value=1.0)
     self.model_cfg, self.params, self.tokenizer = model_cfg, params, tokenizer
     self.sampling, self.k, self.seed = sampling, int(k), int(seed)
-    self._kw = dict(batch_size=batch_size, prompt_bucket=prompt_bucket, mesh=mesh, rules=rules,
+    self.policy = Policy(model_cfg, params, tokenizer, mesh, rules)
+    self._kw = dict(chunking=Chunking(batch_size=batch_size, prompt_bucket=prompt_bucket),
                     constrained=bool(constrained))
     self.calls = 0
     self.last_samples: list = []
@@ -88,8 +90,8 @@ class GRMReward:
     groups = [(ep.example.prompt, (response_text(ep),)) for ep in episodes]
     if not groups:
       return []
-    samples = sample_judgements(self.model_cfg, self.params, self.tokenizer, groups, k=self.k,
-                                seed=self.seed + self.calls, sampling=self.sampling, **self._kw)
+    samples = sample_judgements(self.policy, groups, k=self.k, seed=self.seed + self.calls,
+                                sampling=self.sampling, **self._kw)
     self.calls += 1
     out = []
     for row in samples:

@@ -122,13 +122,14 @@ def train_judgement_sft(model_cfg: ModelConfig, params, tokenizer,
                              run_config={"model": model_cfg.to_dict()})
 
 
-def model_sampler(model_cfg: ModelConfig, params, tokenizer, sampling, **kwargs) -> SampleFn:
-  """A ``SampleFn`` backed by ``grm.judge.sample_judgements`` (one batched call;
-  ``kwargs`` go to it, e.g. ``batch_size`` or a ``progress`` label)."""
+def model_sampler(policy, sampling, **kwargs) -> SampleFn:
+  """A ``SampleFn`` backed by ``grm.judge.sample_judgements`` of ``policy`` (an
+  ``opd.rollout.Policy``; one batched call; ``kwargs`` go to it, e.g.
+  ``chunking`` or a ``progress`` label)."""
 
   def sample_fn(groups, k, seed, hints):
-    return judge_lib.sample_judgements(model_cfg, params, tokenizer, groups, k=k, seed=seed,
-                                       sampling=sampling, hints=hints, **kwargs)
+    return judge_lib.sample_judgements(policy, groups, k=k, seed=seed, sampling=sampling,
+                                       hints=hints, **kwargs)
 
   return sample_fn
 

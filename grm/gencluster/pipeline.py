@@ -28,21 +28,20 @@ from opd.rollout.constraint import compile_patterns
 from opd.text import parsers
 
 
-def sample_texts(model_cfg, params, tokenizer, prompts: Sequence[str], *, seed: int, sampling,
-                 batch_size: int, mesh=None, rules=None, desc: str = "sample",
-                 constraint=None) -> list[str]:
-  """One policy response per user prompt, ``batch_size`` rows per sampler call
-  (the last batch padded, and every batch's prompts left-padded to the longest
-  prompt of all, so one compiled sampler serves every call); ``constraint``:
-  an ``opd.rollout.constraint.TokenAutomaton`` whose first pattern every row follows."""
+def sample_texts(policy, prompts: Sequence[str], *, seed: int, sampling, batch_size: int,
+                 desc: str = "sample", constraint=None) -> list[str]:
+  """One response of ``policy`` (an ``opd.rollout.Policy``) per user prompt,
+  ``batch_size`` rows per sampler call (the last batch padded, and every
+  batch's prompts left-padded to the longest prompt of all, so one compiled
+  sampler serves every call); ``constraint``: an
+  ``opd.rollout.constraint.TokenAutomaton`` whose first pattern every row follows."""
   import jax  # noqa: PLC0415 (jax-heavy; the rest of the module is not)
   from opd.rollout import policy as policy_lib  # noqa: PLC0415
-  ids = [user_prompt_ids(tokenizer, p) for p in prompts]
+  ids = [user_prompt_ids(policy.tokenizer, p) for p in prompts]
   out: list[str] = []
   if not ids:
     return out
   bucket = 32 * math.ceil(max(len(x) for x in ids) / 32)
-  policy = policy_lib.Policy(model_cfg, params, tokenizer, mesh, rules)
   for b, start in enumerate(tqdm(range(0, len(ids), batch_size), desc=desc, leave=False)):
     chunk = ids[start:start + batch_size]
     out += [c.text for c in policy_lib.sample(
@@ -51,19 +50,18 @@ def sample_texts(model_cfg, params, tokenizer, prompts: Sequence[str], *, seed: 
   return out
 
 
-def model_judge(model_cfg, params, tokenizer, sampling, *, batch_size: int, mesh=None,
-                rules=None, constrained: bool = False) -> tournament_lib.JudgeFn:
-  """A model as the pairwise judge: its completion for each prompt text
-  (``constrained``: decoded under ``grm.pairwise.SCORE_PATTERN``)."""
+def model_judge(policy, sampling, *, batch_size: int,
+                constrained: bool = False) -> tournament_lib.JudgeFn:
+  """A model (an ``opd.rollout.Policy``) as the pairwise judge: its completion
+  for each prompt text (``constrained``: decoded under ``grm.pairwise.SCORE_PATTERN``)."""
   constraint = None
   if constrained:
-    constraint = compile_patterns([SCORE_PATTERN], tokenizer, end_ids=sampling.end_ids,
-                                  vocab_size=model_cfg.vocab_size)
+    constraint = compile_patterns([SCORE_PATTERN], policy.tokenizer, end_ids=sampling.end_ids,
+                                  vocab_size=policy.model_cfg.vocab_size)
 
   def judge(texts: Sequence[str], seed: int) -> list[str]:
-    return sample_texts(model_cfg, params, tokenizer, texts, seed=seed, sampling=sampling,
-                        batch_size=batch_size, mesh=mesh, rules=rules, desc="judge",
-                        constraint=constraint)
+    return sample_texts(policy, texts, seed=seed, sampling=sampling, batch_size=batch_size,
+                        desc="judge", constraint=constraint)
 
   return judge
 

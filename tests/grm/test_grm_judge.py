@@ -11,6 +11,7 @@ from grm.format import format_judgement
 from grm.meta_rm import meta_batch, meta_input_ids
 from grm.voting import vote
 from opd.models import ModelConfig, init_params
+from opd.rollout import Policy
 from opd.rollout.episodes import Completion, sampling_for_chat
 from opd.text.tokenizers import ByteTokenizer
 
@@ -40,7 +41,7 @@ def test_k_samples_go_through_one_call_and_scores_come_back_in_original_order(mo
   truth = [[3, 9, 5, 1], [8, 2], [6]]
   groups = [(f"q{e}", [f"resp-{i}-s{s}" for i, s in enumerate(t)]) for e, t in enumerate(truth)]
   k = 5
-  samples = judge_lib.sample_judgements(None, None, TOK, groups, k=k, seed=7,
+  samples = judge_lib.sample_judgements(Policy(None, None, TOK), groups, k=k, seed=7,
                                         sampling=sampling_for_chat(TOK, max_new_tokens=8))
   assert calls == [len(groups) * k]
   orders = set()
@@ -63,7 +64,7 @@ def test_tiny_random_grm_samples_end_to_end_and_invalid_outputs_are_counted():
                     d_ff=64)
   params = init_params(cfg, jax.random.key(0))
   groups = [("2+2?", ["4", "5"]), ("Say hi.", ["hi", "bye", "hello"])]
-  samples = judge_lib.sample_judgements(cfg, params, TOK, groups, k=2, seed=0,
+  samples = judge_lib.sample_judgements(Policy(cfg, params, TOK), groups, k=2, seed=0,
                                         sampling=sampling_for_chat(TOK, max_new_tokens=6))
   flat = [s for row in samples for s in row]
   assert [len(row) for row in samples] == [2, 2]
@@ -122,7 +123,7 @@ def test_pairwise_round_trip_reasons_and_swap_mapping(monkeypatch):
   pairs = [("q", "good", "bad") if e % 3 else ("q", "bad", "good") for e in range(30)]
   for batch_size in (None, 8):  # one call, or chunks of 8 (the last padded)
     preferred, judgements = pairwise_lib.judge_pairs(
-        None, None, TOK, pairs, seed=3, batch_size=batch_size,
+        Policy(None, None, TOK), pairs, seed=3, chunking=judge_lib.Chunking(batch_size),
         sampling=sampling_for_chat(TOK, max_new_tokens=4))
     assert all(j.valid for j in judgements)
     np.testing.assert_array_equal(preferred, [0 if e % 3 else 1 for e in range(30)])
@@ -137,7 +138,7 @@ def test_a_truncated_sample_is_invalid_even_when_it_ends_on_a_valid_scores_line(
             for finished, _ in zip((True, False, True), prompts)]
 
   monkeypatch.setattr(judge_lib, "sample", sample)
-  samples = judge_lib.sample_judgements(None, None, TOK, [("q", ["a", "b"])], k=3, seed=0,
+  samples = judge_lib.sample_judgements(Policy(None, None, TOK), [("q", ["a", "b"])], k=3, seed=0,
                                         sampling=sampling_for_chat(TOK, max_new_tokens=8))[0]
   assert [s.judgement.valid for s in samples] == [True, False, True]
   assert samples[1].judgement.reason == "truncated" and samples[1].scores is None
@@ -172,26 +173,28 @@ def test_sample_rows_chunks_keep_the_order_and_fix_the_prompt_width(monkeypatch,
   sampling = sampling_for_chat(TOK, max_new_tokens=4)
   longest = max(len(p) for p in prompts)
   # Unchunked: one call with every row.
-  out = judge_lib.sample_rows(None, None, TOK, prompts, 0, sampling)
+  fake = Policy(None, None, TOK)
+  out = judge_lib.sample_rows(fake, prompts, 0, sampling)
   assert [c.text for c in out] == texts and calls == [(23, None, 32 * -(-longest // 32))]
   # Chunks of 8: ceil(23 / 8) = 3 calls of batch_size 8, one width (the longest, bucketed).
   calls.clear()
-  out = judge_lib.sample_rows(None, None, TOK, prompts, 0, sampling, batch_size=8)
+  out = judge_lib.sample_rows(fake, prompts, 0, sampling, chunking=judge_lib.Chunking(8))
   assert [c.text for c in out] == texts
   assert calls == [(8, 8, 32 * -(-longest // 32))] * 2 + [(7, 8, 32 * -(-longest // 32))]
   # Length buckets of 100: rows sorted by length, each chunk padded to its own longest
   # rounded up to a multiple of 100; the completions still come back in the given order.
   calls.clear()
-  out = judge_lib.sample_rows(None, None, TOK, prompts, 0, sampling, batch_size=8,
-                              length_bucket=100)
+  out = judge_lib.sample_rows(fake, prompts, 0, sampling,
+                              chunking=judge_lib.Chunking(8, length_bucket=100))
   assert [c.text for c in out] == texts
   ranked = sorted(len(p) for p in prompts)
   expected = [100 * -(-max(ranked[c:c + 8]) // 100) for c in range(0, 23, 8)]
   assert [w for _, _, w in calls] == expected and [b for _, b, _ in calls] == [8, 8, 8]
   # A progress label draws a bar over the chunks (stderr) and changes nothing else.
   calls.clear()
-  out = judge_lib.sample_rows(None, None, TOK, prompts, 0, sampling, batch_size=8,
-                              length_bucket=100, progress="judging")
+  out = judge_lib.sample_rows(fake, prompts, 0, sampling,
+                              chunking=judge_lib.Chunking(8, length_bucket=100),
+                              progress="judging")
   assert [c.text for c in out] == texts
   assert [w for _, _, w in calls] == expected
   bar = capsys.readouterr().err
@@ -208,7 +211,9 @@ def test_sample_rows_chunks_give_each_prompt_its_own_completion_on_a_tiny_model(
              for t in ("2+2?", "Name a colour, please.", "Hi.", "Count to three")]
   greedy = sampling_for_chat(TOK, max_new_tokens=3, temperature=0.0)
   direct = [c for pair in (prompts[:2], prompts[2:])
-            for c in judge_lib.sample_rows(cfg, params, TOK, pair, 0, greedy, batch_size=2)]
-  chunked = judge_lib.sample_rows(cfg, params, TOK, prompts, 0, greedy, batch_size=2)
+            for c in judge_lib.sample_rows(Policy(cfg, params, TOK), pair, 0, greedy,
+                                           chunking=judge_lib.Chunking(2))]
+  chunked = judge_lib.sample_rows(Policy(cfg, params, TOK), prompts, 0, greedy,
+                                  chunking=judge_lib.Chunking(2))
   assert [c.ids.tolist() for c in chunked] == [c.ids.tolist() for c in direct]
   assert len({tuple(c.ids.tolist()) for c in direct}) > 1  # the rows differ, so order matters

@@ -12,6 +12,7 @@ from grm.format import format_judgement
 from grm.gencluster import tournament as tn
 from grm.verify.format import SCORE_PATTERN, parse_analysis
 from opd.models import ModelConfig
+from opd.rollout import Policy
 from opd.rollout.episodes import Completion, sampling_for_chat
 from opd.text.tokenizers import ByteTokenizer
 
@@ -39,9 +40,9 @@ def _reads_content(prompt_text):
 
 
 def _fake_sample_rows(judge):
-  def sample_rows(model_cfg, params, tokenizer, ids, seed, sampling, **kwargs):
+  def sample_rows(policy, ids, seed, sampling, **kwargs):
     return [Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), True,
-                       judge(tokenizer.decode(row))) for row in ids]
+                       judge(policy.tokenizer.decode(row))) for row in ids]
   return sample_rows
 
 
@@ -51,7 +52,7 @@ def test_judge_pairs_both_orders_cancels_a_pure_position_bias(monkeypatch):
                     d_ff=8)
   sampling = sampling_for_chat(TOK, max_new_tokens=8)
   monkeypatch.setattr(pw, "sample_rows", _fake_sample_rows(_always("A")))
-  got = pw.judge_pairs_both_orders(cfg, None, TOK, pairs, seed=3, sampling=sampling)
+  got = pw.judge_pairs_both_orders(Policy(cfg, None, TOK), pairs, seed=3, sampling=sampling)
   # Always "A": each order prefers what it shows first, so the verdicts split.
   np.testing.assert_array_equal(got.share, np.full(12, 0.5))
   assert got.stats == {"a_rate_before": 1.0, "a_rate_after": 0.5, "split_rate": 1.0}
@@ -61,7 +62,7 @@ def test_judge_pairs_both_orders_cancels_a_pure_position_bias(monkeypatch):
   # the credit of the first-shown A is 1 exactly where the seeded order showed y first.
   pairs = [("q", f"x{e}", f"good y{e}") for e in range(12)]
   monkeypatch.setattr(pw, "sample_rows", _fake_sample_rows(_reads_content))
-  got = pw.judge_pairs_both_orders(cfg, None, TOK, pairs, seed=3, sampling=sampling)
+  got = pw.judge_pairs_both_orders(Policy(cfg, None, TOK), pairs, seed=3, sampling=sampling)
   np.testing.assert_array_equal(got.share, np.ones(12))
   swapped = [pw.build_pairwise_prompt(q, a, b, seed=(3, e)).swapped
              for e, (q, a, b) in enumerate(pairs)]
@@ -69,7 +70,7 @@ def test_judge_pairs_both_orders_cancels_a_pure_position_bias(monkeypatch):
   assert got.stats == {"a_rate_before": 0.5, "a_rate_after": float(np.mean(swapped)),
                        "split_rate": 0.0}
   # The seeded order alone is judge_pairs' single-order verdict.
-  single, _ = pw.judge_pairs(cfg, None, TOK, pairs, seed=3, sampling=sampling)
+  single, _ = pw.judge_pairs(Policy(cfg, None, TOK), pairs, seed=3, sampling=sampling)
   np.testing.assert_array_equal(got.first, single)
   np.testing.assert_array_equal(got.swapped, swapped)
 
@@ -131,8 +132,8 @@ def test_sample_judgements_constrained_gives_each_row_its_n(monkeypatch):
                     d_ff=8)
   groups = [("q", ("a", "b", "c")), ("q", ("a",)), ("q", ("a", "b"))]
   sampling = sampling_for_chat(TOK, max_new_tokens=8)
-  judge_lib.sample_judgements(cfg, None, TOK, groups, k=2, seed=0, sampling=sampling,
-                              batch_size=4, length_bucket=8, constrained=True)
+  judge_lib.sample_judgements(Policy(cfg, None, TOK), groups, k=2, seed=0, sampling=sampling,
+                              chunking=judge_lib.Chunking(4, length_bucket=8), constrained=True)
   automaton = seen[0][0]
   assert automaton.patterns == tuple(judge_lib.score_pattern(n) for n in (1, 2, 3))
   # Chunks of 4 after the length sort: every row keeps its own group's n - 1.
@@ -163,7 +164,8 @@ def test_other_call_sites_pass_their_pattern(monkeypatch):
   assert set(seen[1].end_ids) == set(sampling.end_ids)
   monkeypatch.setattr("opd.rollout.policy.sample", fake_sample)
   for constrained in (False, True):
-    pipeline.model_judge(cfg, None, TOK, sampling, batch_size=2, constrained=constrained)(
+    pipeline.model_judge(Policy(cfg, None, TOK), sampling, batch_size=2,
+                         constrained=constrained)(
         ["p"], 0)
   assert seen[2] is None and seen[3].patterns == (pw.SCORE_PATTERN,)
   flags = []

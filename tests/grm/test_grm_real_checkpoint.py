@@ -14,6 +14,7 @@ from grm.format import build_prompt, format_judgement
 from grm.reward import GRMReward
 from grm.voting import vote
 from opd.models.hf import load_hf
+from opd.rollout import Policy
 from opd.rollout.episodes import sampling_for_chat
 from opd.tasks import Example
 from opd.text.tokenizers import SPECIAL_TOKENS, HFTokenizer, check_vocab
@@ -49,7 +50,8 @@ def test_qwen3_checkpoint_judges_votes_and_rewards_end_to_end(checkpoint):
   assert cfg.qk_norm  # it really is a Qwen3 layout
   sampling = sampling_for_chat(tok, max_new_tokens=12, temperature=1.0)
   k = 3
-  samples = judge_lib.sample_judgements(cfg, params, tok, GROUPS, k=k, seed=0, sampling=sampling)
+  samples = judge_lib.sample_judgements(Policy(cfg, params, tok), GROUPS, k=k, seed=0,
+                                        sampling=sampling)
   flat = [s for row in samples for s in row]
   assert [len(row) for row in samples] == [k, k]
   counts = judge_lib.invalid_sample_counts(flat)
