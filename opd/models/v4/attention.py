@@ -9,7 +9,7 @@ Dh, RoPE on the last Dr dims of each head (interleaved pairs), Cq =
   kv  = RoPE(RMSNorm(x W_kv))                            [Dh]  (one head, key = value)
   p_hts = softmax over {s in window(t)} ∪ {sink} of (q_ht · kv_s / sqrt(Dh), sink_h)
   o_ht = RoPE⁻¹_t(Σ_s p_hts kv_s)                        (the sink's share is dropped)
-  y_t  = Σ_g (o_{t, heads of g} W_oa_g) W_ob_g            (g = 1..G, each [H/G · Dh] -> [R] -> [D])
+  y_t  = Σ_g (o_{t, heads of g} W_oa_g) W_ob_g            (g = 1..G: [H/G · Dh] -> [R] -> [D])
 
 ``window(t)`` is the keys ``t - W < s <= t`` (W = ``sliding_window``) that the
 padding mask keeps. The sink is one learnt logit per head that absorbs
@@ -98,7 +98,8 @@ def rope_tail(x: Array, positions: Array, dr: int, theta: float, inverse: bool =
 
 
 def window_mask(T: int, window: int, mask: Array | None) -> Array:
-  """``[B or 1, T, T]`` bool: key s visible to query t iff ``t - window < s <= t`` and ``mask[s]``."""
+  """``[B or 1, T, T]`` bool: key s is visible to query t iff ``t - window < s <= t``
+  and ``mask[s]``."""
   t = jnp.arange(T)
   keep = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - window)
   keep = keep[None]

@@ -127,7 +127,7 @@ def expand(post: Array, comb: Array, y: Array, h: Array) -> Array:
 
 
 class HyperHead(nn.Module):
-  """The final collapse ``h [B, T, N, D] -> Σ_n pre_n h_n [B, T, D]``, pre as in ``HyperConnection``.
+  """The final collapse ``h [B, T, N, D] -> Σ_n pre_n h_n [B, T, D]`` (pre as ``HyperConnection``).
 
   Params: ``proj [N·D, N]``, ``bias [N]``, ``scale [1]``.
   """

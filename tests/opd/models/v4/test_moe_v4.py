@@ -73,10 +73,11 @@ def test_v4_moe_matches_transformers(case, mlp_type):
   block = blocks[mlp_type]
   cfg = _ours(cfg_hf, mlp_type)
   with torch.no_grad():
-    _, w_t, idx_t = block.gate(torch.from_numpy(x), torch.from_numpy(ids)) if mlp_type == "hash_moe" \
-        else block.gate(torch.from_numpy(x))
+    hashed = mlp_type == "hash_moe"
+    gate_args = (torch.from_numpy(x),) + ((torch.from_numpy(ids),) if hashed else ())
+    _, w_t, idx_t = block.gate(*gate_args)
     y_t = block(torch.from_numpy(x), input_ids=torch.from_numpy(ids))
-  y, r = V4MoE(cfg).apply(_import(block, cfg), jnp.asarray(x), jnp.asarray(ids))
+  y, r = jax.jit(V4MoE(cfg).apply)(_import(block, cfg), jnp.asarray(x), jnp.asarray(ids))
   experts = np.asarray(r.experts).reshape(B * T, -1)
   weights = np.asarray(r.weights).reshape(B * T, -1)
   idx_t, w_t = idx_t.numpy(), np_(w_t)
