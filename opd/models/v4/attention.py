@@ -1,5 +1,6 @@
-"""DeepSeek-V4 sliding-window attention with attention sinks and the grouped
-low-rank output projection (docs/DESIGN.md §2, "DeepSeek-V4 components").
+"""DeepSeek-V4 attention: sliding-window attention with attention sinks and the grouped
+low-rank output projection, plus the compressed entries of CSA / HCA layers
+(docs/DESIGN.md §2, "DeepSeek-V4 components").
 
 Shared-KV multi-query attention: per token ``x [D]``, with H heads of width
 Dh, RoPE on the last Dr dims of each head (interleaved pairs), Cq =
@@ -17,9 +18,18 @@ probability mass, so a query may attend to nothing. Because the values carry
 the keys' rotation, the output's rope dims are rotated back by the query's
 angle (RoPE⁻¹, the rotation by ``-pos``), leaving a function of ``t - s``.
 
+Compressed layers (``opd.models.v4.compressor``) append the compressed
+entries ``e_w`` to the window's keys (= values): HCA
+(``heavily_compressed_attention``) lets query t see every entry
+``w < (t + 1) // m``, CSA (``compressed_sparse_attention``) only the ones its
+lightning indexer selects. Their RoPE base is ``compress_rope_theta``. The
+compression windows start at the row's first token, so compressed layers
+take right-padded rows (left padding would shift the windows).
+
 Params: ``q_a [D, Cq]``, ``q_a_norm/scale [Cq]``, ``q_b [Cq, H, Dh]``,
 ``kv [D, Dh]``, ``kv_norm/scale [Dh]``, ``sink_bias [H]`` (zeros at init,
-HF ``sinks``), ``o_a [G, H/G · Dh, R]``, ``o_b [G, R, D]``.
+HF ``sinks``), ``o_a [G, H/G · Dh, R]``, ``o_b [G, R, D]``; compressed
+layers add ``compressor/...`` and CSA ``indexer/...``.
 """
 from __future__ import annotations
 
@@ -31,7 +41,10 @@ import jax.numpy as jnp
 
 from opd.config.fields import check_fields
 from opd.models.layers import RMSNorm, param
+from opd.models.v4.compressor import (Compressor, CompressorConfig, IndexerConfig,
+                                      LightningIndexer, visible_entries)
 from opd.models.v4.hyper import unit_rms_norm
+from opd.models.v4.rope import rope_tail
 
 Array = jax.Array
 
@@ -52,6 +65,9 @@ class V4AttentionConfig:
     o_groups: G, head groups of the output projection (``o_groups``).
     o_lora_rank: R, each group's intermediate width (``o_lora_rank``).
     norm_eps: every RMSNorm's epsilon (``rms_norm_eps``).
+    compressor: None for ``sliding_attention``; the layer's compressor
+      (width = head_dim) for CSA / HCA (``layer_types[i]``, ``compress_rates``).
+    indexer: CSA's lightning indexer (None for sliding and HCA layers).
   """
   d_model: int
   n_heads: int
@@ -63,6 +79,8 @@ class V4AttentionConfig:
   o_groups: int = 8
   o_lora_rank: int = 1024
   norm_eps: float = 1e-6
+  compressor: CompressorConfig | None = None
+  indexer: IndexerConfig | None = None
 
   def __post_init__(self):
     check_fields(self, "V4AttentionConfig",
@@ -75,26 +93,27 @@ class V4AttentionConfig:
     if self.n_heads % self.o_groups:
       raise ValueError(f"V4AttentionConfig.n_heads={self.n_heads} is not divisible by "
                        f"o_groups={self.o_groups}")
+    c, ix = self.compressor, self.indexer
+    if c is not None and (c.width, c.d_model) != (self.head_dim, self.d_model):
+      raise ValueError(f"V4AttentionConfig.compressor width={c.width}, d_model={c.d_model} "
+                       f"must equal head_dim={self.head_dim}, d_model={self.d_model}")
+    if ix is not None and (c is None or not c.overlap):
+      raise ValueError("V4AttentionConfig.indexer needs an overlapping (CSA) compressor, got "
+                       f"compressor={c}")
+    if c is not None and c.overlap and ix is None:
+      raise ValueError("V4AttentionConfig: an overlapping (CSA) compressor needs an indexer")
+    if ix is not None and (ix.q_lora_rank, ix.compressor.compress_rate) != (
+        self.q_lora_rank, c.compress_rate):
+      raise ValueError(f"V4AttentionConfig.indexer q_lora_rank={ix.q_lora_rank}, "
+                       f"compress_rate={ix.compressor.compress_rate} must equal the layer's "
+                       f"{self.q_lora_rank}, {c.compress_rate}")
 
-
-def rope_tail(x: Array, positions: Array, dr: int, theta: float, inverse: bool = False) -> Array:
-  """Interleaved RoPE on the last ``dr`` dims of ``x [B, T, N, Dh]`` at ``positions [B, T]``.
-
-  Pair i = (x_{2i}, x_{2i+1}) of the tail turns by ``pos · theta^(-2i/dr)``
-  (by minus that angle when ``inverse``); the first ``Dh - dr`` dims pass
-  through. Computed in fp32, returned in ``x``'s dtype.
-  """
-  if dr == 0:
-    return x
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, dr, 2, dtype=jnp.float32) / dr))  # [dr/2]
-  ang = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, dr/2]
-  cos, sin = jnp.cos(ang), jnp.sin(ang)
-  if inverse:
-    sin = -sin
-  tail = x[..., -dr:].astype(jnp.float32)
-  a, b = tail[..., 0::2], tail[..., 1::2]
-  turned = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(tail.shape)
-  return jnp.concatenate([x[..., :-dr], turned.astype(x.dtype)], axis=-1)
+  @property
+  def layer_type(self) -> str:
+    """transformers' ``layer_types`` entry this config describes."""
+    if self.compressor is None:
+      return "sliding_attention"
+    return "compressed_sparse_attention" if self.indexer else "heavily_compressed_attention"
 
 
 def window_mask(T: int, window: int, mask: Array | None) -> Array:
@@ -123,11 +142,12 @@ def sink_attention(q: Array, kv: Array, keep: Array, sinks: Array, scale: float)
   return jnp.einsum("BHTS,BSD->BTHD", probs.astype(kv.dtype), kv)
 
 
-class V4SlidingAttention(nn.Module):
+class V4Attention(nn.Module):
   """``(x [B, T, D], positions [B, T], mask [B, T] | None) -> [B, T, D]``; see the module docstring.
 
-  ``mask`` (True = real token) hides padded keys; a query with no visible key
-  puts all its mass on the sink and returns zeros.
+  One class for the three layer types (``cfg.layer_type``). ``mask`` (True =
+  real token) hides padded keys; a query with no visible key puts all its
+  mass on the sink and returns zeros.
   """
   cfg: V4AttentionConfig
 
@@ -137,9 +157,9 @@ class V4SlidingAttention(nn.Module):
     D, H, Dh, Cq = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.q_lora_rank
     G, R = cfg.o_groups, cfg.o_lora_rank
     if x.ndim != 3 or x.shape[-1] != D:
-      raise ValueError(f"V4SlidingAttention: x must be [B, T, d_model={D}], got {x.shape=}")
+      raise ValueError(f"V4Attention: x must be [B, T, d_model={D}], got {x.shape=}")
     if positions.shape != x.shape[:2]:
-      raise ValueError(f"V4SlidingAttention: {positions.shape=} must be {x.shape[:2]}")
+      raise ValueError(f"V4Attention: {positions.shape=} must be {x.shape[:2]}")
     B, T, _ = x.shape
     dt, f32 = x.dtype, jnp.float32
     norm = lambda name: RMSNorm(cfg.norm_eps, dt, f32, name=name)
@@ -156,7 +176,17 @@ class V4SlidingAttention(nn.Module):
     q = rope_tail(q, positions, cfg.rope_dim, cfg.rope_theta)
     kv = norm("kv_norm")(x @ wkv.astype(dt))  # [B, T, Dh]
     kv = rope_tail(kv[:, :, None], positions, cfg.rope_dim, cfg.rope_theta)[:, :, 0]
-    keep = window_mask(T, cfg.sliding_window, mask)
+    keep = jnp.broadcast_to(window_mask(T, cfg.sliding_window, mask), (B, T, T))
+    if cfg.compressor is not None:
+      entries = Compressor(cfg.compressor, name="compressor")(x)  # [B, n, Dh]
+      n, m = entries.shape[1], cfg.compressor.compress_rate
+      if cfg.indexer is None:  # HCA: every complete past window
+        seen = visible_entries(positions, n, m)
+      else:  # CSA: the indexer's picks (-1 = none)
+        picks, _ = LightningIndexer(cfg.indexer, name="indexer")(x, q_res, positions)
+        seen = jnp.any(picks[..., None] == jnp.arange(n), axis=-2)  # [B, T, n]
+      kv = jnp.concatenate([kv, entries.astype(dt)], axis=1)
+      keep = jnp.concatenate([keep, seen], axis=-1)
     o = sink_attention(q, kv, keep, sinks, Dh ** -0.5)  # [B, T, H, Dh]
     o = rope_tail(o, positions, cfg.rope_dim, cfg.rope_theta, inverse=True)
     o = o.reshape(B, T, G, H // G * Dh)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from opd.config.fields import check_fields
 from opd.models.layers import RMSNorm, param
-from opd.models.v4.attention import rope_tail
+from opd.models.v4.rope import rope_tail
 
 Array = jax.Array
 
