@@ -43,6 +43,7 @@ from typing import Sequence
 from pallas_kernels.train_loss import default_block_t
 
 from opd.models.config import ModelConfig
+from opd.models.lora import LoRAConfig, lora_param_count
 
 _TERMS = ("params", "grads", "optimizer", "activations", "loss_head", "kv_cache",
           "teacher_cache", "teacher_params")
@@ -139,7 +140,8 @@ def estimate_memory(cfg: ModelConfig, mesh_shape, batch: int, seq: int, *,
                     remat: bool | None = None, master_bytes: int = 4, fused_loss: bool = False,
                     num_teachers: int = 0, teacher_dims: Sequence[int] = (),
                     teacher_param_bytes: int = 0, hidden_cache_bytes: int = 2,
-                    rollout_batch: int = 0, cache_len: int = 0) -> MemoryEstimate:
+                    rollout_batch: int = 0, cache_len: int = 0, lora: LoRAConfig | None = None,
+                    base_bytes: int = 2) -> MemoryEstimate:
   """Per-device bytes of a training step of ``cfg`` on a mesh (module docstring).
 
   Args:
@@ -158,6 +160,9 @@ def estimate_memory(cfg: ModelConfig, mesh_shape, batch: int, seq: int, *,
       student (e.g. ``num_params · 2`` for bf16, ``opd.models.quant`` for int8),
       split like the student's weights.
     rollout_batch, cache_len: the sampler's rows and KV slots (0: no rollout term).
+    lora: a LoRA student (``opd.training.lora_state``): the base is stored in
+      ``base_bytes`` per parameter and gets a (zero) gradient of that size,
+      the adapters are fp32 and alone have Adam moments.
 
   Raises:
     ValueError: naming a non-positive batch / seq or a bad mesh shape.
@@ -175,9 +180,15 @@ def estimate_memory(cfg: ModelConfig, mesh_shape, batch: int, seq: int, *,
   tokens = rows * seq
   remat = cfg.remat if remat is None else remat
   n_params = cfg.num_params()
-  params = _ceil_div(n_params * master_bytes, model_shards)
-  grads = _ceil_div(n_params * 4, model_shards)
-  optimizer = 2 * params
+  if lora is None:
+    params = _ceil_div(n_params * master_bytes, model_shards)
+    grads = _ceil_div(n_params * 4, model_shards)
+    optimizer = 2 * params
+  else:
+    n_lora = lora_param_count(cfg, lora)
+    params = _ceil_div(n_params * base_bytes + n_lora * 4, model_shards)
+    grads = params
+    optimizer = _ceil_div(2 * n_lora * 4, model_shards)
   per_layer = layer_activation_bytes(cfg, seq, tensor)
   b = 2 if cfg.dtype in ("bfloat16", "float16") else 4
   if remat:

@@ -14,7 +14,11 @@ import pytest
 
 from opd.models import ModelConfig, init_params
 from opd.models.decoder import Decoder
+from opd.models.lora import LoRAConfig
 from opd.parallel import memory
+from opd.parallel.sharding import make_mesh
+from opd.training.lora_state import init_lora_train_state
+from opd.training.optim import OptimConfig, make_optimizer
 
 TINY = ModelConfig(vocab_size=512, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=384)
 
@@ -81,6 +85,18 @@ def test_sharding_divides_the_terms():
   per_layer = memory.layer_activation_bytes(TINY, 64)
   assert full.activations == 8 * 8 * 64 * per_layer
   assert remat.activations == 8 * 64 * (8 * 4 * 128 + per_layer)
+
+
+def test_lora_terms_match_the_lora_train_state():
+  lora = LoRAConfig(rank=4)
+  mesh = make_mesh((1, 1, 1), jax.devices()[:1])
+  state, _, _ = init_lora_train_state(TINY, lora, make_optimizer(OptimConfig()), mesh,
+                                      base_params=init_params(TINY, jax.random.key(0)),
+                                      check_min_size=None)
+  est = memory.estimate_memory(TINY, (1, 1, 1), 4, 32, lora=lora)
+  assert est.params == _bytes(state.params)  # bf16 base + fp32 adapters
+  moments = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state) if x.ndim)
+  assert est.optimizer == moments
 
 
 def test_hidden_cache_vs_logit_cache():
