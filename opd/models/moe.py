@@ -26,8 +26,9 @@ Public API (stable; the Qwen3-MoE and DeepSeek-V3 families both use it):
     down            [E, Fe, D]    ("expert", "mlp", "embed")
     shared_gate, shared_up [D, S*Fe], shared_down [S*Fe, D]   S > 0 only
 
-  Under a mesh (``jax.set_mesh``) whose ``expert`` axis has size > 1 the
-  routed experts run expert-parallel: each device holds E / |expert| experts,
+  Under a mesh (``jax.set_mesh``) the routed experts run in ``shard_map`` on
+  each device's own tokens; if its ``expert`` axis has size > 1 they run
+  expert-parallel: each device holds E / |expert| experts,
   the tokens of its expert group are all-gathered over ``expert``, each
   device applies its own experts, and a reduce-scatter (``psum_scatter``)
   returns each token's sum of expert outputs to the device that owns it.
@@ -40,6 +41,7 @@ Public API (stable; the Qwen3-MoE and DeepSeek-V3 families both use it):
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping, NamedTuple
 
 import flax.linen as nn
@@ -266,23 +268,34 @@ def check_expert_mesh(moe: MoEConfig, expert_shards: int) -> None:
 
 def experts_expert_parallel(x: Array, experts: Array, weights: Array, wg: Array, wu: Array,
                             wd: Array, moe: MoEConfig, batch_axes) -> tuple[Array, Array]:
-  """``experts_ragged`` with the experts sharded over the mesh's ``expert`` axis.
+  """``experts_ragged`` under the current mesh, experts sharded over its ``expert`` axis.
 
   x, experts, weights: ``[B, T, ...]`` with B sharded over ``batch_axes``
   (the mesh axes the ``batch`` rule names). Inside ``shard_map`` each device
   all-gathers its expert group's tokens (if ``expert`` is a batch axis),
   applies its E / |expert| experts, and reduce-scatters the partial sums back
-  (a ``psum`` when the batch is replicated over ``expert``).
+  (a ``psum`` when the batch is replicated over ``expert``). Without an
+  ``expert`` axis (or of size 1) every device applies all experts to its own
+  tokens, with no collective: left to the SPMD partitioner, ``ragged_dot``
+  on batch-sharded tokens gathers every token onto every device (global
+  group sizes), which made data-parallel MoE ~10x slower on 8 devices.
   """
   mesh = jax.sharding.get_abstract_mesh()
   n = expert_axis_size(mesh)
   check_expert_mesh(moe, n)
   batch_axes = tuple(a for a in batch_axes if dict(mesh.shape).get(a, 1) > 1)
+  if x.shape[0] % math.prod(dict(mesh.shape)[a] for a in batch_axes):
+    batch_axes = ()  # rows the batch shards do not divide: every device takes them all
   gather = EXPERT_AXIS in batch_axes
   tok = P(batch_axes or None)
-  w = P(EXPERT_AXIS)
+  w = P(EXPERT_AXIS) if n > 1 else P()
 
   def local(x, experts, weights, wg, wu, wd):
+    if n == 1:
+      B, T, D = x.shape
+      y, pairs = experts_ragged(x.reshape(B * T, D), experts.reshape(B * T, -1),
+                                weights.reshape(B * T, -1), wg, wu, wd)
+      return y.reshape(B, T, D), (jax.lax.psum(pairs, batch_axes) if batch_axes else pairs)
     if gather:
       x, experts, weights = (jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True)
                              for a in (x, experts, weights))
@@ -382,7 +395,7 @@ class MoEMLP(nn.Module):
       y = experts_onehot(x.reshape(B * T, D), r.experts.reshape(B * T, -1),
                          weights.reshape(B * T, -1), wg, wu, wd).reshape(B, T, D)
       pairs = jnp.asarray(B * T * moe.experts_per_token, jnp.int32)
-    elif expert_axis_size() > 1:
+    elif not jax.sharding.get_abstract_mesh().empty:
       batch_axes = nn.logical_to_mesh_axes(("batch",))[0]
       batch_axes = () if batch_axes is None else (
           (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes))
