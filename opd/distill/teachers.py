@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from opd.models import ModelConfig, forward, head_matrix, init_params, param_logical_axes
+from opd.models import quant
 from opd.parallel import sharding as sharding_lib
 from opd.parallel.distributed import batch_shard_count
 
@@ -52,11 +53,15 @@ class Teacher:
       student's).
     params: its parameter tree (never differentiated).
     domain: the task domain it specialises in (prompt routing), or None.
+    int8: the pool stores its matmul weights as int8 with per-channel
+      scales and dequantises them inside the forward (``opd.models.quant``;
+      docs/DESIGN.md §2, int8 teachers).
   """
   name: str
   cfg: ModelConfig
   params: Any
   domain: str | None = None
+  int8: bool = False
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
@@ -67,6 +72,8 @@ class Teacher:
       raise ValueError(f"Teacher {self.name!r}: params (a {type(self.params).__name__}) is not a "
                        "model parameter tree (no 'embedding')")
     check_params(self.name, self.cfg, self.params)
+    if not isinstance(self.int8, bool):
+      raise ValueError(f"Teacher {self.name!r}: int8={self.int8!r} must be True or False")
 
   @property
   def head(self) -> jax.Array:
@@ -229,8 +236,8 @@ class TeacherPool:
     """The K heads ``W_k`` [D_k, V], placed for the student's loss (replicated)."""
     if self._heads is None:
       rep = sharding_lib.replicated(self.mesh)
-      self._heads = tuple(jax.device_put(head_matrix(t.cfg, self._params[t.name]), rep)
-                          for t in self.teachers)
+      self._heads = tuple(jax.device_put(head_matrix(t.cfg, quant.dequantize(
+          self._params[t.name], t.cfg.storage_dtype)), rep) for t in self.teachers)
     return self._heads
 
   def teacher(self, name: str) -> Teacher:
@@ -243,15 +250,16 @@ class TeacherPool:
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t.params)
     shardings = sharding_lib.tree_shardings(param_logical_axes(t.cfg), shapes,
                                             self.teacher_mesh, self.rules)
-    return jax.device_put(t.params, shardings)
+    placed = jax.device_put(t.params, shardings)
+    return quant.quantize_int8(placed) if t.int8 else placed
 
   def _fn(self, t: Teacher) -> Callable:
     if t.name not in self._fns:
       out = sharding_lib.batch_sharding(self.teacher_mesh, self.rules, 3)
 
       def run(params, tokens, mask):
-        hidden = forward(t.cfg, params, tokens, None, mask, return_logits=False,
-                         return_hidden=True).hidden
+        hidden = forward(t.cfg, quant.dequantize(params, t.cfg.storage_dtype), tokens, None,
+                         mask, return_logits=False, return_hidden=True).hidden
         return hidden.astype(jnp.float32)
 
       self._fns[t.name] = jax.jit(run, out_shardings=out)
