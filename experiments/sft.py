@@ -13,6 +13,7 @@ from experiments import common
 from opd.config.overrides import config_to_dict
 from opd.models import to_model_config
 from opd.training import lm_trainer
+from opd.training.loop_config import Runtime
 from opd.training.checkpoints import load_params
 from opd.training.sft import SFTData, train_sft
 
@@ -34,8 +35,8 @@ def run(config, workdir: str) -> dict:
                  mode=config.data.mode)
   first: dict = {}  # step 1's metrics, restored from the checkpoint on a resume
   state, history = train_sft(model_cfg, params, data, workdir,
-                             optim=common.optim_config(config.optim), loop=loop, mesh=mesh,
-                             rules=rules, seed=config.seed,
+                             optim=common.optim_config(config.optim), loop=loop,
+                             runtime=Runtime(mesh, rules, seed=config.seed),
                              run_config={"experiment": config_to_dict(config)},
                              first_metrics=first)
   plot = common.plot_curves(workdir, keys=("loss", "eval/loss"), title="SFT loss")

@@ -12,16 +12,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import pathlib
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
 
-from opd.config.fields import check_bool, check_int, set_field
+from opd.config.fields import check_bool, set_field
 from opd.models import ModelConfig, moe_balance
 from opd.training import loop as train_loop
 from opd.training.checkpoints import CheckpointManager
+from opd.training.loop_config import LoopConfig, RunIO, Runtime
 from opd.training.objectives import lm_loss
 from opd.training.train_step import (OptimConfig, TrainState, init_train_state, make_optimizer,
                                      make_train_step, shard_batch)
@@ -30,33 +30,19 @@ log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
-class LMTrainConfig:
-  """Loop settings of ``train_lm``.
+class LMTrainConfig(LoopConfig):
+  """``train_lm``'s loop settings: a ``LoopConfig`` (steps, cadence, checkpoints
+  kept, plus the best by eval loss) and the loss's form.
 
   Attributes:
-    steps: total optimizer updates (a resumed run continues to this count).
-    eval_every: held-out loss every this many steps and after the last
-      (0: only after the last).
-    save_every: checkpoint every this many steps and after the last (0: only
-      after the last); the same meaning as in every trainer
-      (``opd.training.loop.run``).
-    keep_checkpoints: newest checkpoints kept (plus the best by eval loss).
     fused_loss: apply the LM head inside the fused cross-entropy kernel
       (never materialises ``[B, T, V]``; worth it at large V).
-    progress: tqdm bar.
   """
-  steps: int
-  eval_every: int = 0
-  save_every: int = 0
-  keep_checkpoints: int = 2
   fused_loss: bool = False
-  progress: bool = True
 
   def __post_init__(self):
-    for name, lo in (("steps", 0), ("eval_every", 0), ("save_every", 0), ("keep_checkpoints", 1)):
-      set_field(self, name, check_int("LMTrainConfig", name, getattr(self, name), min_value=lo))
-    for name in ("fused_loss", "progress"):
-      set_field(self, name, check_bool("LMTrainConfig", name, getattr(self, name)))
+    super().__post_init__()
+    set_field(self, "fused_loss", check_bool("LMTrainConfig", "fused_loss", self.fused_loss))
 
 
 def _jit_eval(loss_fn):
@@ -87,13 +73,9 @@ def evaluate_loss(loss_fn, params, batches: Sequence[Mapping[str, np.ndarray]], 
 
 
 def train_lm(model_cfg: ModelConfig, batches: Iterator[Mapping[str, np.ndarray]],
-             optim: OptimConfig, loop: LMTrainConfig, *, mesh, rules, seed: int = 0,
-             params: Any | None = None, eval_batches: Sequence[Mapping[str, np.ndarray]] = (),
-             checkpoint_dir: str | pathlib.Path | None = None,
-             on_metrics: Callable[[int, dict[str, float]], None] | None = None,
-             extra_eval: Callable[[Any], Mapping[str, float]] | None = None,
-             run_config: Mapping[str, Any] | None = None,
-             first_metrics: dict | None = None) -> TrainState:
+             optim: OptimConfig, loop: LMTrainConfig, io: RunIO | None = None, *,
+             runtime: Runtime, params: Any | None = None,
+             eval_batches: Sequence[Mapping[str, np.ndarray]] = ()) -> TrainState:
   """Trains ``model_cfg`` on ``batches`` for ``loop.steps`` updates.
 
   Args:
@@ -101,21 +83,18 @@ def train_lm(model_cfg: ModelConfig, batches: Iterator[Mapping[str, np.ndarray]]
     batches: host batches in the ``opd.training.data`` layout, per-process rows (a
       grain iterator's position is checkpointed with the state).
     optim: optimizer settings (``grad_accum_steps`` included).
-    loop: loop settings.
-    mesh, rules: the ``(data, fsdp, tensor)`` mesh and logical rules.
-    seed: init and per-step randomness.
+    loop: loop settings (``LMTrainConfig``, a ``LoopConfig``).
+    io: ``opd.training.loop.RunIO``: ``checkpoint_dir`` (None: no
+      checkpoints; the manager also keeps the best by ``eval/loss``),
+      ``on_metrics``, ``eval_fn(params) -> metrics`` run with the held-out
+      loss (e.g. generation-based task scores during SFT), ``config`` (the
+      whole of it must match the checkpoint's on resume; ``model`` added) and
+      ``first_metrics`` (step 1's metrics at key 1, the original run's after
+      a resume), as in ``opd.training.loop.train``.
+    runtime: the mesh, rules and seed (init and per-step randomness).
     params: start from these parameters (SFT from a base, a specialist
       from SFT) instead of a random init.
     eval_batches: held-out batches for ``eval/loss``.
-    checkpoint_dir: where to checkpoint and resume from (None: no checkpoints).
-    on_metrics: ``on_metrics(step, metrics)`` for logging (eval metrics,
-      prefixed ``eval/``, in the same dict on eval steps).
-    extra_eval: ``extra_eval(params) -> metrics`` run with the held-out loss
-      (e.g. generation-based task scores during SFT).
-    run_config: JSON dict saved with each checkpoint; on resume the whole
-      of it must match the checkpoint's (``opd.training.loop.run``).
-    first_metrics: filled with step 1's metrics at key 1, the original run's
-      after a resume (``opd.training.loop.run``).
 
   Returns:
     The final ``TrainState``.
@@ -128,38 +107,42 @@ def train_lm(model_cfg: ModelConfig, batches: Iterator[Mapping[str, np.ndarray]]
     raise ValueError(f"OptimConfig.warmup_steps={optim.warmup_steps} exceeds LMTrainConfig.steps="
                      f"{loop.steps}: the run would end before the warmup does (the rate never "
                      f"reaches lr={optim.lr})")
+  io = io if io is not None else RunIO()
+  mesh, rules = runtime.mesh, runtime.rules
   loss_fn = lm_loss(model_cfg, fused=loop.fused_loss)
   optimizer = make_optimizer(optim)
-  state, shardings = init_train_state(model_cfg, optimizer, mesh, rules, rng=seed, params=params)
+  state, shardings = init_train_state(model_cfg, optimizer, mesh, rules, rng=runtime.seed,
+                                      params=params)
   step_fn = make_train_step(loss_fn, optimizer, mesh, shardings, rules=rules,
                             after_update=moe_balance.bias_update_hook(model_cfg))
 
   jitted_eval = _jit_eval(loss_fn)  # one compile for every eval of this run
+  extra_eval = io.eval_fn
 
-  def eval_fn(st: TrainState) -> dict[str, float]:
+  def eval_fn(p) -> dict[str, float]:
     out = {}
     if eval_batches:
-      out.update(evaluate_loss(loss_fn, st.params, eval_batches, mesh, rules,
-                               jitted=jitted_eval))
+      out.update(evaluate_loss(loss_fn, p, eval_batches, mesh, rules, jitted=jitted_eval))
     if extra_eval is not None:
-      out.update(extra_eval(st.params))
+      out.update(extra_eval(p))
     return out
 
   manager = None
-  if checkpoint_dir is not None:
-    manager = CheckpointManager(checkpoint_dir, max_to_keep=loop.keep_checkpoints,
+  if io.checkpoint_dir is not None:
+    manager = CheckpointManager(io.checkpoint_dir, max_to_keep=loop.keep_checkpoints,
                                 keep_best=1 if eval_batches else 0, best_metric="eval/loss")
-  config = dict(run_config or {})
+  config = dict(io.config or {})
   config.setdefault("model", model_cfg.to_dict())
   has_eval = bool(eval_batches) or extra_eval is not None
+  loop = loop.replace(save_every=loop.save_every if manager is not None or
+                      io.checkpoint_manager is not None else 0,
+                      eval_every=loop.eval_every if has_eval else 0)
   try:
-    state = train_loop.run(
-        state, step_fn, batches, loop.steps, checkpoint_manager=manager,
-        save_every=loop.save_every if manager is not None else 0, config=config,
-        on_metrics=on_metrics, eval_fn=eval_fn if has_eval else None,
-        eval_every=loop.eval_every if has_eval else 0,
-        prepare_batch=functools.partial(shard_batch, mesh=mesh, rules=rules),
-        progress=loop.progress, first_metrics=first_metrics)
+    state = train_loop.train(
+        state, step_fn, batches, loop,
+        io.replace(checkpoint_dir=None, checkpoint_manager=manager or io.checkpoint_manager,
+                   config=config, eval_fn=eval_fn if has_eval else None),
+        prepare_batch=functools.partial(shard_batch, mesh=mesh, rules=rules)).state
   finally:
     if manager is not None:
       manager.close()

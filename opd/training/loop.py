@@ -1,6 +1,7 @@
-"""The one host-side training loop: pre-training, SFT and GRPO all run through ``run``.
+"""The one host-side training loop: every trainer runs through ``train``.
 
-``run`` drives a jitted ``step(state, batch) -> (state, metrics)`` (from
+``train(state, step_fn, source, loop, io)`` (``LoopConfig``, ``RunIO`` from
+``opd.training.loop_config``) drives a jitted ``step(state, batch) -> (state, metrics)`` (from
 ``opd.training.train_step.make_train_step``) over a batch source, which is
 either
 
@@ -10,23 +11,23 @@ either
   the current state (rollouts, rewards, advantages) and may take several
   updates on it.
 
-A trainer is then a loss function plus a batch source composed into ``run``;
-the loop owns everything else: resume (state *and* source position), the
+A trainer is then a loss function plus a batch source composed into
+``train``; the loop owns everything else: resume (state *and* source position), the
 checkpoint cadence, eval, NaN/inf checks, metrics (``on_metrics``, a
 ``MetricWriter``) and the progress bar.
 
-Steps: ``run`` counts *batches*. A step is one batch and its
+Steps: the loop counts *batches*. A step is one batch and its
 ``updates_per_batch`` optimizer updates, so ``state.step ==
 step * updates_per_batch`` (plain iterators: 1 update, a step is an update);
 checkpoints are numbered by step.
 
-Checkpoints, the same in every trainer: with a ``checkpoint_manager``,
-``save_every=k`` saves after every k-th step and after the last one;
+Checkpoints, the same in every trainer: with a checkpoint directory or
+manager (``RunIO``), ``LoopConfig.save_every=k`` saves after every k-th step and after the last one;
 ``save_every`` 0 or None saves only after the last step. Eval likewise:
 every ``eval_every`` steps (0 or None: none in between) and after the last.
 
 NaN/inf: the step itself discards a non-finite update (loss, gradients, or
-the updated parameters and optimizer state), and ``run`` raises
+the updated parameters and optimizer state), and the loop raises
 ``NonFiniteError`` naming the step (1-based, as metrics are reported)
 before anything is saved, so the last good checkpoint on disk is untouched.
 The exception carries the state as ``err.state``.
@@ -39,30 +40,32 @@ Crash safety (docs/DESIGN.md, "Failure model"):
   ``metrics.jsonl`` equals the uninterrupted run's.
 * First-step figures: ``first_metrics`` is saved with every checkpoint and
   restored on resume, so "the loss at step 1" is the original run's.
-* Config: on resume the whole ``config`` is compared with the checkpoint's;
-  every differing field is named, and only those in ``allow_config_change``
-  (argument, or ``allowed_config_changes`` around the call) may differ.
+* Config: on resume the whole ``RunIO.config`` is compared with the
+  checkpoint's; every differing field is named, and only those in
+  ``LoopConfig.allow_config_change`` (or ``allowed_config_changes`` around
+  the call) may differ.
 * SIGTERM: the step in progress finishes, a checkpoint of it is saved, the
   logs synced, and ``Terminated`` (a ``SystemExit`` with status 143 =
   128 + SIGTERM) is raised with a message naming the step.
 * A checkpoint that fails its checksums raises ``CheckpointCorruptError``
   naming the step, the array and the previous checkpoint; with
-  ``fall_back_on_corrupt`` the corrupt step is moved aside
+  ``LoopConfig.fall_back_on_corrupt`` the corrupt step is moved aside
   (``<step>.corrupt``) and the previous one is used, with a warning.
 """
 from __future__ import annotations
 
 import logging
-import pathlib
 import sys
 import time
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Protocol, Sequence, \
+    runtime_checkable
 
 import jax
 import numpy as np
 
 from opd.config.fields import check_int
 from opd.training.checkpoints import CheckpointManager
+from opd.training.loop_config import LoopConfig, RunIO, Runtime
 from opd.training.metrics_writer import MetricWriter
 from opd.training.resume import (TERMINATED_STATUS, SigtermFlag, Terminated,
                                  allowed_config_changes, context_allowances, resume, rewind_logs,
@@ -71,15 +74,15 @@ from opd.training.train_step import NonFiniteError, TrainState, raise_if_nonfini
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RolloutSource", "run", "run_trainer", "resume", "NonFiniteError", "Terminated",
-           "allowed_config_changes", "TERMINATED_STATUS"]
+__all__ = ["LoopConfig", "RolloutSource", "RunIO", "Runtime", "TrainRun", "train", "resume",
+           "NonFiniteError", "Terminated", "allowed_config_changes", "TERMINATED_STATUS"]
 
 @runtime_checkable
 class RolloutSource(Protocol):
   """A batch source that needs the current state (e.g. GRPO's rollouts).
 
   Attributes:
-    updates_per_batch: optimizer updates ``run`` takes on each batch.
+    updates_per_batch: optimizer updates the loop takes on each batch.
   """
   updates_per_batch: int
 
@@ -130,18 +133,17 @@ def _mean_metrics(per_update: Sequence[Mapping[str, float]]) -> dict[str, float]
   return {k: float(np.mean([m[k] for m in per_update])) for k in per_update[0]}
 
 
-def run(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState, Mapping]],
-        data_iterator: Iterator | RolloutSource, num_steps: int, *,
-        checkpoint_manager: CheckpointManager | None = None, save_every: int | None = None,
-        config: Mapping | None = None, match_config: Sequence[str] | None = None,
-        allow_config_change: Sequence[str] = (), fall_back_on_corrupt: bool = False,
-        first_metrics: dict | None = None,
-        on_metrics: Callable[[int, dict[str, float]], None] | None = None,
-        writer: MetricWriter | None = None,
-        eval_fn: Callable[[TrainState], Mapping[str, Any]] | None = None,
-        eval_every: int | None = None, prepare_batch: Callable[[Any], Any] | None = None,
-        progress: bool = True, desc: str = "train", progress_key: str = "loss") -> TrainState:
-  """Trains until ``num_steps`` steps are done; returns the final state.
+class TrainRun(NamedTuple):
+  """What ``train`` returns: the final state and one metrics dict per step run."""
+  state: TrainState
+  history: list[dict[str, float]]
+
+
+def train(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState, Mapping]],
+          source: Iterator | RolloutSource, loop: LoopConfig, io: RunIO | None = None, *,
+          prepare_batch: Callable[[Any], Any] | None = None, desc: str = "train",
+          progress_key: str = "loss") -> TrainRun:
+  """Trains until ``loop.steps`` steps are done; returns the final state and the history.
 
   Args:
     state: the initial state, or its abstract form (``abstract_train_state``)
@@ -150,38 +152,20 @@ def run(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState
     step_fn: ``step(state, batch) -> (state, metrics)``; metrics must hold
       ``finite``, ``loss_finite``, ``grads_finite`` and ``loss`` (as
       ``make_train_step``'s do).
-    data_iterator: the batch source: an iterator of host batches or a
+    source: the batch source: an iterator of host batches or a
       ``RolloutSource``. If it has ``get_state``/``set_state`` (grain
       iterators and rollout sources do) its position is checkpointed and
       restored.
-    num_steps: total number of steps (counting those before a resume).
-    checkpoint_manager: where to resume from and save to.
-    save_every: save after every this many steps and after the last one
-      (0 or None: only after the last); needs ``checkpoint_manager``.
-    config: JSON dict saved with each checkpoint.
-    match_config: the top-level ``config`` entries compared with the
-      checkpoint's on resume; None (the default): the whole config.
-    allow_config_change: dotted config fields (or groups) that may differ
-      from the checkpoint's on resume, each logged; ``train.steps`` also
-      names ``experiment.train.steps``. Added to those of an enclosing
-      ``allowed_config_changes``.
-    fall_back_on_corrupt: resume from the previous checkpoint when the latest
-      fails its checksums (it is moved aside, not deleted); else raise.
-    first_metrics: a dict saved with every checkpoint and restored on
-      resume: before a fresh run the caller may put figures measured before
-      training at key 0; ``run`` adds step 1's metrics at key 1. After a
-      resume it holds the original run's (keys as ints).
-    on_metrics: ``on_metrics(step, metrics)`` with python floats after each
-      step (``step`` = steps done so far); on eval steps the eval metrics are
-      included, prefixed ``eval/``.
-    writer: each step's metrics go to its ``write_scalars`` (and a rollout
-      source's ``texts`` to ``write_texts``); flushed, not closed, at the end.
-    eval_fn: ``eval_fn(state) -> metrics``, every ``eval_every`` steps (0 or
-      None: none in between) and after the last step.
+    loop: steps (counting those before a resume), save / eval cadence, the
+      resume rules and the progress bar (``LoopConfig``).
+    io: where metrics and checkpoints go, the config saved with them,
+      ``first_metrics``, and the ``on_metrics`` / ``eval_fn(params)`` hooks
+      (``RunIO``; None: nothing written). A ``workdir`` writer and a
+      ``checkpoint_dir`` manager are opened and closed here; a given
+      ``writer`` / ``checkpoint_manager`` is flushed, not closed.
     prepare_batch: applied to each plain iterator's batch before the step
       (e.g. ``functools.partial(shard_batch, mesh=mesh, rules=rules)``).
-    progress: show a tqdm bar (process 0 only), labelled ``desc`` and
-      showing the metric ``progress_key``.
+    desc, progress_key: the progress bar's label and the metric it shows.
 
   Raises:
     NonFiniteError: a step had a NaN/inf loss, gradient or update; names the
@@ -192,31 +176,57 @@ def run(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState
       or an abstract ``state`` with no checkpoint.
     CheckpointCorruptError: see ``resume``.
   """
-  num_steps = check_int("run", "num_steps", num_steps, min_value=0)
-  save_every = check_int("run", "save_every", save_every, min_value=0, allow_none=True) or 0
-  eval_every = check_int("run", "eval_every", eval_every, min_value=0, allow_none=True) or 0
-  if save_every and checkpoint_manager is None:
-    raise ValueError(f"save_every={save_every} is set but checkpoint_manager is None")
+  if not isinstance(loop, LoopConfig):
+    raise ValueError(f"loop must be a LoopConfig, got {type(loop).__name__}")
+  io = io if io is not None else RunIO()
+  if not isinstance(io, RunIO):
+    raise ValueError(f"io must be a RunIO or None, got {type(io).__name__}")
+  manager = io.checkpoint_manager
+  if manager is None and io.checkpoint_dir is not None:
+    manager = CheckpointManager(io.checkpoint_dir, max_to_keep=loop.keep_checkpoints)
+  own_writer = MetricWriter(io.workdir) if io.writer is None and io.workdir is not None else None
+  history: list[dict[str, float]] = []
+
+  def report(step: int, metrics: dict[str, float]) -> None:
+    history.append(metrics)
+    if io.on_metrics is not None:
+      io.on_metrics(step, metrics)
+
+  try:
+    state = _run(state, step_fn, source, loop, manager=manager, config=io.config,
+                 first_metrics=io.first_metrics, on_metrics=report,
+                 writer=io.writer if io.writer is not None else own_writer,
+                 eval_fn=(lambda st: io.eval_fn(st.params)) if io.eval_fn is not None else None,
+                 prepare_batch=prepare_batch, desc=desc, progress_key=progress_key)
+  finally:
+    if own_writer is not None:
+      own_writer.close()
+    if manager is not None and io.checkpoint_manager is None:
+      manager.close()
+  return TrainRun(state, history)
+
+
+def _run(state, step_fn, data_iterator, loop: LoopConfig, *, manager, config, first_metrics,
+         on_metrics, writer, eval_fn, prepare_batch, desc, progress_key) -> TrainState:
+  """``train``'s engine (its arguments resolved: an open ``manager`` and
+  ``writer`` or None, ``eval_fn(state)``)."""
+  num_steps, save_every, eval_every = loop.steps, loop.save_every, loop.eval_every
+  if save_every and manager is None:
+    raise ValueError(f"LoopConfig.save_every={save_every} is set but checkpoint_manager is None "
+                     "(RunIO has no checkpoint_dir or checkpoint_manager)")
   if eval_every and eval_fn is None:
-    raise ValueError(f"eval_every={eval_every} is set but eval_fn is None")
+    raise ValueError(f"LoopConfig.eval_every={eval_every} is set but eval_fn is None")
   is_source = _check_source(data_iterator)
   updates = int(data_iterator.updates_per_batch) if is_source else 1
 
-  if first_metrics is not None and not isinstance(first_metrics, dict):
-    raise ValueError(f"first_metrics must be a dict (run fills it), got "
-                     f"{type(first_metrics).__name__}")
   context_allow, context_fall_back = context_allowances()
-  allow = tuple(allow_config_change) + context_allow
-  compared = None
-  if config:
-    compared = dict(config) if match_config is None else \
-        {k: config[k] for k in match_config if k in config}
-  state, restored = resume(state, checkpoint_manager, data_iterator, config=compared,
+  allow = loop.allow_config_change + context_allow
+  state, restored = resume(state, manager, data_iterator, config=dict(config) if config else None,
                            allow_config_change=allow,
-                           fall_back_on_corrupt=fall_back_on_corrupt or context_fall_back)
+                           fall_back_on_corrupt=loop.fall_back_on_corrupt or context_fall_back)
   if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state)):
     raise ValueError("state is abstract (ShapeDtypeStructs) but there is no checkpoint to resume "
-                     f"from under {getattr(checkpoint_manager, 'directory', None)}")
+                     f"from under {getattr(manager, 'directory', None)}")
   done_updates = int(jax.device_get(state.step))
   if done_updates % updates:
     raise ValueError(f"state.step={done_updates} is not a multiple of updates_per_batch="
@@ -233,11 +243,10 @@ def run(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState
   position = (lambda: data_iterator.get_state()) if hasattr(data_iterator, "get_state") \
       else (lambda: None)
   bar = None
-  if progress and jax.process_index() == 0 and start < num_steps:
+  if loop.progress and jax.process_index() == 0 and start < num_steps:
     from tqdm.auto import tqdm
     bar = tqdm(total=num_steps, initial=start, desc=desc, dynamic_ncols=True)
 
-  manager = checkpoint_manager
   last_saved = start if manager is not None and manager.latest_step() == start else None
 
   def save(metrics=None):
@@ -319,45 +328,3 @@ def run(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState
     print(message, file=sys.stderr, flush=True)
     raise Terminated(message, last_saved)
   return state
-
-
-def run_trainer(state: TrainState, step_fn: Callable[[TrainState, Any], tuple[TrainState, Mapping]],
-                source: Iterator | RolloutSource, num_steps: int, *,
-                checkpoint_dir: str | pathlib.Path | None = None, keep_checkpoints: int = 2,
-                workdir: str | pathlib.Path | None = None, writer: MetricWriter | None = None,
-                on_metrics: Callable[[int, dict[str, float]], None] | None = None,
-                eval_fn: Callable[[Any], Mapping[str, Any]] | None = None,
-                **run_kwargs) -> tuple[TrainState, list[dict[str, float]]]:
-  """``run`` with the resources a trainer owns: returns ``(state, history)``.
-
-  Opens (and closes) a ``CheckpointManager`` on ``checkpoint_dir`` and a
-  ``MetricWriter`` on ``workdir`` unless an open ``writer`` is given (that one
-  is flushed by ``run``, never closed here), collects every step's metrics
-  into the returned history, and passes ``eval_fn`` the params (not the
-  state). ``run_kwargs`` go to ``run`` (``save_every``, ``config``,
-  ``match_config``, ``allow_config_change``, ``first_metrics``, ``eval_every``,
-  ``progress``, ``desc``, ...). GRPO and
-  distillation are this call with their own source and loss.
-  """
-  manager = (CheckpointManager(checkpoint_dir, max_to_keep=keep_checkpoints)
-             if checkpoint_dir is not None else None)
-  own_writer = MetricWriter(workdir) if writer is None and workdir is not None else None
-  history: list[dict[str, float]] = []
-
-  def report(step: int, metrics: dict[str, float]) -> None:
-    history.append(metrics)
-    if on_metrics is not None:
-      on_metrics(step, metrics)
-
-  try:
-    state = run(state, step_fn, source, num_steps, checkpoint_manager=manager,
-                on_metrics=report, writer=writer if writer is not None else own_writer,
-                eval_fn=(lambda st: eval_fn(st.params)) if eval_fn is not None else None,
-                **run_kwargs)
-  finally:
-    if own_writer is not None:
-      own_writer.close()
-    if manager is not None:
-      manager.close()
-  return state, history
-

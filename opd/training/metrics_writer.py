@@ -15,7 +15,7 @@
 Crash safety (docs/DESIGN.md, "Failure model"): every emitted line is flushed
 to the OS at once, so a killed process loses at most the step in progress;
 ``sync`` also fsyncs and returns the file's length, which
-``opd.training.loop.run`` stores with each checkpoint and, on resume, hands
+``opd.training.loop.train`` stores with each checkpoint and, on resume, hands
 back to ``rewind``: rows written after that checkpoint are cut, so a
 killed-and-resumed run's log equals the uninterrupted run's. A torn last line
 (a crash in the middle of a write) is cut with a warning when a writer opens
@@ -48,7 +48,7 @@ _OPEN: "weakref.WeakSet[MetricWriter]" = weakref.WeakSet()
 def open_writers() -> list["MetricWriter"]:
   """The writers of this process whose ``metrics.jsonl`` is open.
 
-  ``opd.training.loop.run`` syncs them at every checkpoint and rewinds them
+  ``opd.training.loop.train`` syncs them at every checkpoint and rewinds them
   on resume, whichever way the caller routes its metrics to them.
   """
   return [w for w in list(_OPEN) if w._jsonl is not None and not w._closed]

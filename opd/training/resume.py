@@ -1,4 +1,4 @@
-"""Resuming and stopping ``opd.training.loop.run``: the config check, the
+"""Resuming and stopping ``opd.training.loop.train``: the config check, the
 fallback from a corrupt checkpoint, the metric logs kept in step with the
 checkpoints, and SIGTERM (docs/DESIGN.md, "Failure model").
 """

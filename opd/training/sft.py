@@ -24,6 +24,7 @@ from opd.text import chat
 from opd.text.tokenizers import ByteTokenizer, check_vocab
 from opd.training import data as data_lib
 from opd.training import lm_trainer
+from opd.training.loop_config import RunIO, Runtime
 from opd.training.metrics_writer import MetricWriter
 from opd.training.train_step import OptimConfig, TrainState
 
@@ -37,10 +38,10 @@ def sft_batches(pairs, tok, model_cfg: ModelConfig, *, seq_len: int, batch_size:
                 mode: str = "pack", num_epochs: int | None = None, drop_remainder: bool = True):
   """Padded or packed SFT batches; packing is exact (the model masks
   attention by ``segment_ids``) and wastes far less compute on short chats."""
-  return data_lib.sft_dataset(pairs, seq_len=seq_len, batch_size=batch_size, seed=seed,
-                              mode=mode, num_epochs=num_epochs, pad_id=tok.pad_id,
-                              vocab_size=model_cfg.vocab_size, too_long="truncate",
-                              drop_remainder=drop_remainder)
+  return data_lib.sft_dataset(pairs, data_lib.DataConfig(
+      seq_len=seq_len, batch_size=batch_size, seed=seed, mode=mode, num_epochs=num_epochs,
+      pad_id=tok.pad_id, vocab_size=model_cfg.vocab_size, too_long="truncate",
+      drop_remainder=drop_remainder))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,22 +81,22 @@ class SFTData:
 
 
 def train_sft(model_cfg: ModelConfig, params, data: SFTData, workdir: str | pathlib.Path, *,
-              optim: OptimConfig, loop: lm_trainer.LMTrainConfig, mesh, rules, seed: int,
+              optim: OptimConfig, loop: lm_trainer.LMTrainConfig, runtime: Runtime,
               run_config: Mapping[str, Any] | None = None, first_metrics: dict | None = None
               ) -> tuple[TrainState, list[tuple[int, dict[str, float]]]]:
   """SFT ``params`` on ``data``'s domains, checkpointed and logged under ``workdir``.
 
-  Train examples are drawn with ``seed``, held-out ones with ``seed + 1``;
+  Train examples are drawn with ``runtime.seed``, held-out ones with ``seed + 1``;
   step metrics reach ``workdir``'s ``MetricWriter`` every ``loop.steps // 50``
   steps (eval metrics and step 1 always). ``first_metrics`` gets step 1's
-  metrics at key 1, the original run's after a resume (``opd.training.loop.run``).
+  metrics at key 1, the original run's after a resume (``opd.training.loop.train``).
 
   Returns:
     ``(state, history)``: the final state and every ``(step, metrics)``.
   """
   tok = ByteTokenizer()
   check_vocab(tok, model_cfg)
-  d = data
+  d, seed = data, runtime.seed
   train = sft_pairs(tasks_lib.domain_examples(d.domains, "train", d.num_train, seed,
                                               d.difficulties), tok)
   held = sft_pairs(tasks_lib.domain_examples(d.domains, "test", d.num_eval, seed + 1,
@@ -114,9 +115,9 @@ def train_sft(model_cfg: ModelConfig, params, data: SFTData, workdir: str | path
       if any(k.startswith("eval/") for k in metrics) or step % every == 0 or step == 1:
         writer.write_scalars(step, metrics)
 
-    state = lm_trainer.train_lm(
-        model_cfg, train_iter, optim, loop, mesh=mesh, rules=rules, seed=seed, params=params,
-        eval_batches=eval_batches, checkpoint_dir=pathlib.Path(workdir) / "checkpoints",
-        on_metrics=on_metrics, run_config={"model": model_cfg.to_dict(), **(run_config or {})},
-        first_metrics=first_metrics)
+    io = RunIO(checkpoint_dir=pathlib.Path(workdir) / "checkpoints", on_metrics=on_metrics,
+               config={"model": model_cfg.to_dict(), **(run_config or {})},
+               first_metrics=first_metrics)
+    state = lm_trainer.train_lm(model_cfg, train_iter, optim, loop, io, runtime=runtime,
+                                params=params, eval_batches=eval_batches)
   return state, history

@@ -30,7 +30,7 @@ parameter or optimizer-state value (an overflowing update: a learning rate of
 step (the returned state equals the input state, ``step`` included) and
 ``metrics["finite"]`` is False, with ``loss_finite`` / ``grads_finite`` /
 ``update_finite`` saying which; ``raise_if_nonfinite`` turns
-that into a ``NonFiniteError`` on the host (``opd.training.loop.run`` calls it).
+that into a ``NonFiniteError`` on the host (``opd.training.loop.train`` calls it).
 
 Multi-host: every function here works with several processes; each process
 passes its local rows to ``shard_batch`` (``process_batch_rows`` says which

@@ -242,7 +242,7 @@ def test_job_start_checks_run_before_the_config_is_recorded(tmp_path):
 
 
 def test_allowed_changes_and_fall_back_reach_the_training_loops(tmp_path):
-  """What every ``opd.training.loop.run`` inside the job sees (its resume check)."""
+  """What every ``opd.training.loop.train`` inside the job sees (its resume check)."""
   from opd.training.resume import context_allowances
   seen = []
   jobs.register("test_reads_allowances",

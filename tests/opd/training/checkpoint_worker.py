@@ -1,7 +1,7 @@
 """Child process for tests/opd/test_checkpoints.py (not a test module).
 
 ``train``: for each ``DIR:N`` of ``--runs``, trains a tiny decoder on a
-  (2, 2, 2) mesh with ``opd.training.loop.run`` to N total updates, reading a
+  (2, 2, 2) mesh with ``opd.training.loop.train`` to N total updates, reading a
   shuffled grain dataset whose iterator position is checkpointed, resuming
   from DIR if it holds a checkpoint. Writes the losses, per-step batch
   checksums and final params of run i to ``{--out}{i}.npz``.
@@ -37,7 +37,7 @@ def train(args):
   from opd.parallel import sharding
   from opd.training.checkpoints import CheckpointManager
   from opd.models import ModelConfig
-  from opd.training.loop import run
+  from opd.training.loop import LoopConfig, RunIO, train
   from opd.training.train_step import (OptimConfig, abstract_train_state, init_train_state, make_optimizer,
                               make_train_step)
   from opd.training.objectives import next_token_loss
@@ -81,9 +81,10 @@ def train(args):
         losses.append(m["loss"])
         checksums.append(m["batch_checksum"])
 
-    state = run(state, step, iterator, int(num_steps), checkpoint_manager=mngr,
-                save_every=args.save_every, config={"model": cfg.to_dict(), "note": "test"},
-                on_metrics=on_metrics, progress=False)
+    state = train(state, step, iterator,
+                  LoopConfig(int(num_steps), save_every=args.save_every, progress=False),
+                  RunIO(checkpoint_manager=mngr, config={"model": cfg.to_dict(), "note": "test"},
+                        on_metrics=on_metrics)).state
     mngr.close()
     params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), state.params)
     flat = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}

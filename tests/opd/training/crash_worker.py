@@ -1,6 +1,6 @@
 """Child process for tests/opd/training/test_crash_safety.py (not a test module).
 
-Trains a tiny decoder on one device with ``opd.training.loop.run`` for
+Trains a tiny decoder on one device with ``opd.training.loop.train`` for
 ``--steps`` steps, the way the experiment jobs do: a ``MetricWriter`` on
 ``--workdir`` fed through ``on_metrics`` (not handed to ``run``),
 checkpoints under ``<workdir>/checkpoints`` every ``--save-every`` steps with
@@ -89,7 +89,7 @@ def main():
   from opd.parallel import sharding
   from opd.training.checkpoints import CheckpointManager
   from opd.training.integrity import tree_checksums
-  from opd.training.loop import run
+  from opd.training.loop import LoopConfig, RunIO, train
   from opd.training.metrics_writer import MetricWriter
   from opd.training.objectives import next_token_loss
   from opd.training.train_step import (OptimConfig, abstract_train_state, init_train_state,
@@ -124,11 +124,13 @@ def main():
       if step == at and mode == "term":
         _kill_self(signal.SIGTERM)
 
-    state = run(state, step_fn, iter(dataset), args.steps, checkpoint_manager=mngr,
-                save_every=args.save_every, eval_every=args.eval_every,
-                eval_fn=lambda st: {"loss": eval_loss(st.params)},
-                config={"model": cfg.to_dict(), "experiment": {"train": {"steps": args.steps}}},
-                on_metrics=on_metrics, first_metrics=first, progress=False)
+    state = train(state, step_fn, iter(dataset),
+                  LoopConfig(args.steps, save_every=args.save_every, eval_every=args.eval_every,
+                             progress=False),
+                  RunIO(checkpoint_manager=mngr, eval_fn=lambda p: {"loss": eval_loss(p)},
+                        config={"model": cfg.to_dict(),
+                                "experiment": {"train": {"steps": args.steps}}},
+                        on_metrics=on_metrics, first_metrics=first)).state
   mngr.close()
   with open(args.out, "w") as f:
     json.dump({"step": int(state.step), "checksums": tree_checksums(state),

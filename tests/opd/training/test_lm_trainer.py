@@ -13,6 +13,7 @@ import jax
 from opd.parallel import sharding
 from opd.training import data
 from opd.training.lm_trainer import LMTrainConfig, evaluate_loss, train_lm
+from opd.training.loop_config import RunIO, Runtime
 from opd.models import ModelConfig, forward, init_params
 from opd.training.objectives import lm_loss
 from opd.training.train_step import OptimConfig
@@ -57,8 +58,9 @@ def _reference_loss(params, examples):
 def test_sft_loss_equals_per_example_reference(mode, fused):
   params = init_params(CFG, jax.random.key(0))
   examples = _examples(12)
-  ds = data.sft_dataset(examples, seq_len=T, batch_size=12, mode=mode, pad_id=PAD,
-                        shuffle=False, drop_remainder=False, process_index=0, process_count=1)
+  ds = data.sft_dataset(examples, data.DataConfig(
+      seq_len=T, batch_size=12, mode=mode, pad_id=PAD, shuffle=False, drop_remainder=False,
+      process_index=0, process_count=1))
   batches = list(ds)
   if mode == "pack":  # several examples really share a row
     assert batches[0]["segment_ids"].max() > 1
@@ -77,9 +79,9 @@ def test_prompt_tokens_get_no_gradient_signal():
   leaves the loss unchanged; changing a response target changes it."""
   params = init_params(CFG, jax.random.key(1))
   (ids, mask), = _examples(1, seed=3)
-  batch = next(iter(data.sft_dataset([(ids, mask)], seq_len=T, batch_size=1, mode="pad",
-                                     pad_id=PAD, shuffle=False, drop_remainder=False,
-                                     process_index=0, process_count=1)))
+  batch = next(iter(data.sft_dataset([(ids, mask)], data.DataConfig(
+      seq_len=T, batch_size=1, mode="pad", pad_id=PAD, shuffle=False, drop_remainder=False,
+      process_index=0, process_count=1))))
   loss_fn = jax.jit(lm_loss(CFG))
   base = float(loss_fn(params, batch, None)[0])
   first_response = int(np.argmax(batch["loss_mask"][0] > 0))
@@ -100,11 +102,12 @@ def test_train_lm_learns_and_evaluates_during_training(tmp_path):
   answers = [rng.integers(0, 60, size=3) for _ in range(8)]
   examples = [(np.concatenate([[BOS], p, a, [EOS]]).astype(np.int32),
                np.array([0] * 5 + [1] * 4, np.float32)) for p, a in zip(prompts, answers)]
-  train = data.sft_dataset(examples, seq_len=16, batch_size=8, mode="pack", pad_id=PAD,
-                           num_epochs=None, seed=0, process_index=0, process_count=1)
-  held = list(data.sft_dataset(examples, seq_len=16, batch_size=8, mode="pad", pad_id=PAD,
-                               shuffle=False, drop_remainder=False, process_index=0,
-                               process_count=1))
+  train = data.sft_dataset(examples, data.DataConfig(
+      seq_len=16, batch_size=8, mode="pack", pad_id=PAD, num_epochs=None, seed=0,
+      process_index=0, process_count=1))
+  held = list(data.sft_dataset(examples, data.DataConfig(
+      seq_len=16, batch_size=8, mode="pad", pad_id=PAD, shuffle=False, drop_remainder=False,
+      process_index=0, process_count=1)))
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   rules = sharding.DEFAULT_RULES
   logged, extra_calls = {}, []
@@ -117,9 +120,9 @@ def test_train_lm_learns_and_evaluates_during_training(tmp_path):
   before = evaluate_loss(lm_loss(CFG), params0, held, mesh, rules)["loss"]
   state = train_lm(CFG, iter(train), OptimConfig(lr=1e-2, warmup_steps=5, decay_steps=55, schedule="cosine"),
                    LMTrainConfig(steps=60, eval_every=20, save_every=20, progress=False),
-                   mesh=mesh, rules=rules, params=params0, eval_batches=held,
-                   checkpoint_dir=tmp_path / "ckpt", extra_eval=extra_eval,
-                   on_metrics=lambda step, m: logged.setdefault(step, m))
+                   RunIO(checkpoint_dir=tmp_path / "ckpt", eval_fn=extra_eval,
+                         on_metrics=lambda step, m: logged.setdefault(step, m)),
+                   runtime=Runtime(mesh, rules), params=params0, eval_batches=held)
   after = evaluate_loss(lm_loss(CFG), state.params, held, mesh, rules)["loss"]
   assert int(state.step) == 60
   assert after < 0.3 * before, (before, after)
@@ -151,5 +154,5 @@ def test_warmup_longer_than_the_run_is_refused_naming_both_fields(tmp_path):
   with pytest.raises(ValueError,
                      match=r"OptimConfig\.warmup_steps=10 exceeds LMTrainConfig\.steps=5"):
     train_lm(CFG, iter([]), OptimConfig(lr=1e-3, warmup_steps=10), LMTrainConfig(steps=5),
-             mesh=mesh, rules=sharding.DEFAULT_RULES, checkpoint_dir=tmp_path)
+             RunIO(checkpoint_dir=tmp_path), runtime=Runtime(mesh, sharding.DEFAULT_RULES))
   assert list(tmp_path.iterdir()) == []  # refused before any work

@@ -17,7 +17,7 @@ from opd.parallel import sharding
 from opd.training.checkpoints import CheckpointManager
 from opd.training.objectives import next_token_loss
 from opd.models import ModelConfig
-from opd.training.loop import NonFiniteError, run
+from opd.training.loop import LoopConfig, NonFiniteError, RunIO, train
 from opd.training.train_step import (OptimConfig, init_train_state, make_optimizer, make_train_step)
 
 CFG = ModelConfig(vocab_size=128, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, d_ff=64)
@@ -71,6 +71,16 @@ def setup():
   initial = jax.device_get(state)
   fresh = lambda: jax.tree.map(jax.device_put, initial, shardings)
   return dict(step=step, fresh=fresh)
+
+
+def run(state, step_fn, source, num_steps, *, checkpoint_manager=None, writer=None, config=None,
+        first_metrics=None, on_metrics=None, eval_fn=None, prepare_batch=None, **loop):
+  """``train`` with its ``RunIO`` fields and ``LoopConfig``'s (``loop``) as
+  keywords, so each test reads as one call; returns the final state."""
+  io = RunIO(checkpoint_manager=checkpoint_manager, writer=writer, config=config,
+             first_metrics=first_metrics, on_metrics=on_metrics, eval_fn=eval_fn)
+  return train(state, step_fn, source, LoopConfig(num_steps, **loop), io,
+               prepare_batch=prepare_batch).state
 
 
 def _listing(root):
@@ -179,15 +189,31 @@ def test_resume_needs_set_state_when_position_was_saved(setup, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(num_steps=-1), "num_steps"),
+    (dict(num_steps=-1), r"LoopConfig.steps must be .*, got -1"),
     (dict(num_steps=2, save_every=1), "checkpoint_manager is None"),
-    (dict(num_steps=2, save_every=-1), r"run.save_every must be .* or None, got -1"),
-    (dict(num_steps=2, save_every=True), r"run.save_every must be .* or None, got True"),
+    (dict(num_steps=2, save_every=-1), r"LoopConfig.save_every must be .* or None, got -1"),
+    (dict(num_steps=2, save_every=True), r"LoopConfig.save_every must be .* or None, got True"),
     (dict(num_steps=2, eval_every=1), "eval_fn is None"),
 ])
 def test_run_validates_arguments(setup, kwargs, match):
   with pytest.raises(ValueError, match=match):
     run(None, setup["step"], iter([]), **kwargs)
+
+
+def test_loop_config_and_run_io_refuse_bad_fields(setup, tmp_path):
+  # A bare string would otherwise read as one allowance per character.
+  with pytest.raises(ValueError, match=r"LoopConfig.allow_config_change .* 'train.steps'"):
+    LoopConfig(3, allow_config_change="train.steps")
+  with pytest.raises(ValueError, match=r"LoopConfig.keep_checkpoints must be .*, got 0"):
+    LoopConfig(3, keep_checkpoints=0)
+  with pytest.raises(ValueError, match="give checkpoint_dir .* or checkpoint_manager, not both"):
+    RunIO(checkpoint_dir=tmp_path, checkpoint_manager=CheckpointManager(tmp_path))
+  with pytest.raises(ValueError, match=r"RunIO.first_metrics must be a dict .*, got list"):
+    RunIO(first_metrics=[])
+  with pytest.raises(ValueError, match="loop must be a LoopConfig, got int"):
+    train(setup["fresh"](), setup["step"], iter([]), 3)
+  assert LoopConfig(3, save_every=None, allow_config_change=["a"]) == \
+      LoopConfig(3, save_every=0, allow_config_change=("a",))
 
 
 class CountingSource:
