@@ -9,55 +9,10 @@ from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 from opd.models.v4.attention import V4Attention, V4AttentionConfig
-from opd.models.v4.compressor import CompressorConfig, IndexerConfig
-from v4_torch import np_, randomize, rel_err, tiny_config
+from v4_torch import (RATES, attention_config, attention_params, compressed_attention_config,
+                      np_, randomize, rel_err, tiny_config)
 
 B, T = 2, 20  # T > sliding_window = 8: the window drops keys; 5 CSA and 2 HCA windows
-RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}
-
-
-def _ours(c, **overrides):
-  kw = dict(d_model=c.hidden_size, n_heads=c.num_attention_heads, head_dim=c.head_dim,
-            q_lora_rank=c.q_lora_rank, rope_dim=c.qk_rope_head_dim,
-            rope_theta=c.rope_parameters["main"]["rope_theta"], sliding_window=c.sliding_window,
-            o_groups=c.o_groups, o_lora_rank=c.o_lora_rank, norm_eps=c.rms_norm_eps)
-  return V4AttentionConfig(**{**kw, **overrides})
-
-
-def _compressed(c, layer_type):
-  """Our config for a CSA / HCA layer of transformers' config ``c``."""
-  m, theta = RATES[layer_type], c.rope_parameters["compress"]["rope_theta"]
-  cc = lambda width, overlap: CompressorConfig(
-      d_model=c.hidden_size, width=width, compress_rate=m, overlap=overlap,
-      rope_dim=c.qk_rope_head_dim, rope_theta=theta, norm_eps=c.rms_norm_eps)
-  csa = layer_type == "compressed_sparse_attention"
-  indexer = IndexerConfig(compressor=cc(c.index_head_dim, True), q_lora_rank=c.q_lora_rank,
-                          n_heads=c.index_n_heads, topk=c.index_topk) if csa else None
-  return _ours(c, rope_theta=theta, compressor=cc(c.head_dim, csa), indexer=indexer)
-
-
-def _comp_params(mod):
-  return {"kv": np_(mod.kv_proj.weight).T, "gate": np_(mod.gate_proj.weight).T,
-          "position_bias": np_(mod.position_bias), "kv_norm": {"scale": np_(mod.kv_norm.weight)}}
-
-
-def _import(attn, cfg):
-  H, Dh, G, R = cfg.n_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
-  I = H // G * Dh
-  p = {"q_a": np_(attn.q_a_proj.weight).T, "q_a_norm": {"scale": np_(attn.q_a_norm.weight)},
-       "q_b": np_(attn.q_b_proj.weight).T.reshape(-1, H, Dh),
-       "kv": np_(attn.kv_proj.weight).T, "kv_norm": {"scale": np_(attn.kv_norm.weight)},
-       "sink_bias": np_(attn.sinks),
-       "o_a": np_(attn.o_a_proj.weight).reshape(G, R, I).transpose(0, 2, 1),
-       "o_b": np_(attn.o_b_proj.weight).T.reshape(G, R, -1)}
-  if cfg.compressor is not None:
-    p["compressor"] = _comp_params(attn.compressor)
-  if cfg.indexer is not None:
-    ind = attn.compressor.indexer
-    p["indexer"] = {"compressor": _comp_params(ind),
-                    "q": np_(ind.q_b_proj.weight).T.reshape(cfg.q_lora_rank, cfg.indexer.n_heads, -1),
-                    "weights": np_(ind.scorer.weights_proj.weight).T}
-  return {"params": jax.tree.map(jnp.asarray, p)}
 
 
 def _fwd(cfg):
@@ -88,16 +43,16 @@ def test_sliding_attention_matches_transformers(case):
   pe = {"main": rot(xt, pos, layer_type="main"), "compress": rot(xt, pos, layer_type="compress")}
   with torch.no_grad():
     y_t, _ = attn(xt, position_embeddings=pe, position_ids=pos, attention_mask=mask)
-  cfg = _ours(c)
-  y = _fwd(cfg)(_import(attn, cfg), jnp.asarray(x), jnp.asarray(pos.numpy()))
+  cfg = attention_config(c)
+  y = _fwd(cfg)(attention_params(attn, cfg), jnp.asarray(x), jnp.asarray(pos.numpy()))
   err = rel_err(y, np_(y_t))
   print("V4 sliding attention parity (max rel err):", err)
   assert err <= 1e-4
   # The case exercises the window and the sinks: either changed makes the output differ.
-  wide = _fwd(_ours(c, sliding_window=T))(
-      _import(attn, cfg), jnp.asarray(x), jnp.asarray(pos.numpy()))
+  wide = _fwd(attention_config(c, sliding_window=T))(
+      attention_params(attn, cfg), jnp.asarray(x), jnp.asarray(pos.numpy()))
   assert rel_err(wide, y) > 1e-2
-  nosink = _import(attn, cfg)
+  nosink = attention_params(attn, cfg)
   nosink["params"]["sink_bias"] = jnp.full_like(nosink["params"]["sink_bias"], -1e9)
   y_ns = _fwd(cfg)(nosink, jnp.asarray(x), jnp.asarray(pos.numpy()))
   assert rel_err(y_ns, y) > 1e-2
@@ -107,8 +62,8 @@ def test_left_padding_leaves_real_tokens_unchanged(case):
   # A row left-padded by P tokens, positions cumsum(mask) - 1, gives the same outputs at its
   # real tokens as the unpadded row (fp32 rounding only: different zeros in the sums).
   c, attn, x = case
-  cfg = _ours(c)
-  params = _import(attn, cfg)
+  cfg = attention_config(c)
+  params = attention_params(attn, cfg)
   P = 3
   x_pad = np.concatenate([np.zeros((B, P, c.hidden_size), np.float32), x], axis=1)
   m = np.concatenate([np.zeros((B, P), bool), np.ones((B, T), bool)], axis=1)
@@ -122,10 +77,10 @@ def test_left_padding_leaves_real_tokens_unchanged(case):
 
 def test_config_errors():
   c = tiny_config(compress_rates=RATES)
-  csa = _compressed(c, "compressed_sparse_attention")
+  csa = compressed_attention_config(c, "compressed_sparse_attention")
   with pytest.raises(ValueError, match="needs an indexer"):
     V4AttentionConfig(**{**csa.__dict__, "indexer": None})
-  hca = _compressed(c, "heavily_compressed_attention")
+  hca = compressed_attention_config(c, "heavily_compressed_attention")
   with pytest.raises(ValueError, match="overlapping"):
     V4AttentionConfig(**{**hca.__dict__, "indexer": csa.indexer})
   with pytest.raises(ValueError, match="rope_dim=3"):
@@ -155,9 +110,9 @@ def test_compressed_attention_matches_transformers(layer_type):
   pe = {"main": rot(xt, pos, layer_type="main"), "compress": rot(xt, pos, layer_type="compress")}
   with torch.no_grad():
     y_t, _ = attn(xt, position_embeddings=pe, position_ids=pos, attention_mask=mask)
-  cfg = _compressed(c, layer_type)
+  cfg = compressed_attention_config(c, layer_type)
   assert cfg.layer_type == layer_type
-  params = _import(attn, cfg)
+  params = attention_params(attn, cfg)
   y = _fwd(cfg)(params, jnp.asarray(x), jnp.asarray(pos.numpy()))
   err = rel_err(y, np_(y_t))
   print(f"V4 {layer_type} parity (max rel err):", err)
@@ -165,6 +120,6 @@ def test_compressed_attention_matches_transformers(layer_type):
   # The compressed entries matter: dropping the compressor changes the output.
   plain = {"params": {k: v for k, v in params["params"].items()
                       if k not in ("compressor", "indexer")}}
-  y_plain = _fwd(_ours(c, rope_theta=cfg.rope_theta))(plain, jnp.asarray(x),
+  y_plain = _fwd(attention_config(c, rope_theta=cfg.rope_theta))(plain, jnp.asarray(x),
                                                       jnp.asarray(pos.numpy()))
   assert rel_err(y_plain, y) > 1e-3

@@ -9,37 +9,9 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 from opd.models.moe import MoEConfig
 from opd.models.v4.moe import V4MoE, V4MoEConfig, default_tid2eid
-from v4_torch import np_, randomize, rel_err, tiny_config
+from v4_torch import moe_config, moe_params, np_, randomize, rel_err, tiny_config
 
 B, T = 2, 6
-
-
-def _ours(cfg_hf, mlp_type, dispatch="ragged"):
-  moe = MoEConfig(n_routed_experts=cfg_hf.n_routed_experts,
-                  experts_per_token=cfg_hf.num_experts_per_tok,
-                  moe_d_ff=cfg_hf.moe_intermediate_size, n_shared_experts=1,
-                  router=cfg_hf.scoring_func, routed_scaling_factor=cfg_hf.routed_scaling_factor,
-                  dispatch=dispatch)
-  return V4MoEConfig(d_model=cfg_hf.hidden_size, moe=moe, mlp_type=mlp_type,
-                     vocab_size=cfg_hf.vocab_size, swiglu_limit=cfg_hf.swiglu_limit)
-
-
-def _import(block, cfg):
-  """transformers' block -> our params (+ the hash table)."""
-  Fe = cfg.moe.moe_d_ff
-  gu = np_(block.experts.gate_up_proj)  # [E, 2Fe, D]: gate rows, then up rows
-  p = {"router": np_(block.gate.weight).T,
-       "gate": gu[:, :Fe].transpose(0, 2, 1), "up": gu[:, Fe:].transpose(0, 2, 1),
-       "down": np_(block.experts.down_proj).transpose(0, 2, 1),
-       "shared_gate": np_(block.shared_experts.gate_proj.weight).T,
-       "shared_up": np_(block.shared_experts.up_proj.weight).T,
-       "shared_down": np_(block.shared_experts.down_proj.weight).T}
-  v = {}
-  if cfg.mlp_type == "hash_moe":
-    v["tables"] = {"tid2eid": jnp.asarray(block.gate.tid2eid.numpy(), jnp.int32)}
-  else:
-    p["selection_bias"] = np_(block.gate.e_score_correction_bias)
-  return {"params": jax.tree.map(jnp.asarray, p), **v}
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +43,13 @@ def test_v4_moe_matches_transformers(case, mlp_type):
   # term, amplified by the cancellation max|terms| / max|y| (< 10 here): ~6e-5 < 1e-4.
   cfg_hf, x, ids, blocks = case
   block = blocks[mlp_type]
-  cfg = _ours(cfg_hf, mlp_type)
+  cfg = moe_config(cfg_hf, mlp_type)
   with torch.no_grad():
     hashed = mlp_type == "hash_moe"
     gate_args = (torch.from_numpy(x),) + ((torch.from_numpy(ids),) if hashed else ())
     _, w_t, idx_t = block.gate(*gate_args)
     y_t = block(torch.from_numpy(x), input_ids=torch.from_numpy(ids))
-  y, r = jax.jit(V4MoE(cfg).apply)(_import(block, cfg), jnp.asarray(x), jnp.asarray(ids))
+  y, r = jax.jit(V4MoE(cfg).apply)(moe_params(block, cfg), jnp.asarray(x), jnp.asarray(ids))
   experts = np.asarray(r.experts).reshape(B * T, -1)
   weights = np.asarray(r.weights).reshape(B * T, -1)
   idx_t, w_t = idx_t.numpy(), np_(w_t)
@@ -97,8 +69,8 @@ def test_v4_moe_matches_transformers(case, mlp_type):
 def test_v4_moe_clip_and_bias_matter(case):
   # The case must exercise what it claims: the clip is active and the bias changes choices.
   cfg_hf, x, ids, blocks = case
-  cfg = _ours(cfg_hf, "moe")
-  variables = _import(blocks["moe"], cfg)
+  cfg = moe_config(cfg_hf, "moe")
+  variables = moe_params(blocks["moe"], cfg)
   y, r = V4MoE(cfg).apply(variables, jnp.asarray(x))
   unclipped = V4MoEConfig(d_model=cfg.d_model, moe=cfg.moe, swiglu_limit=1e9)
   y_free, _ = V4MoE(unclipped).apply(variables, jnp.asarray(x))
@@ -112,7 +84,7 @@ def test_v4_moe_clip_and_bias_matter(case):
 def test_v4_moe_onehot_equals_ragged_and_every_param_gets_a_gradient(case):
   cfg_hf, x, ids, _ = case
   for mlp_type in ("hash_moe", "moe"):
-    cfg_r, cfg_o = _ours(cfg_hf, mlp_type), _ours(cfg_hf, mlp_type, "onehot")
+    cfg_r, cfg_o = moe_config(cfg_hf, mlp_type), moe_config(cfg_hf, mlp_type, "onehot")
     variables = nn.unbox(V4MoE(cfg_r).init(jax.random.key(0), jnp.asarray(x), jnp.asarray(ids)))
     loss = lambda p, c: jnp.sum(V4MoE(c).apply({**variables, "params": p}, jnp.asarray(x),
                                                jnp.asarray(ids))[0] ** 2)
