@@ -50,10 +50,11 @@ from opd.distill.merging import average_params, task_arithmetic, task_vectors
 from opd.distill.offpolicy import (OffPolicyConfig, make_heldout_forward_kl, teacher_rollouts,
                                    train_offpolicy_kd)
 from opd.models import init_params, to_model_config
-from opd.rl import train_grpo
+from opd.rl import GRPOExtras, train_grpo
 from opd.rl.sequential import stage_name, train_sequential_grpo
 from opd.tasks import domain_examples
 from opd.training import lm_trainer
+from opd.training.loop_config import LoopConfig, RunIO, Runtime
 from opd.training.checkpoints import CheckpointManager, load_params
 from opd.training.metrics_writer import MetricWriter, read_metrics
 from opd.training.sft import SFTData, train_sft
@@ -124,7 +125,7 @@ def _teacher(config, name: str, group, root: pathlib.Path, mesh, rules) -> str:
               optim=common.optim_config(build.optim, "config.build.optim"),
               loop=lm_trainer.LMTrainConfig(steps=build.sft_steps, save_every=build.sft_steps,
                                             progress=False),
-              mesh=mesh, rules=rules, seed=config.seed + 1)
+              runtime=Runtime(mesh, rules, seed=config.seed + 1))
   return str(_ckpt(workdir))
 
 
@@ -228,11 +229,11 @@ def run_offpolicy_kd(config, workdir: str) -> dict:
       writer.write_scalars(0, {**first, **train.metrics})
     out = train_offpolicy_kd(
         cfg, params, pool, train, ocfg, common.optim_config(config.kd_optim, "config.kd_optim"),
-        pad_id=tok.pad_id, steps=config.kd.steps, mesh=mesh, rules=rules, seed=config.seed,
-        writer=writer, checkpoint_dir=_ckpt(root), save_every=config.kd.save_every,
-        keep_checkpoints=config.kd.keep_checkpoints,
-        run_config={"experiment": config_to_dict(config)}, eval_fn=evaluate,
-        eval_every=config.kd.eval_every)
+        LoopConfig(config.kd.steps, save_every=config.kd.save_every,
+                   eval_every=config.kd.eval_every, keep_checkpoints=config.kd.keep_checkpoints),
+        RunIO(writer=writer, checkpoint_dir=_ckpt(root),
+              config={"experiment": config_to_dict(config)}, eval_fn=evaluate),
+        runtime=Runtime(mesh, rules, seed=config.seed), pad_id=tok.pad_id)
   rows = read_metrics(root)
   last = out.history[-1] if out.history else {}
   metrics = {"steps": config.kd.steps, "updates": int(out.state.step),
@@ -288,12 +289,12 @@ def run_mixed_rl(config, workdir: str) -> dict:
     out = train_grpo(
         cfg, params, params if gcfg.kl_coef > 0 else None, prompts, gcfg,
         common.optim_config(config.rl_optim, "config.rl_optim"),
-        tokenizer=common.tokenizer_for(cfg), steps=config.rl_train.steps, mesh=mesh,
-        rules=rules, seed=config.seed,
-        agent_config=grpo_job.agent_reward_config(config.agent_reward), writer=writer,
-        checkpoint_dir=_ckpt(root), save_every=config.rl_train.save_every,
-        keep_checkpoints=config.rl_train.keep_checkpoints,
-        run_config={"experiment": config_to_dict(config)})
+        LoopConfig(config.rl_train.steps, save_every=config.rl_train.save_every,
+                   keep_checkpoints=config.rl_train.keep_checkpoints),
+        RunIO(writer=writer, checkpoint_dir=_ckpt(root),
+              config={"experiment": config_to_dict(config)}),
+        runtime=Runtime(mesh, rules, seed=config.seed, tokenizer=common.tokenizer_for(cfg)),
+        extras=GRPOExtras(agent_config=grpo_job.agent_reward_config(config.agent_reward)))
   common.plot_curves(root, keys=["reward/mean"] + [f"reward/domain/{d}/mean"
                                                    for d in config.domains],
                      filename="reward.png", title="mixed RL reward")
@@ -319,10 +320,10 @@ def run_sequential_rl(config, workdir: str) -> dict:
             for d in order]
   out = train_sequential_grpo(
       cfg, params, stages, gcfg, common.optim_config(config.rl_optim, "config.rl_optim"),
-      tokenizer=common.tokenizer_for(cfg), steps=steps, mesh=mesh, rules=rules,
-      seed=config.seed, workdir=root / "stages", keep_checkpoints=1,
-      run_config={"experiment": config_to_dict(config)},
-      agent_config=grpo_job.agent_reward_config(config.agent_reward))
+      [LoopConfig(s, keep_checkpoints=1) for s in steps],
+      RunIO(workdir=root / "stages", config={"experiment": config_to_dict(config)}),
+      runtime=Runtime(mesh, rules, seed=config.seed, tokenizer=common.tokenizer_for(cfg)),
+      extras=GRPOExtras(agent_config=grpo_job.agent_reward_config(config.agent_reward)))
   if not _has_checkpoint(_ckpt(root)):
     save_model(_ckpt(root), cfg, out.state.params, config)
   metrics = {"steps": total, "updates": 0, "sampled_tokens": 0.0,

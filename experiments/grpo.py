@@ -20,6 +20,7 @@ from opd.config.fields import from_group
 from opd.config.overrides import config_to_dict
 from opd.models import to_model_config
 from opd.rl import GRPOConfig
+from opd.training.loop_config import LoopConfig, RunIO, Runtime
 from opd.training.metrics_writer import MetricWriter
 from opd.tasks import AgentRewardConfig
 
@@ -52,11 +53,13 @@ def run(config, workdir: str) -> dict:
   with MetricWriter(workdir) as writer:
     out = grpo_lib.train_grpo(
         model_cfg, params, params if cfg.kl_coef > 0 else None, prompts, cfg,
-        common.optim_config(config.optim), tokenizer=tok, steps=config.train.steps, mesh=mesh,
-        rules=rules, seed=config.seed, agent_config=agent_reward_config(config.agent_reward),
-        writer=writer, checkpoint_dir=workdir / "checkpoints",
-        save_every=config.train.save_every, keep_checkpoints=config.train.keep_checkpoints,
-        run_config={"experiment": config_to_dict(config)})
+        common.optim_config(config.optim),
+        LoopConfig(config.train.steps, save_every=config.train.save_every,
+                   keep_checkpoints=config.train.keep_checkpoints),
+        RunIO(writer=writer, checkpoint_dir=workdir / "checkpoints",
+              config={"experiment": config_to_dict(config)}),
+        runtime=Runtime(mesh, rules, seed=config.seed, tokenizer=tok),
+        extras=grpo_lib.GRPOExtras(agent_config=agent_reward_config(config.agent_reward)))
   rewards = [m["reward/mean"] for m in out.history if "reward/mean" in m]
   k = max(1, min(5, len(rewards) // 3))
   plot = common.plot_curves(workdir, keys=("reward/mean",), title="GRPO reward",

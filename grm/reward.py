@@ -3,7 +3,7 @@
 Both callables follow ``opd.rl.scoring.score_episodes``'s ``reward_fn``
 contract: ``reward_fn(episodes)`` returns one ``opd.tasks.Reward`` per
 episode. ``opd`` never imports ``grm``; ``experiments/`` passes them to
-``opd.rl.train_grpo(..., reward_fn=...)``.
+``opd.rl.train_grpo(..., extras=GRPOExtras(reward_fn=...))``.
 
 ``GRMReward``: each episode's response (``response_text``) is judged
 pointwise (n = 1) by a GRM, k samples per episode, all B·k prompts in one

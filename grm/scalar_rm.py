@@ -9,7 +9,7 @@ pairs with::
 
 ``train_reward_model`` runs any such loss (this one, the meta-RM's BCE in
 ``grm.meta_rm``) on the shared sharded step and host loop
-(``opd.training.train_step``, ``opd.training.loop.run``).
+(``opd.training.train_step``, ``opd.training.loop.train``).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import numpy as np
 
 from opd.models import ModelConfig, forward, last_token_values
 from opd.training import loop as train_loop
+from opd.training.loop_config import LoopConfig, RunIO, Runtime
 from opd.training.train_step import (OptimConfig, TrainState, init_train_state, make_optimizer,
                                      make_train_step, shard_batch)
 
@@ -139,10 +140,8 @@ def score_sequences(cfg: ModelConfig, params, seqs: Sequence[Sequence[int]], *, 
 
 
 def train_reward_model(cfg: ModelConfig, loss_fn: Callable, batches: Iterator[Mapping[str, Any]],
-                       optim: OptimConfig, *, steps: int, mesh, rules, seed: int = 0,
-                       params: Any | None = None,
-                       on_metrics: Callable[[int, dict[str, float]], None] | None = None,
-                       checkpoint_manager=None, progress: bool = False) -> TrainState:
+                       optim: OptimConfig, loop: LoopConfig, io: RunIO | None = None, *,
+                       runtime: Runtime, params: Any | None = None) -> TrainState:
   """Trains a scalar-head model with ``loss_fn`` on the shared step and loop.
 
   Args:
@@ -150,20 +149,23 @@ def train_reward_model(cfg: ModelConfig, loss_fn: Callable, batches: Iterator[Ma
     loss_fn: ``bt_loss_fn(cfg)``, ``grm.meta_rm.meta_loss_fn(cfg)``, ...
     batches: host batches for ``loss_fn``.
     optim: optimizer settings.
-    steps: optimizer updates (a resumed run continues to this count).
-    mesh, rules: the ``(data, fsdp, tensor)`` mesh and logical rules.
-    seed: init and per-step randomness.
+    loop: ``loop.steps`` optimizer updates (a resumed run continues to this
+      count), cadence, progress bar.
+    io: checkpoints, ``on_metrics``, ... as in ``opd.training.loop.train``
+      (``model`` added to its config).
+    runtime: the mesh, logical rules and seed (init and per-step randomness).
     params: start from these (e.g. a GRM's trunk with a fresh head).
-    on_metrics, checkpoint_manager, progress: as ``opd.training.loop.run``.
 
   Returns:
     The final ``TrainState``.
   """
   _check_cfg(cfg)
+  mesh, rules = runtime.mesh, runtime.rules
   optimizer = make_optimizer(optim)
-  state, shardings = init_train_state(cfg, optimizer, mesh, rules, rng=seed, params=params)
+  state, shardings = init_train_state(cfg, optimizer, mesh, rules, rng=runtime.seed,
+                                      params=params)
   step_fn = make_train_step(loss_fn, optimizer, mesh, shardings, rules=rules)
-  return train_loop.run(state, step_fn, batches, steps, checkpoint_manager=checkpoint_manager,
-                        config={"model": cfg.to_dict()}, on_metrics=on_metrics,
-                        prepare_batch=functools.partial(shard_batch, mesh=mesh, rules=rules),
-                        progress=progress)
+  io = (io if io is not None else RunIO()).with_config({"model": cfg.to_dict()})
+  return train_loop.train(state, step_fn, batches, loop, io,
+                          prepare_batch=functools.partial(shard_batch, mesh=mesh, rules=rules)
+                          ).state

@@ -30,8 +30,9 @@ from grm.scalar_rm import sequence_rewards
 from opd.config.fields import check_float
 from opd.models import ModelConfig
 from opd.rl.config import GRPOConfig
-from opd.rl import train_grpo
+from opd.rl import GRPOExtras, train_grpo
 from opd.rl.loss import make_grpo_loss
+from opd.training.loop_config import LoopConfig, RunIO, Runtime
 from grm.training import RuleReward, rl_examples, rule_rl_config
 
 __all__ = ["meta_labels_from_rewards", "shared_loss_fn", "train_shared_rule_rl"]
@@ -87,21 +88,21 @@ def _meta_label_extras(episodes, rewards) -> dict[str, np.ndarray]:
   return {"meta_labels": meta_labels_from_rewards(rewards)}
 
 
-def train_shared_rule_rl(model_cfg: ModelConfig, params, groups, cfg: GRPOConfig, optim, *,
-                         meta_weight: float, tokenizer, steps: int, mesh, rules, seed: int = 0,
-                         kl_multiplier: float = 2.0, **grpo_kwargs):
+def train_shared_rule_rl(model_cfg: ModelConfig, params, groups, cfg: GRPOConfig, optim,
+                         loop: LoopConfig, io: RunIO | None = None, *, runtime: Runtime,
+                         meta_weight: float, kl_multiplier: float = 2.0):
   """Rule RL of the shared decoder with the joint loss (module docstring).
 
   As ``grm.training.train_rule_rl`` (same prompts, ``RuleReward``, KL
   ``kl_multiplier`` x ``cfg.kl_coef``, reference = ``params``), but
   ``model_cfg.scalar_head`` must be True and every update minimises
   ``L_rule-RL + meta_weight * BCE(value head, judgement correct)`` on the
-  batch's own judgements. ``grpo_kwargs`` go to ``train_grpo``. Returns its
-  ``GRPORun``; ``train/meta_bce`` and ``train/meta_accuracy`` are logged.
+  batch's own judgements. ``loop``, ``io`` and ``runtime`` go to ``train_grpo``.
+  Returns its ``GRPORun``; ``train/meta_bce`` and ``train/meta_accuracy`` are logged.
   """
   rl_cfg = rule_rl_config(cfg, kl_multiplier)
   loss_fn = shared_loss_fn(model_cfg, rl_cfg, meta_weight)
-  return train_grpo(model_cfg, params, params, rl_examples(groups, seed=seed), rl_cfg, optim,
-                    tokenizer=tokenizer, steps=steps, mesh=mesh, rules=rules, seed=seed,
-                    reward_fn=RuleReward(), loss_fn=loss_fn, batch_extras=_meta_label_extras,
-                    **grpo_kwargs)
+  return train_grpo(model_cfg, params, params, rl_examples(groups, seed=runtime.seed), rl_cfg,
+                    optim, loop, io, runtime=runtime,
+                    extras=GRPOExtras(reward_fn=RuleReward(), loss_fn=loss_fn,
+                                      batch_extras=_meta_label_extras))

@@ -35,7 +35,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import pathlib
 from typing import Callable, Sequence
 
 import numpy as np
@@ -46,11 +45,12 @@ from grm.data import PreferenceGroup, rule_judgement
 from grm.format import HINT_PREFIX, GRMPrompt, build_prompt, unshuffle
 from grm.parse import parse_judgement
 from opd.models import ModelConfig
-from opd.rl import GRPOConfig, train_grpo
+from opd.rl import GRPOConfig, GRPOExtras, train_grpo
 from opd.tasks import Example
 from opd.text import chat
 from opd.training import data as data_lib
 from opd.training import lm_trainer
+from opd.training.loop_config import LoopConfig, RunIO, Runtime
 
 log = logging.getLogger(__name__)
 
@@ -97,18 +97,24 @@ def sft_batches(tokenizer, model_cfg: ModelConfig, pairs: Sequence[tuple[GRMProm
   if not pairs:
     raise ValueError("pairs is empty: nothing to fine-tune on")
   examples = [judgement_pair(tokenizer, p, t) for p, t in pairs]
-  return data_lib.sft_dataset(examples, seq_len=seq_len, batch_size=batch_size, seed=seed,
-                              mode="pack", num_epochs=num_epochs, pad_id=tokenizer.pad_id,
-                              vocab_size=model_cfg.vocab_size, too_long="truncate",
-                              drop_remainder=drop_remainder)
+  return data_lib.sft_dataset(examples, data_lib.DataConfig(
+      seq_len=seq_len, batch_size=batch_size, seed=seed, mode="pack", num_epochs=num_epochs,
+      pad_id=tokenizer.pad_id, vocab_size=model_cfg.vocab_size, too_long="truncate",
+      drop_remainder=drop_remainder))
 
 
-def train_judgement_sft(model_cfg: ModelConfig, params, tokenizer,
-                        pairs: Sequence[tuple[GRMPrompt, str]], *, optim,
-                        loop: lm_trainer.LMTrainConfig, mesh, rules, seed: int, seq_len: int,
-                        batch_size: int, checkpoint_dir: str | pathlib.Path | None = None,
-                        on_metrics=None, eval_pairs: Sequence[tuple[GRMPrompt, str]] = ()):
-  """SFT of the GRM on judgement pairs (stages a and b); returns the ``TrainState``."""
+def train_judgement_sft(model_cfg: ModelConfig, params, pairs: Sequence[tuple[GRMPrompt, str]],
+                        *, optim, loop: lm_trainer.LMTrainConfig, io: RunIO | None = None,
+                        runtime: Runtime, seq_len: int, batch_size: int,
+                        eval_pairs: Sequence[tuple[GRMPrompt, str]] = ()):
+  """SFT of the GRM on judgement pairs (stages a and b); returns the ``TrainState``.
+
+  ``runtime.tokenizer`` renders the pairs; ``io`` (checkpoint directory,
+  ``on_metrics``, ...) as in ``opd.training.lm_trainer.train_lm``.
+  """
+  tokenizer, seed = runtime.tokenizer, runtime.seed
+  if tokenizer is None:
+    raise ValueError("train_judgement_sft renders text: Runtime.tokenizer must be set, got None")
   batches = iter(sft_batches(tokenizer, model_cfg, pairs, seq_len=seq_len,
                              batch_size=batch_size, seed=seed))
   eval_batches = []
@@ -116,10 +122,8 @@ def train_judgement_sft(model_cfg: ModelConfig, params, tokenizer,
     eval_batches = list(sft_batches(tokenizer, model_cfg, eval_pairs, seq_len=seq_len,
                                     batch_size=min(batch_size, len(eval_pairs)), seed=0,
                                     num_epochs=1, drop_remainder=False))
-  return lm_trainer.train_lm(model_cfg, batches, optim, loop, mesh=mesh, rules=rules, seed=seed,
-                             params=params, eval_batches=eval_batches,
-                             checkpoint_dir=checkpoint_dir, on_metrics=on_metrics,
-                             run_config={"model": model_cfg.to_dict()})
+  return lm_trainer.train_lm(model_cfg, batches, optim, loop, io, runtime=runtime,
+                             params=params, eval_batches=eval_batches)
 
 
 def model_sampler(policy, sampling, **kwargs) -> SampleFn:
@@ -252,15 +256,14 @@ def rule_rl_config(cfg: GRPOConfig, kl_multiplier: float = 2.0) -> GRPOConfig:
 
 
 def train_rule_rl(model_cfg: ModelConfig, params, groups: Sequence[PreferenceGroup],
-                  cfg: GRPOConfig, optim, *, tokenizer, steps: int, mesh, rules, seed: int = 0,
-                  kl_multiplier: float = 2.0, **grpo_kwargs):
+                  cfg: GRPOConfig, optim, loop: LoopConfig, io: RunIO | None = None, *,
+                  runtime: Runtime, kl_multiplier: float = 2.0):
   """Stage (c): ``opd.rl.train_grpo`` on ``rl_examples(groups)`` with ``RuleReward``.
 
-  The reference policy is ``params`` (the RFT model). ``grpo_kwargs`` go to
-  ``train_grpo`` (workdir, checkpoint_dir, on_metrics, ...). Returns its
-  ``GRPORun``.
+  The reference policy is ``params`` (the RFT model). ``loop``, ``io``
+  (workdir, checkpoint_dir, on_metrics, ...) and ``runtime`` go to
+  ``train_grpo``. Returns its ``GRPORun``.
   """
   rl_cfg = rule_rl_config(cfg, kl_multiplier)
-  return train_grpo(model_cfg, params, params, rl_examples(groups, seed=seed), rl_cfg, optim,
-                    tokenizer=tokenizer, steps=steps, mesh=mesh, rules=rules, seed=seed,
-                    reward_fn=RuleReward(), **grpo_kwargs)
+  return train_grpo(model_cfg, params, params, rl_examples(groups, seed=runtime.seed), rl_cfg,
+                    optim, loop, io, runtime=runtime, extras=GRPOExtras(reward_fn=RuleReward()))

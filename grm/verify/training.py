@@ -56,10 +56,11 @@ from grm.verify.format import (generator_prompt, meta_prompt, parse_analysis, pa
                                parse_meta, refine_prompt, split_generation, verifier_prompt,
                                write_analysis, write_generation, write_meta)
 from opd.models import ModelConfig
-from opd.rl import GRPOConfig, train_grpo
+from opd.rl import GRPOConfig, GRPOExtras, train_grpo
 from opd.tasks import DIFFICULTIES, Example, Reward, get_task
 from opd.tasks.proof_task import (CORRUPTIONS, Issue, ProofCheck, check_proof, corrupt,
                                   proof_lines, score_of)
+from opd.training.loop_config import LoopConfig, RunIO, Runtime
 
 __all__ = ["GENERATOR_DOMAIN", "VERIFIER_DOMAIN", "GeneratorRLReward", "ProofItem",
            "VerifierRLReward", "generator_examples", "generator_pairs", "meta_pairs",
@@ -170,10 +171,10 @@ def meta_pairs(items: Sequence[ProofItem], *, noise: float, seed: int) -> list[t
   return out
 
 
-def train_role_sft(model_cfg: ModelConfig, params, tokenizer, pairs, **kwargs):
+def train_role_sft(model_cfg: ModelConfig, params, pairs, **kwargs):
   """SFT of one role on ``(user text, assistant text)`` pairs: the GRM's SFT
   (``grm.training.train_judgement_sft``; keyword arguments go there)."""
-  return train_judgement_sft(model_cfg, params, tokenizer, pairs, **kwargs)
+  return train_judgement_sft(model_cfg, params, pairs, **kwargs)
 
 
 # ----------------------------------------------------------------------------- RL
@@ -317,9 +318,9 @@ def _example_from_json(text: str) -> Example:
 
 
 def train_role_rl(model_cfg: ModelConfig, params, examples: Sequence[Example], cfg: GRPOConfig,
-                  optim, reward_fn, *, tokenizer, steps: int, mesh, rules, seed: int = 0,
-                  **grpo_kwargs):
-  """GRPO of one role from ``params`` (also the KL reference) with ``reward_fn``."""
-  return train_grpo(model_cfg, params, params, examples, cfg, optim, tokenizer=tokenizer,
-                    steps=steps, mesh=mesh, rules=rules, seed=seed, reward_fn=reward_fn,
-                    **grpo_kwargs)
+                  optim, reward_fn, loop: LoopConfig, io: RunIO | None = None, *,
+                  runtime: Runtime):
+  """GRPO of one role from ``params`` (also the KL reference) with ``reward_fn``
+  (``loop``, ``io``, ``runtime``: as ``opd.rl.train_grpo``'s)."""
+  return train_grpo(model_cfg, params, params, examples, cfg, optim, loop, io, runtime=runtime,
+                    extras=GRPOExtras(reward_fn=reward_fn))

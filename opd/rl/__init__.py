@@ -9,7 +9,7 @@ jitted clipped objective), ``rollout_source`` (GRPO's batches, on ``opd.rollout.
 from opd.rl import advantages, config, grpo, loss, rollout_source, scoring, sequential
 from opd.rl.advantages import group_advantages
 from opd.rl.config import LOSS_AGGREGATIONS, LOSS_FIELDS, GRPOConfig
-from opd.rl.grpo import GRPORun, train_grpo
+from opd.rl.grpo import GRPOExtras, GRPORun, train_grpo
 from opd.rl.loss import check_batch, make_grpo_loss, policy_loss, token_entropy
 from opd.rl.rollout_source import GRPOSource, make_reference_fn, reference_logprobs
 from opd.rl.scoring import RewardFn, Score, count_reason, reward_metrics, score_episodes

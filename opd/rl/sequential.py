@@ -17,15 +17,16 @@ domain's verifier.
 """
 from __future__ import annotations
 
+import dataclasses
 import pathlib
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from opd.config.fields import check_int
 from opd.models import ModelConfig
-from opd.parallel import sharding as sharding_lib
 from opd.rl.config import GRPOConfig
-from opd.rl.grpo import GRPORun, train_grpo
+from opd.rl.grpo import GRPOExtras, GRPORun, train_grpo
 from opd.tasks import Example
+from opd.training.loop_config import LoopConfig, RunIO, Runtime
 from opd.training.train_step import OptimConfig, TrainState
 
 __all__ = ["SequentialRun", "stage_name", "train_sequential_grpo"]
@@ -47,14 +48,13 @@ def stage_name(index: int, name: str) -> str:
   return f"{index + 1}_{name}"
 
 
-def train_sequential_grpo(model_cfg: ModelConfig, params, stages: Sequence[tuple[str, Sequence[Example]]],
-                          cfg: GRPOConfig, optim: OptimConfig, *, tokenizer,
-                          steps: int | Sequence[int], mesh, rules=sharding_lib.DEFAULT_RULES,
-                          seed: int = 0, workdir: str | pathlib.Path | None = None,
-                          save_every: int = 0, keep_checkpoints: int = 1,
-                          run_config: Mapping[str, Any] | None = None,
-                          on_stage: Callable[[int, str, GRPORun], None] | None = None,
-                          **grpo_kwargs) -> SequentialRun:
+def train_sequential_grpo(model_cfg: ModelConfig, params,
+                          stages: Sequence[tuple[str, Sequence[Example]]], cfg: GRPOConfig,
+                          optim: OptimConfig, loop: LoopConfig | Sequence[LoopConfig],
+                          io: RunIO | None = None, *, runtime: Runtime,
+                          extras: GRPOExtras | None = None,
+                          on_stage: Callable[[int, str, GRPORun], None] | None = None
+                          ) -> SequentialRun:
   """Runs GRPO stage by stage (module docstring).
 
   Args:
@@ -63,16 +63,21 @@ def train_sequential_grpo(model_cfg: ModelConfig, params, stages: Sequence[tuple
       ``[("math", math_prompts), ("code", code_prompts)]``; names must be
       distinct identifiers-like strings (they name the stage directories).
     cfg, optim: GRPO and optimizer settings, the same for every stage.
-    steps: GRPO steps per stage (one int for all, or one per stage).
-    workdir: stage i writes metrics to ``workdir/<stage_name(i, name)>/``
-      and checkpoints to its ``checkpoints/`` (None: nothing written, no resume).
+    loop: one ``LoopConfig`` for every stage, or one per stage (its
+      ``steps``: GRPO steps of that stage, >= 1).
+    io: ``io.workdir``: stage i writes metrics to
+      ``workdir/<stage_name(i, name)>/`` and checkpoints to its
+      ``checkpoints/`` (None: nothing written, no resume); ``io.config`` (plus
+      the stage's ``{"index", "name"}``), ``on_metrics`` and ``eval_fn`` go
+      to every stage.
+    runtime: as ``train_grpo``'s; stage i samples with seed ``runtime.seed + i``.
+    extras: passed to every ``train_grpo`` call (``GRPOExtras``).
     on_stage: ``on_stage(i, name, run)`` after each stage.
-    grpo_kwargs: passed to every ``train_grpo`` call (``reward_fn``,
-      ``agent_config``, ``task_kwargs``, ``progress``, ``eval_fn``, ...).
 
   Raises:
     ValueError: no stages, a duplicate or empty stage name, empty prompts,
-      or ``steps`` of the wrong length.
+      ``loop`` of the wrong length or a stage of 0 steps, or an ``io`` with
+      its own writer or checkpoints (each stage has its own).
   """
   stages = [(str(n), list(p)) for n, p in stages]
   if not stages:
@@ -84,22 +89,28 @@ def train_sequential_grpo(model_cfg: ModelConfig, params, stages: Sequence[tuple
                        f"names: {names}")
     if not p:
       raise ValueError(f"stage {n!r} has no prompts")
-  per_stage = [steps] * len(stages) if isinstance(steps, int) else list(steps)
+  per_stage = [loop] * len(stages) if isinstance(loop, LoopConfig) else list(loop)
   if len(per_stage) != len(stages):
-    raise ValueError(f"steps has {len(per_stage)} entries for {len(stages)} stages")
-  per_stage = [check_int("train_sequential_grpo", f"steps[{i}]", s, min_value=1)
-               for i, s in enumerate(per_stage)]
-  root = pathlib.Path(workdir) if workdir is not None else None
+    raise ValueError(f"loop (steps) has {len(per_stage)} entries for {len(stages)} stages")
+  for i, stage_loop in enumerate(per_stage):
+    if not isinstance(stage_loop, LoopConfig):
+      raise ValueError(f"loop[{i}] must be a LoopConfig, got {type(stage_loop).__name__}")
+    check_int("train_sequential_grpo", f"steps[{i}]", stage_loop.steps, min_value=1)
+  io = io if io is not None else RunIO()
+  if io.writer is not None or io.checkpoints:
+    raise ValueError("train_sequential_grpo: each stage has its own metrics and checkpoints "
+                     "under io.workdir; io.writer, checkpoint_dir and checkpoint_manager must "
+                     "be None")
+  root = pathlib.Path(io.workdir) if io.workdir is not None else None
   done: list[tuple[str, GRPORun]] = []
-  for i, ((name, prompts), n_steps) in enumerate(zip(stages, per_stage)):
+  for i, ((name, prompts), stage_loop) in enumerate(zip(stages, per_stage)):
     stage_dir = root / stage_name(i, name) if root is not None else None
-    run = train_grpo(
-        model_cfg, params, params if cfg.kl_coef > 0 else None, prompts, cfg, optim,
-        tokenizer=tokenizer, steps=n_steps, mesh=mesh, rules=rules, seed=seed + i,
-        workdir=stage_dir, checkpoint_dir=stage_dir / "checkpoints" if stage_dir else None,
-        save_every=save_every, keep_checkpoints=keep_checkpoints,
-        run_config={**dict(run_config or {}), "stage": {"index": i, "name": name}},
-        **grpo_kwargs)
+    stage_io = dataclasses.replace(
+        io, workdir=stage_dir, checkpoint_dir=stage_dir / "checkpoints" if stage_dir else None,
+        config={**dict(io.config or {}), "stage": {"index": i, "name": name}})
+    run = train_grpo(model_cfg, params, params if cfg.kl_coef > 0 else None, prompts, cfg,
+                     optim, stage_loop, stage_io, runtime=runtime.replace(seed=runtime.seed + i),
+                     extras=extras)
     params = run.state.params
     done.append((name, run))
     if on_stage is not None:

@@ -12,6 +12,7 @@ from grm.scalar_rm import (bradley_terry_loss, bt_loss_fn, pair_batch, score_seq
                            sequence_rewards, train_reward_model)
 from opd.models import ModelConfig, forward, init_params
 from opd.parallel import sharding
+from opd.training.loop_config import LoopConfig, Runtime
 from opd.training.optim import OptimConfig
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -152,7 +153,8 @@ def test_bradley_terry_rm_beats_chance_on_held_out_pairs():
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   state = train_reward_model(CFG, bt_loss_fn(CFG), batches(),
                              OptimConfig(lr=3e-3, warmup_steps=5, decay_steps=60),
-                             steps=60, mesh=mesh, rules=sharding.DEFAULT_RULES, seed=0)
+                             LoopConfig(60, progress=False),
+                             runtime=Runtime(mesh, sharding.DEFAULT_RULES, seed=0))
   rc = score_sequences(CFG, state.params, test_c, seq_len=10, pad_id=0, batch_size=64)
   rr = score_sequences(CFG, state.params, test_r, seq_len=10, pad_id=0, batch_size=64)
   accuracy = float(np.mean(rc > rr))

@@ -9,6 +9,7 @@ from grm.shared import meta_labels_from_rewards, shared_loss_fn
 from opd.models import ModelConfig, forward, init_params
 from opd.rl import GRPOConfig
 from opd.rl.loss import make_grpo_loss
+from opd.training.loop_config import LoopConfig, Runtime
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                   scalar_head=True)
@@ -130,9 +131,11 @@ def test_shared_trainer_feeds_its_own_judgements_labels_to_the_joint_loss(monkey
   monkeypatch.setattr(shared, "_meta_label_extras", recording_extras)
 
   def run(w):
-    return shared.train_shared_rule_rl(cfg, params, _groups()[:4], grpo, optim, meta_weight=w,
-                                       tokenizer=tok, steps=1, mesh=mesh,
-                                       rules=sharding.DEFAULT_RULES, progress=False)
+    return shared.train_shared_rule_rl(cfg, params, _groups()[:4], grpo, optim,
+                                       LoopConfig(1, progress=False),
+                                       runtime=Runtime(mesh, sharding.DEFAULT_RULES,
+                                                       tokenizer=tok),
+                                       meta_weight=w)
 
   trained = run(1.0)
   (batch,), (rewards,) = seen, extras_seen

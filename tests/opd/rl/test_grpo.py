@@ -19,11 +19,13 @@ from opd import rollout as rollout_lib
 from opd.models import ModelConfig, init_params
 from opd.parallel import sharding
 from opd.rl import GRPOConfig, train_grpo
+from opd.rl.grpo import GRPOExtras
 from opd.rl import grpo as grpo_module
 from opd.tasks import Example, VerifierFailureError, get_task
 from opd.text.tokenizers import ByteTokenizer
 from opd.training.checkpoints import CheckpointManager
 from opd.training.lm_trainer import LMTrainConfig, train_lm
+from opd.training.loop_config import LoopConfig, RunIO, Runtime
 from opd.training.metrics_writer import read_metrics
 from opd.training.train_step import NonFiniteError, OptimConfig
 
@@ -58,10 +60,15 @@ def params():
   return init_params(CFG, jax.random.key(0))
 
 
-def _run(params, prompts, steps, mesh, cfg=GRPO, **kw):
-  kw.setdefault("reward_fn", starts_lowercase)
-  return train_grpo(CFG, params, params, prompts, cfg, OPTIM, tokenizer=TOK, steps=steps,
-                    mesh=mesh, progress=False, **kw)
+def _run(params, prompts, steps, mesh, cfg=GRPO, *, seed=0, save_every=0, keep_checkpoints=2,
+         eval_every=0, reward_fn=starts_lowercase, loss_fn=None, batch_extras=None, **io):
+  """``train_grpo`` on ``TOK``; ``io``: ``RunIO`` fields (workdir, checkpoint_dir, eval_fn)."""
+  return train_grpo(CFG, params, params, prompts, cfg, OPTIM,
+                    LoopConfig(steps, save_every=save_every, eval_every=eval_every,
+                               keep_checkpoints=keep_checkpoints, progress=False),
+                    RunIO(**io), runtime=Runtime(mesh, seed=seed, tokenizer=TOK),
+                    extras=GRPOExtras(reward_fn=reward_fn, loss_fn=loss_fn,
+                                      batch_extras=batch_extras))
 
 
 def test_grpo_learns_a_toy_bandit(mesh, params):
@@ -200,14 +207,15 @@ def test_resume_reproduces_the_uninterrupted_run_and_nan_keeps_checkpoints(mesh,
 
 def test_train_grpo_validates_arguments(mesh, params):
   with pytest.raises(ValueError, match="kl_coef=0.01 > 0 needs ref_params"):
-    train_grpo(CFG, params, None, bandit_prompts(4), GRPO, OPTIM, tokenizer=TOK, steps=1,
-               mesh=mesh)
+    train_grpo(CFG, params, None, bandit_prompts(4), GRPO, OPTIM, LoopConfig(1),
+               runtime=Runtime(mesh, tokenizer=TOK))
   with pytest.raises(ValueError, match="checkpointing needs a prompt iterator with get_state"):
-    train_grpo(CFG, params, params, iter(bandit_prompts(4)), GRPO, OPTIM, tokenizer=TOK,
-               steps=1, mesh=mesh, checkpoint_dir="/nonexistent/never-created")
-  with pytest.raises(ValueError, match=r"train_grpo.steps must be .*, got -1"):
-    train_grpo(CFG, params, params, bandit_prompts(4), GRPO, OPTIM, tokenizer=TOK, steps=-1,
-               mesh=mesh)
+    train_grpo(CFG, params, params, iter(bandit_prompts(4)), GRPO, OPTIM, LoopConfig(1),
+               RunIO(checkpoint_dir="/nonexistent/never-created"),
+               runtime=Runtime(mesh, tokenizer=TOK))
+  with pytest.raises(ValueError, match=r"LoopConfig.steps must be .*, got -1"):
+    train_grpo(CFG, params, params, bandit_prompts(4), GRPO, OPTIM, LoopConfig(-1),
+               runtime=Runtime(mesh, tokenizer=TOK))
 
 
 def _prompt_index(row_tokens, first_target):
@@ -275,7 +283,7 @@ def test_advantages_are_normalised_within_same_prompt_groups(mesh, params, monke
 def test_save_every_means_the_same_in_every_trainer(mesh, params, tmp_path, save_every, saved):
   """0: only after the last step; k: every k steps and after the last; the
   same checkpoint steps from the LM trainer and from GRPO (both run on
-  ``opd.training.loop.run``)."""
+  ``opd.training.loop.train``)."""
   rng = np.random.default_rng(0)
 
   def lm_batches():
@@ -286,8 +294,8 @@ def test_save_every_means_the_same_in_every_trainer(mesh, params, tmp_path, save
 
   train_lm(CFG, lm_batches(), OPTIM, LMTrainConfig(steps=3, save_every=save_every,
                                                    progress=False),
-           mesh=mesh, rules=sharding.DEFAULT_RULES, params=params,
-           checkpoint_dir=tmp_path / "lm")
+           RunIO(checkpoint_dir=tmp_path / "lm"), runtime=Runtime(mesh, sharding.DEFAULT_RULES),
+           params=params)
   _run(params, bandit_prompts(4), 3, mesh, cfg=GRPO.replace(updates_per_batch=1), seed=6,
        checkpoint_dir=tmp_path / "grpo", save_every=save_every, keep_checkpoints=5)
   assert CheckpointManager(tmp_path / "lm").all_steps() == saved

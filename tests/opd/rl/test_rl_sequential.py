@@ -15,8 +15,10 @@ from opd.models import ModelConfig, init_params
 from opd.parallel import sharding
 from opd.rl import GRPOConfig, train_grpo
 from opd.rl import sequential
+from opd.rl.grpo import GRPOExtras
 from opd.tasks import Example
 from opd.text.tokenizers import ByteTokenizer
+from opd.training.loop_config import LoopConfig, RunIO, Runtime
 from opd.training.train_step import OptimConfig
 
 TOK = ByteTokenizer()
@@ -26,6 +28,13 @@ GRPO = GRPOConfig(group_size=2, prompts_per_step=2, max_new_tokens=4, seq_len=64
                   num_text_samples=0)
 OPTIM = OptimConfig(lr=5e-3)
 LOWER = range(ord("a"), ord("z") + 1)
+
+
+def _loops(steps):
+  """One ``LoopConfig`` (an int) or one per stage (a list), without a progress bar."""
+  if isinstance(steps, int):
+    return LoopConfig(steps, progress=False)
+  return [LoopConfig(s, progress=False) for s in steps]
 
 
 def prompts(domain, n):
@@ -56,7 +65,7 @@ def test_stages_run_in_order_each_from_the_previous_params(mesh, tmp_path, monke
 
   def recording_train_grpo(model_cfg, params, ref_params, prompts, *args, **kw):
     run = train_grpo(model_cfg, params, ref_params, prompts, *args, **kw)
-    calls.append(dict(params=params, ref=ref_params, seed=kw["seed"], run=run,
+    calls.append(dict(params=params, ref=ref_params, seed=kw["runtime"].seed, run=run,
                       domains={ex.domain for ex in prompts}))
     return run
 
@@ -64,8 +73,8 @@ def test_stages_run_in_order_each_from_the_previous_params(mesh, tmp_path, monke
   rewards = Recorder()
   stages = [("beta", prompts("beta", 2)), ("alpha", prompts("alpha", 2))]
   out = sequential.train_sequential_grpo(
-      CFG, params0, stages, GRPO, OPTIM, tokenizer=TOK, steps=[2, 1], mesh=mesh, seed=3,
-      workdir=tmp_path, reward_fn=rewards, progress=False)
+      CFG, params0, stages, GRPO, OPTIM, _loops([2, 1]), RunIO(workdir=tmp_path),
+      runtime=Runtime(mesh, seed=3, tokenizer=TOK), extras=GRPOExtras(reward_fn=rewards))
   assert [c["domains"] for c in calls] == [{"beta"}, {"alpha"}]
   assert [n for n, _ in out.stages] == ["beta", "alpha"]
   # Rollouts: 2 steps of beta, then 1 of alpha, each step P·G = 4 episodes.
@@ -86,8 +95,8 @@ def test_stages_run_in_order_each_from_the_previous_params(mesh, tmp_path, monke
   # Re-running resumes: both stages are finished, nothing is trained again,
   # and the same params come out.
   again = sequential.train_sequential_grpo(
-      CFG, params0, stages, GRPO, OPTIM, tokenizer=TOK, steps=[2, 1], mesh=mesh, seed=3,
-      workdir=tmp_path, reward_fn=rewards, progress=False)
+      CFG, params0, stages, GRPO, OPTIM, _loops([2, 1]), RunIO(workdir=tmp_path),
+      runtime=Runtime(mesh, seed=3, tokenizer=TOK), extras=GRPOExtras(reward_fn=rewards))
   assert len(rewards.calls) == 3 and all(not run.history for _, run in again.stages)
   for a, b in zip(jax.tree.leaves(out.state.params), jax.tree.leaves(again.state.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -101,8 +110,8 @@ def test_mixed_grpo_draws_every_domain(mesh):
   mix = [ex for d in domains for ex in prompts(d, 2)]
   rewards = Recorder()
   run = train_grpo(CFG, init_params(CFG, jax.random.key(1)), None, mix,
-                   GRPO.replace(kl_coef=0.0), OPTIM, tokenizer=TOK, steps=3, mesh=mesh,
-                   reward_fn=rewards, progress=False)
+                   GRPO.replace(kl_coef=0.0), OPTIM, _loops(3),
+                   runtime=Runtime(mesh, tokenizer=TOK), extras=GRPOExtras(reward_fn=rewards))
   counts = collections.Counter(d for call in rewards.calls for d in call)
   assert counts == {d: 2 * GRPO.group_size for d in domains}
   assert len(rewards.calls) == len(run.history) == 3
@@ -120,5 +129,5 @@ def test_mixed_grpo_draws_every_domain(mesh):
 ])
 def test_bad_stages_are_refused(mesh, stages, steps, match):
   with pytest.raises(ValueError, match=match):
-    sequential.train_sequential_grpo(CFG, None, stages, GRPO, OPTIM, tokenizer=TOK, steps=steps,
-                                     mesh=mesh)
+    sequential.train_sequential_grpo(CFG, None, stages, GRPO, OPTIM, _loops(steps),
+                                     runtime=Runtime(mesh, tokenizer=TOK))
