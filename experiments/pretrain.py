@@ -39,11 +39,12 @@ def corpus(n: int, seed: int, response_fraction: float, split: str = "train") ->
 
 
 def lm_batches(texts, tok, model_cfg, config, *, seed, num_epochs=None, batch_size=None):
-  return data_lib.lm_dataset(
-      texts, tok.encode, seq_len=config.train.seq_len,
+  data = data_lib.DataConfig(
+      seq_len=config.train.seq_len,
       batch_size=batch_size or common.per_process_batch(config.train.batch_size),
-      seed=seed, mode=config.data.mode, num_epochs=num_epochs, bos_id=tok.bos_id,
-      eos_id=tok.eos_id, pad_id=tok.pad_id, vocab_size=model_cfg.vocab_size)
+      seed=seed, mode=config.data.mode, num_epochs=num_epochs, pad_id=tok.pad_id,
+      vocab_size=model_cfg.vocab_size)
+  return data_lib.lm_dataset(texts, tok.encode, data, bos_id=tok.bos_id, eos_id=tok.eos_id)
 
 
 def sample_text(model_cfg, params, tok, seed: int, mesh, rules, n: int = 4) -> str:

@@ -371,7 +371,7 @@ def check_token_ids(ids, vocab_size: int, name: str = "tokens") -> None:
   another token. The contract is that ids are checked where they enter from
   the host: ``forward`` and ``token_logprobs`` on concrete arrays (this
   function), the sampler's prompts (``opd.rollout.sampler.generate``) and the
-  data pipeline (``opd.training.data.lm_dataset(vocab_size=...)``).
+  data pipeline (``opd.training.data.DataConfig(vocab_size=...)``).
 
   Args:
     ids: token ids of any shape (numpy, list or a concrete ``jax.Array``;

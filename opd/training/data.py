@@ -60,48 +60,79 @@ BATCH_KEYS = ("tokens", "targets", "loss_mask", "mask", "positions", "segment_id
 
 
 @dataclasses.dataclass(frozen=True)
-class _Options:
-  """Shape and ordering options shared by both pipelines (see ``lm_dataset``);
-  ``owner`` is the public function they were passed to, for error messages."""
-  owner: str
+class DataConfig:
+  """Shape, order and sharding of a pipeline's batches (``lm_dataset``, ``sft_dataset``).
+
+  Attributes:
+    seq_len: T, tokens per row.
+    batch_size: B, rows per batch on this process.
+    seed: shuffling seed; the same seed gives the same order.
+    mode: ``"pad"`` (one document per row) or ``"pack"`` (first-fit packing);
+      see the module docstring for the trade-off. None: the pipeline's
+      default (``lm_dataset``: pack, ``sft_dataset``: pad).
+    num_epochs: passes over the data; ``None`` repeats forever.
+    shuffle: shuffle documents (a fresh permutation each epoch).
+    drop_remainder: drop a final batch with fewer than B rows.
+    process_index, process_count: this process's shard; None:
+      ``jax.process_index()`` / ``jax.process_count()``.
+    pad_id: id written at padding in ``tokens`` and ``targets``.
+    too_long: a document with more than T + 1 tokens is ``"split"`` into
+      consecutive pieces of T (no target is lost), ``"truncate"``d to its
+      first T + 1 tokens, or raises (``"error"``). None: the pipeline's
+      default (``lm_dataset``: split; ``sft_dataset``: error, since silently
+      cutting an SFT example drops response tokens).
+    num_packing_bins: rows packed at once (default B); more bins pack denser
+      but mix documents from further apart in the stream.
+    vocab_size: when given, ids outside ``[0, vocab_size)`` raise.
+  """
   seq_len: int
   batch_size: int
-  seed: int
-  mode: str
-  num_epochs: int | None
-  shuffle: bool
-  drop_remainder: bool
-  process_index: int
-  process_count: int
-  pad_id: int
-  too_long: str
-  num_packing_bins: int | None
-  vocab_size: int | None
+  seed: int = 0
+  mode: str | None = None
+  num_epochs: int | None = 1
+  shuffle: bool = True
+  drop_remainder: bool = True
+  process_index: int | None = None
+  process_count: int | None = None
+  pad_id: int = 0
+  too_long: str | None = None
+  num_packing_bins: int | None = None
+  vocab_size: int | None = None
 
   def __post_init__(self):
-    own = self.owner
-    check_fields(self, own, ints={"seq_len": 1, "batch_size": 1, "process_count": 1})
-    for name in ("num_epochs", "num_packing_bins", "vocab_size"):
+    own = "DataConfig"
+    check_fields(self, own, ints={"seq_len": 1, "batch_size": 1, "seed": 0, "pad_id": 0},
+                 bools=("shuffle", "drop_remainder"))
+    for name in ("num_epochs", "num_packing_bins", "vocab_size", "process_count"):
       set_field(self, name, check_int(own, name, getattr(self, name), min_value=1,
                                       allow_none=True))
-    check_fields(self, own, ints={"seed": 0, "pad_id": 0}, bools=("shuffle", "drop_remainder"),
-                 choices={"mode": MODES, "too_long": LONG_POLICIES})
     set_field(self, "process_index", check_int(own, "process_index", self.process_index,
-                                               min_value=0))
-    if self.process_index >= self.process_count:
+                                               min_value=0, allow_none=True))
+    for name, options in (("mode", MODES), ("too_long", LONG_POLICIES)):
+      if getattr(self, name) is not None and getattr(self, name) not in options:
+        raise ValueError(f"{own}.{name} must be one of {options}, got {getattr(self, name)!r}")
+    if (self.process_index is not None and self.process_count is not None
+        and self.process_index >= self.process_count):
       raise ValueError(f"{own}.process_index={self.process_index} must be in "
                        f"[0, process_count={self.process_count})")
     if self.vocab_size is not None and self.pad_id >= self.vocab_size:
       raise ValueError(f"{own}.pad_id={self.pad_id} is outside the vocabulary "
                        f"[0, {self.vocab_size})")
 
+  def replace(self, **changes) -> "DataConfig":
+    return dataclasses.replace(self, **changes)
 
-def _process_defaults(process_index, process_count):
-  if process_index is None or process_count is None:
-    import jax  # deferred: building a pipeline should not require jax otherwise
-    process_index = jax.process_index() if process_index is None else process_index
-    process_count = jax.process_count() if process_count is None else process_count
-  return int(process_index), int(process_count)
+  def _resolved(self, mode: str, too_long: str) -> "DataConfig":
+    """A copy with ``mode``/``too_long`` defaulted and this process's shard filled in."""
+    index, count = self.process_index, self.process_count
+    if index is None or count is None:
+      import jax  # deferred: building a pipeline should not require jax otherwise
+      index = jax.process_index() if index is None else index
+      count = jax.process_count() if count is None else count
+    if index >= count:
+      raise ValueError(f"DataConfig.process_index={index} must be in [0, process_count={count})")
+    return self.replace(mode=self.mode or mode, too_long=self.too_long or too_long,
+                        process_index=int(index), process_count=int(count))
 
 
 def _shuffle_seed(seed: int) -> int:
@@ -117,7 +148,7 @@ def _check_ids(ids: np.ndarray, index: int, vocab_size: int | None, what: str):
     raise ValueError(f"{what} {index}: token id {int(ids.max())} >= vocab_size={vocab_size}")
 
 
-def _shift_and_cut(index: int, ids: np.ndarray, weights: np.ndarray, opts: _Options,
+def _shift_and_cut(index: int, ids: np.ndarray, weights: np.ndarray, opts: DataConfig,
                    what: str) -> list[dict[str, np.ndarray]]:
   """One document of length n -> pieces of at most T (input, target) pairs."""
   if len(ids) < 2:
@@ -176,7 +207,7 @@ def _rekey_packed(row: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def _build(source: Sequence[Any], to_ids: Callable[[int, Any], tuple[np.ndarray, np.ndarray]],
-           opts: _Options, what: str) -> grain.IterDataset:
+           opts: DataConfig, what: str) -> grain.IterDataset:
   """Shared pipeline: order, shard, tokenize, shift, cut, pad/pack, batch."""
   if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
     raise ValueError(f"{what}s must be a random-access sequence (list, tuple, grain data "
@@ -218,14 +249,8 @@ def _build(source: Sequence[Any], to_ids: Callable[[int, Any], tuple[np.ndarray,
   return it.batch(opts.batch_size, drop_remainder=opts.drop_remainder)
 
 
-def lm_dataset(texts: Sequence[str], encode: Callable[[str], Sequence[int]], *,
-               seq_len: int, batch_size: int, seed: int = 0, mode: str = "pack",
-               num_epochs: int | None = 1, shuffle: bool = True,
-               drop_remainder: bool = True, process_index: int | None = None,
-               process_count: int | None = None, bos_id: int | None = None,
-               eos_id: int | None = None, pad_id: int = 0, too_long: str = "split",
-               num_packing_bins: int | None = None,
-               vocab_size: int | None = None) -> grain.IterDataset:
+def lm_dataset(texts: Sequence[str], encode: Callable[[str], Sequence[int]], data: DataConfig,
+               *, bos_id: int | None = None, eos_id: int | None = None) -> grain.IterDataset:
   """LM pre-training batches from raw texts.
 
   Each text becomes ``[bos] + encode(text) + [eos]`` (bos/eos only when given)
@@ -234,24 +259,9 @@ def lm_dataset(texts: Sequence[str], encode: Callable[[str], Sequence[int]], *,
   Args:
     texts: the documents; held in memory.
     encode: any ``str -> list[int]`` tokenizer.
-    seq_len: T, tokens per row.
-    batch_size: B, rows per batch on this process.
-    seed: shuffling seed; the same seed gives the same order.
-    mode: ``"pad"`` (one document per row) or ``"pack"`` (first-fit packing);
-      see the module docstring for the trade-off.
-    num_epochs: passes over the data; ``None`` repeats forever.
-    shuffle: shuffle documents (a fresh permutation each epoch).
-    drop_remainder: drop a final batch with fewer than B rows.
-    process_index, process_count: this process's shard; default
-      ``jax.process_index()`` / ``jax.process_count()``.
+    data: the batches' shape, order and shard (``DataConfig``; ``mode``
+      defaults to ``"pack"``, ``too_long`` to ``"split"``).
     bos_id, eos_id: ids prepended / appended to every document.
-    pad_id: id written at padding in ``tokens`` and ``targets``.
-    too_long: a document with more than T + 1 tokens is ``"split"`` into
-      consecutive pieces of T (no target is lost), ``"truncate"``d to its first
-      T + 1 tokens, or raises (``"error"``).
-    num_packing_bins: rows packed at once (default B); more bins pack denser
-      but mix documents from further apart in the stream.
-    vocab_size: when given, ids outside ``[0, vocab_size)`` raise.
 
   Returns:
     A ``grain.IterDataset`` of dicts with the keys in ``BATCH_KEYS``, each
@@ -261,10 +271,9 @@ def lm_dataset(texts: Sequence[str], encode: Callable[[str], Sequence[int]], *,
     raise ValueError("texts must be a sequence of strings, got a single string")
   if not callable(encode):
     raise ValueError(f"encode must be callable, got {encode!r}")
-  process_index, process_count = _process_defaults(process_index, process_count)
-  opts = _Options("lm_dataset", seq_len, batch_size, seed, mode, num_epochs, shuffle,
-                  drop_remainder, process_index, process_count, pad_id, too_long,
-                  num_packing_bins, vocab_size)
+  if not isinstance(data, DataConfig):
+    raise ValueError(f"data must be a DataConfig, got {type(data).__name__}")
+  opts = data._resolved(mode="pack", too_long="split")
   prefix = [] if bos_id is None else [int(bos_id)]
   suffix = [] if eos_id is None else [int(eos_id)]
 
@@ -277,12 +286,7 @@ def lm_dataset(texts: Sequence[str], encode: Callable[[str], Sequence[int]], *,
   return _build(texts, to_ids, opts, "text")
 
 
-def sft_dataset(examples: Sequence[Any], *, seq_len: int, batch_size: int, seed: int = 0,
-                mode: str = "pad", num_epochs: int | None = 1, shuffle: bool = True,
-                drop_remainder: bool = True, process_index: int | None = None,
-                process_count: int | None = None, pad_id: int = 0,
-                too_long: str = "error", num_packing_bins: int | None = None,
-                vocab_size: int | None = None) -> grain.IterDataset:
+def sft_dataset(examples: Sequence[Any], data: DataConfig) -> grain.IterDataset:
   """SFT batches from token ids with a per-token loss mask.
 
   Args:
@@ -291,19 +295,19 @@ def sft_dataset(examples: Sequence[Any], *, seq_len: int, batch_size: int, seed:
       should be *predicted* (typically the response tokens). After the shift,
       the batch's ``loss_mask[t]`` refers to ``targets[t] = ids[t + 1]``, so
       the first token of an example is never a target.
-    too_long: defaults to ``"error"``: silently cutting an SFT example drops
-      response tokens; choose ``"split"`` or ``"truncate"`` knowingly.
-    (the remaining arguments are as in ``lm_dataset``; ``mode`` defaults to
-    ``"pad"``; ``"pack"`` is exact too when the model gets ``segment_ids``.)
+    data: the batches' shape, order and shard (``DataConfig``). ``too_long``
+      defaults to ``"error"``: silently cutting an SFT example drops response
+      tokens; choose ``"split"`` or ``"truncate"`` knowingly. ``mode``
+      defaults to ``"pad"``; ``"pack"`` is exact too when the model gets
+      ``segment_ids``.
 
   Returns:
     A ``grain.IterDataset`` of dicts with the keys in ``BATCH_KEYS``, each
     ``[B, T]``.
   """
-  process_index, process_count = _process_defaults(process_index, process_count)
-  opts = _Options("sft_dataset", seq_len, batch_size, seed, mode, num_epochs, shuffle,
-                  drop_remainder, process_index, process_count, pad_id, too_long,
-                  num_packing_bins, vocab_size)
+  if not isinstance(data, DataConfig):
+    raise ValueError(f"data must be a DataConfig, got {type(data).__name__}")
+  opts = data._resolved(mode="pad", too_long="error")
 
   def to_ids(index, example):
     if isinstance(example, Mapping):

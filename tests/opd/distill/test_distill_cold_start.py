@@ -19,7 +19,7 @@ from opd.distill.teachers import Teacher
 from opd.models import ModelConfig, init_params
 from opd.tasks import get_task
 from opd.text.tokenizers import END, ByteTokenizer
-from opd.training.data import sft_dataset
+from opd.training.data import DataConfig, sft_dataset
 
 TOK = ByteTokenizer()
 V = TOK.vocab_size
@@ -63,7 +63,8 @@ def test_only_verified_answers_are_kept_and_rejections_are_counted():
     assert not mask[:n].any() and mask[n:].all()
     assert TOK.decode(ids[n:-1]) == ANSWER and ids[-1] == TOK.token_to_id(END)
   # The pairs are what the SFT objective's batches take.
-  batch = next(iter(sft_dataset(data.pairs, seq_len=64, batch_size=2, pad_id=TOK.pad_id)))
+  batch = next(iter(sft_dataset(data.pairs, DataConfig(seq_len=64, batch_size=2,
+                                                       pad_id=TOK.pad_id))))
   assert batch["loss_mask"].sum() == 2 * (len(TOK.encode(ANSWER)) + 1)
 
 

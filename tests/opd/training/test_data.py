@@ -66,9 +66,9 @@ def _decode(batches, pad_id=PAD):
 
 
 def _lm(texts, **kw):
-  kw = {"seq_len": T, "batch_size": 4, "bos_id": BOS, "eos_id": EOS, "pad_id": PAD,
-        "process_index": 0, "process_count": 1, **kw}
-  return data.lm_dataset(texts, encode, **kw)
+  kw = {"seq_len": T, "batch_size": 4, "pad_id": PAD, "process_index": 0, "process_count": 1,
+        **kw}
+  return data.lm_dataset(texts, encode, data.DataConfig(**kw), bos_id=BOS, eos_id=EOS)
 
 
 def _doc_order(batches):
@@ -169,8 +169,9 @@ def test_sft_loss_mask_is_shifted_with_targets(mode):
   examples = _sft_examples(20)
   # Half as pairs, half as mappings: both input forms are accepted.
   mixed = [e if i % 2 else {"tokens": e[0], "loss_mask": e[1]} for i, e in enumerate(examples)]
-  ds = data.sft_dataset(mixed, seq_len=T, batch_size=4, mode=mode, pad_id=PAD,
-                        drop_remainder=False, process_index=0, process_count=1)
+  ds = data.sft_dataset(mixed, data.DataConfig(seq_len=T, batch_size=4, mode=mode, pad_id=PAD,
+                                               drop_remainder=False, process_index=0,
+                                               process_count=1))
   got = collections.Counter(_decode(list(ds)))
   # Reference: target t is ids[t + 1], weighted by the mask of that token.
   expected = collections.Counter(
@@ -181,9 +182,10 @@ def test_sft_loss_mask_is_shifted_with_targets(mode):
 def test_sft_too_long_policies():
   ids = np.arange(40) % 200
   mask = (np.arange(40) >= 10).astype(np.float32)
-  make = lambda policy: data.sft_dataset([(ids[:5], mask[:5]), (ids, mask)], seq_len=T,
-                                         batch_size=1, mode="pad", too_long=policy, pad_id=PAD,
-                                         shuffle=False, process_index=0, process_count=1)
+  make = lambda policy: data.sft_dataset(
+      [(ids[:5], mask[:5]), (ids, mask)],
+      data.DataConfig(seq_len=T, batch_size=1, mode="pad", too_long=policy, pad_id=PAD,
+                      shuffle=False, process_index=0, process_count=1))
   with pytest.raises(ValueError, match=r"example 1 has 40 tokens, more than seq_len \+ 1 = 17"):
     list(make("error"))
   pieces = _decode(list(make("split")))
@@ -201,21 +203,21 @@ def test_sft_too_long_policies():
 def test_bad_arguments(kwargs, pattern):
   base = dict(seq_len=T, batch_size=2, process_index=0, process_count=1)
   with pytest.raises(ValueError, match=pattern):
-    data.lm_dataset(["a"], encode, **{**base, **kwargs})
+    data.lm_dataset(["a"], encode, data.DataConfig(**{**base, **kwargs}))
 
 
 def test_bad_examples():
   base = dict(seq_len=T, batch_size=1, process_index=0, process_count=1, shuffle=False)
   with pytest.raises(ValueError, match=r"example 0: ids and loss_mask must be 1-D of equal "
                                        r"length, got ids.shape=\(3,\) weights.shape=\(2,\)"):
-    list(data.sft_dataset([([1, 2, 3], [0, 1])], **base))
+    list(data.sft_dataset([([1, 2, 3], [0, 1])], data.DataConfig(**base)))
   with pytest.raises(ValueError, match=r"example 0 needs keys 'tokens' and 'loss_mask'"):
-    list(data.sft_dataset([{"ids": [1, 2]}], **base))
+    list(data.sft_dataset([{"ids": [1, 2]}], data.DataConfig(**base)))
   with pytest.raises(ValueError, match=r"text 0: token id 300 >= vocab_size=260"):
-    list(data.lm_dataset(["a"], lambda s: [300], vocab_size=260, **base))
+    list(data.lm_dataset(["a"], lambda s: [300], data.DataConfig(vocab_size=260, **base)))
   with pytest.raises(ValueError, match="texts must be a random-access sequence"):
-    data.lm_dataset((t for t in ["a"]), encode, **base)
+    data.lm_dataset((t for t in ["a"]), encode, data.DataConfig(**base))
   with pytest.raises(ValueError, match="a single string"):
-    data.lm_dataset("abc", encode, **base)
+    data.lm_dataset("abc", encode, data.DataConfig(**base))
   with pytest.raises(ValueError, match=r"3 examples cannot be split over process_count=4"):
-    data.sft_dataset([([1, 2], [1, 1])] * 3, **{**base, "process_count": 4})
+    data.sft_dataset([([1, 2], [1, 1])] * 3, data.DataConfig(**{**base, "process_count": 4}))
