@@ -117,14 +117,14 @@ def train_lm(model_cfg: ModelConfig, batches: Iterator[Mapping[str, np.ndarray]]
                             after_update=moe_balance.bias_update_hook(model_cfg))
 
   jitted_eval = _jit_eval(loss_fn)  # one compile for every eval of this run
-  extra_eval = io.eval_fn
+  io_eval = io.eval_fn
 
   def eval_fn(p) -> dict[str, float]:
     out = {}
     if eval_batches:
       out.update(evaluate_loss(loss_fn, p, eval_batches, mesh, rules, jitted=jitted_eval))
-    if extra_eval is not None:
-      out.update(extra_eval(p))
+    if io_eval is not None:
+      out.update(io_eval(p))
     return out
 
   manager = None
@@ -133,7 +133,7 @@ def train_lm(model_cfg: ModelConfig, batches: Iterator[Mapping[str, np.ndarray]]
                                 keep_best=1 if eval_batches else 0, best_metric="eval/loss")
   config = dict(io.config or {})
   config.setdefault("model", model_cfg.to_dict())
-  has_eval = bool(eval_batches) or extra_eval is not None
+  has_eval = bool(eval_batches) or io_eval is not None
   loop = loop.replace(save_every=loop.save_every if manager is not None or
                       io.checkpoint_manager is not None else 0,
                       eval_every=loop.eval_every if has_eval else 0)
