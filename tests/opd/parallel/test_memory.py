@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 
 from opd.models import ModelConfig, init_params
 from opd.models.decoder import Decoder
@@ -71,6 +72,26 @@ def test_activations_track_compiled_temp_bytes(kw, batch, seq):
   assert analysis.output_size_in_bytes == est.grads + 8 * len(jax.tree.leaves(params))
   assert abs(predicted / analysis.temp_size_in_bytes - 1) < 0.15, (
       predicted, analysis.temp_size_in_bytes)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_remat_keeps_one_block_input_per_layer(remat, capsys):
+  """The remat formula's kept term, L·N·D·b, checked where the CPU can: the
+  residuals jax saves for the backward (``print_saved_residuals``). With remat
+  the D-wide residuals are the L block outputs plus the embedding output and
+  the final norm's two (the loss head's ``6D``); no F-wide or score residual."""
+  cfg = TINY.replace(n_layers=3, remat=remat)
+  params = init_params(cfg, jax.random.key(0))
+  tokens = jnp.zeros((2, 16), jnp.int32)
+  print_saved_residuals(lambda p: _ce_loss(cfg)(p, tokens), params)
+  lines = [l for l in capsys.readouterr().out.splitlines() if "argument" not in l]
+  d_wide = [l for l in lines if l.startswith("f32[2,16,128] ")]
+  f_wide = [l for l in lines if l.startswith("f32[2,16,384] ")]
+  scores = [l for l in lines if l.startswith("f32[2,2,2,16,16] ")]  # [B, K, G, T, S]
+  if remat:
+    assert len(d_wide) == cfg.n_layers + 3 and not f_wide and not scores, lines
+  else:
+    assert len(d_wide) > cfg.n_layers + 3 and f_wide and scores
 
 
 def test_sharding_divides_the_terms():
