@@ -59,8 +59,13 @@ def _configs(full: bool, dtype: str) -> dict[str, ModelConfig]:
 
 
 def run(*, full: bool = False, batch: int = 4, prompt_len: int = 16, new_tokens: int = 16,
-        steps: int = 2, dtype: str = "bfloat16", seed: int = 0, devices=None) -> dict:
+        steps: int = 2, dtype: str = "bfloat16", seed: int = 0, devices=None,
+        device_gib: float | None = None) -> dict:
   """Runs the rehearsal and returns its table (see the module docstring).
+
+  ``device_gib``: refuse (``opd.parallel.memory.DoesNotFitError``, before
+  anything is created or compiled) when the memory model's per-device
+  estimate exceeds it.
 
   Raises:
     ValueError: naming a non-positive ``batch``, ``prompt_len``, ``new_tokens``
@@ -75,6 +80,13 @@ def run(*, full: bool = False, batch: int = 4, prompt_len: int = 16, new_tokens:
   devices = list(jax.devices() if devices is None else devices)
   if batch % len(devices):
     raise ValueError(f"rehearsal: batch={batch} is not divisible by the {len(devices)} devices")
+  seq_len = prompt_len + new_tokens - 1
+  model_kw = dict(fused_loss=True, num_teachers=len(cfgs),
+                  teacher_dims=tuple(c.d_model for c in cfgs.values()), rollout_batch=batch,
+                  cache_len=seq_len + 1)
+  if device_gib is not None:
+    memory.check_fits(student, (1, len(devices), 1), batch, seq_len, device_gib * 2**30,
+                      **model_kw)
   mesh = make_mesh((1, len(devices), 1), devices)
   times: dict[str, float] = {}
   t0 = time.perf_counter()
@@ -131,10 +143,7 @@ def run(*, full: bool = False, batch: int = 4, prompt_len: int = 16, new_tokens:
   tokens = int(np.prod(arrays["tokens"].shape))
   cache_bytes = tokens * sum(v for k, v in per_token.items() if k.startswith("cache/"))
   logit_bytes = tokens * per_token["logits"] * len(cfgs)
-  est = memory.estimate_memory(student, (1, len(devices), 1), batch, seq.shape[1] - 1,
-                               fused_loss=True, num_teachers=len(cfgs),
-                               teacher_dims=tuple(c.d_model for c in cfgs.values()),
-                               rollout_batch=batch, cache_len=seq.shape[1])
+  est = memory.estimate_memory(student, (1, len(devices), 1), batch, seq_len, **model_kw)
   return {"shape": "full" if full else "reduced", "student_params": student.num_params(),
           "teacher_params": {n: c.num_params() for n, c in cfgs.items()},
           "tokens": tokens, "seconds": times, "peak_rss_gib": _peak_rss_gib(),
@@ -151,9 +160,12 @@ def main(argv=None):
   parser.add_argument("--new_tokens", type=int, default=16)
   parser.add_argument("--steps", type=int, default=2)
   parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--device_gib", type=float, default=None,
+                      help="refuse before compiling if the memory model exceeds this")
   args = parser.parse_args(argv)
   table = run(full=args.full, batch=args.batch, prompt_len=args.prompt_len,
-              new_tokens=args.new_tokens, steps=args.steps, dtype=args.dtype)
+              new_tokens=args.new_tokens, steps=args.steps, dtype=args.dtype,
+              device_gib=args.device_gib)
   print(json.dumps(table, indent=1))
   return table
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from experiments import rehearsal
+from opd.parallel import memory
 
 
 def test_reduced_rehearsal_table():
@@ -18,6 +19,12 @@ def test_reduced_rehearsal_table():
   assert table["steps_applied"] == 1 and np.isfinite(table["losses"]).all()
   assert set(table["seconds"]) == {"init_student", "rollout", "teachers", "opd_steps"}
   assert table["peak_rss_gib"] > 0
+
+
+def test_full_shape_refused_before_compiling():
+  """The Qwen3-0.6B shape on a 1 GiB device: the memory model refuses it at once."""
+  with pytest.raises(memory.DoesNotFitError, match="largest terms: optimizer"):
+    rehearsal.run(full=True, device_gib=1.0, devices=jax.devices()[:1])
 
 
 def test_bad_arguments():
