@@ -35,6 +35,7 @@ from opd.models import init_params, to_model_config
 from opd.parallel import distributed
 from opd.tasks import domain_examples
 from opd.training import lm_trainer
+from opd.training.loop_config import LoopConfig, RunIO, Runtime
 from opd.training.checkpoints import CheckpointManager, load_params
 from opd.training.metrics_writer import MetricWriter
 from opd.training.sft import SFTData, sft_batches, train_sft
@@ -55,7 +56,7 @@ def _build_teacher(config, name: str, group, root: pathlib.Path, mesh, rules) ->
     train_sft(to_model_config(group.model), None, data, workdir,
               optim=common.optim_config(config.build_teachers.optim),
               loop=lm_trainer.LMTrainConfig(steps=steps, save_every=steps, progress=False),
-              mesh=mesh, rules=rules, seed=config.seed + 1)
+              runtime=Runtime(mesh, rules, seed=config.seed + 1))
   return str(ckpt)
 
 
@@ -122,12 +123,13 @@ def run_opd(config, workdir: str) -> dict:
     # Saved with every checkpoint: a resumed run gets the original step-0 eval back.
     firsts = {0: first} if first else {}
     out = train_opd(student_cfg, params, pool, prompts, cfg, common.optim_config(config.optim),
-                    tokenizer=tok, steps=config.train.steps, mesh=mesh, rules=rules,
-                    seed=config.seed, writer=writer, checkpoint_dir=root / "checkpoints",
-                    save_every=config.train.save_every,
-                    keep_checkpoints=config.train.keep_checkpoints,
-                    run_config={"experiment": config_to_dict(config)}, eval_fn=evaluate,
-                    eval_every=config.train.eval_every, first_metrics=firsts)
+                    LoopConfig(config.train.steps, save_every=config.train.save_every,
+                               eval_every=config.train.eval_every,
+                               keep_checkpoints=config.train.keep_checkpoints),
+                    RunIO(writer=writer, checkpoint_dir=root / "checkpoints",
+                          config={"experiment": config_to_dict(config)}, eval_fn=evaluate,
+                          first_metrics=firsts),
+                    runtime=Runtime(mesh, rules, seed=config.seed, tokenizer=tok))
   first = firsts.get(0, {})
   names, last = pool.names, out.history[-1] if out.history else {}
   plots = [common.plot_curves(root, keys=[f"eval/rkl/{n}" for n in names], filename="rkl.png",
@@ -178,11 +180,11 @@ def run_cold_start(config, workdir: str) -> dict:
     logger = common.Logger(writer)
     state = lm_trainer.train_lm(
         student_cfg, batches, common.optim_config(config.optim),
-        lm_trainer.LMTrainConfig(steps=cs.steps, save_every=cs.steps), mesh=mesh, rules=rules,
-        seed=config.seed, params=params, checkpoint_dir=pathlib.Path(workdir) / "checkpoints",
-        on_metrics=logger, run_config={"model": student_cfg.to_dict(),
-                                       "experiment": config_to_dict(config)},
-        first_metrics=first)
+        lm_trainer.LMTrainConfig(steps=cs.steps, save_every=cs.steps),
+        RunIO(checkpoint_dir=pathlib.Path(workdir) / "checkpoints", on_metrics=logger,
+              config={"model": student_cfg.to_dict(), "experiment": config_to_dict(config)},
+              first_metrics=first),
+        runtime=Runtime(mesh, rules, seed=config.seed), params=params)
   losses = [m["loss"] for _, m in logger.history if "loss" in m]
   return {"steps": int(state.step), **data.metrics,
           "train_loss_first": first[1]["loss"] if 1 in first else float("nan"),

@@ -76,6 +76,7 @@ from opd.rl.config import GRPOConfig
 from opd.rollout.episodes import RolloutLog
 from opd.training import lm_trainer
 from opd.training.checkpoints import CheckpointManager
+from opd.training.loop_config import LoopConfig, RunIO, Runtime
 from opd.training.metrics_writer import MetricWriter
 
 _PER_DOMAIN_KEYS = ("num_train", "num_test", "difficulties")
@@ -143,10 +144,11 @@ def _sft(ctx, params, pairs, workdir: pathlib.Path, steps: int, seq_len: int | N
   with MetricWriter(workdir) as writer:
     logger = common.Logger(writer, every=max(1, steps // 20))
     training_lib.train_judgement_sft(
-        ctx.model_cfg, params, ctx.tok, pairs,
+        ctx.model_cfg, params, pairs,
         optim=common.optim_config(c.sft_optim, "config.sft_optim", **decay), loop=loop,
-        mesh=ctx.mesh, rules=ctx.rules, seed=c.seed, seq_len=seq_len,
-        batch_size=c.sft.batch_size, checkpoint_dir=workdir / "checkpoints", on_metrics=logger)
+        io=RunIO(checkpoint_dir=workdir / "checkpoints", on_metrics=logger),
+        runtime=Runtime(ctx.mesh, ctx.rules, seed=c.seed, tokenizer=ctx.tok), seq_len=seq_len,
+        batch_size=c.sft.batch_size)
   losses = [m["loss"] for _, m in logger.history if "loss" in m]
   return {"pairs": len(pairs), "loss_first": losses[0], "loss_final": float(np.mean(losses[-5:])),
           "tokens_max": max(lengths), "tokens_mean": float(np.mean(lengths)),
@@ -202,10 +204,11 @@ def _stage_rule_rl(ctx, workdir):
   with MetricWriter(workdir) as writer:
     run = training_lib.train_rule_rl(
         ctx.model_cfg, stage_params(ctx, "rft"), load_groups(ctx)["train"], _grpo(c),
-        common.optim_config(c.grpo_optim, "config.grpo_optim"), tokenizer=ctx.tok,
-        steps=c.rl.steps, mesh=ctx.mesh, rules=ctx.rules, seed=c.seed,
-        kl_multiplier=c.rl.kl_multiplier, writer=writer, checkpoint_dir=workdir / "checkpoints",
-        progress=False)
+        common.optim_config(c.grpo_optim, "config.grpo_optim"),
+        LoopConfig(c.rl.steps, progress=False),
+        RunIO(writer=writer, checkpoint_dir=workdir / "checkpoints"),
+        runtime=Runtime(ctx.mesh, ctx.rules, seed=c.seed, tokenizer=ctx.tok),
+        kl_multiplier=c.rl.kl_multiplier)
   rewards = [m["reward/mean"] for m in run.history if "reward/mean" in m]
   return {"steps": len(run.history), "reward_first": rewards[0] if rewards else float("nan"),
           "reward_final": float(np.mean(rewards[-5:])) if rewards else float("nan")}
@@ -218,10 +221,11 @@ def _stage_shared(ctx, workdir):
   with MetricWriter(workdir) as writer:
     run = shared_lib.train_shared_rule_rl(
         cfg, params, load_groups(ctx)["train"], _grpo(c),
-        common.optim_config(c.grpo_optim, "config.grpo_optim"), meta_weight=c.rl.meta_weight,
-        tokenizer=ctx.tok, steps=c.rl.steps, mesh=ctx.mesh, rules=ctx.rules, seed=c.seed,
-        kl_multiplier=c.rl.kl_multiplier, writer=writer, checkpoint_dir=workdir / "checkpoints",
-        progress=False)
+        common.optim_config(c.grpo_optim, "config.grpo_optim"),
+        LoopConfig(c.rl.steps, progress=False),
+        RunIO(writer=writer, checkpoint_dir=workdir / "checkpoints"),
+        runtime=Runtime(ctx.mesh, ctx.rules, seed=c.seed, tokenizer=ctx.tok),
+        meta_weight=c.rl.meta_weight, kl_multiplier=c.rl.kl_multiplier)
   hist = [m for m in run.history if "reward/mean" in m]
   last = hist[-5:]
   return {"steps": len(run.history),
@@ -237,9 +241,11 @@ def _train_scalar(ctx, cfg, params, loss_fn, batches, workdir) -> dict:
   history = []
   scalar_lib.train_reward_model(cfg, loss_fn, batches, common.optim_config(c.rm_optim,
                                                                            "config.rm_optim"),
-                                steps=c.rm.steps, mesh=ctx.mesh, rules=ctx.rules, seed=c.seed,
-                                params=params, checkpoint_manager=manager,
-                                on_metrics=lambda s, m: history.append(m))
+                                LoopConfig(c.rm.steps, progress=False),
+                                RunIO(checkpoint_manager=manager,
+                                      on_metrics=lambda s, m: history.append(m)),
+                                runtime=Runtime(ctx.mesh, ctx.rules, seed=c.seed),
+                                params=params)
   losses = [float(m["loss"]) for m in history if "loss" in m]
   return {"loss_first": losses[0], "loss_final": float(np.mean(losses[-5:]))}
 

@@ -42,6 +42,7 @@ from opd.rl.config import GRPOConfig
 from opd.rollout.episodes import sampling_for_chat
 from opd.training.checkpoints import load_params
 from opd.tasks import domain_examples
+from opd.training.loop_config import LoopConfig, RunIO, Runtime
 from opd.training.metrics_writer import read_metrics
 
 REWARDS = ("grm", "bt", "rubric")
@@ -139,11 +140,14 @@ def run(config, workdir: str) -> dict:
       reward_fn = reward_fns[name]()
       grpo_lib.train_grpo(
           model_cfg, policy, policy if cfg.kl_coef > 0 else None, prompts, cfg,
-          common.optim_config(config.optim), tokenizer=tok, steps=config.train.steps,
-          mesh=mesh, rules=rules, seed=config.seed, reward_fn=reward_fn,
-          workdir=arm, checkpoint_dir=arm / "checkpoints",
-          save_every=int(config.train.save_every), keep_checkpoints=1,
-          run_config={"reward": name, "init": config.get("init"), "optim": config.optim.to_dict()})
+          common.optim_config(config.optim),
+          LoopConfig(config.train.steps, save_every=int(config.train.save_every),
+                     keep_checkpoints=1),
+          RunIO(workdir=arm, checkpoint_dir=arm / "checkpoints",
+                config={"reward": name, "init": config.get("init"),
+                        "optim": config.optim.to_dict()}),
+          runtime=Runtime(mesh, rules, seed=config.seed, tokenizer=tok),
+          extras=grpo_lib.GRPOExtras(reward_fn=reward_fn))
       # From metrics.jsonl, not the returned history: a resumed run's history
       # holds only the steps it ran.
       rewards = [m["reward/mean"] for m in read_metrics(arm) if "reward/mean" in m]

@@ -19,6 +19,7 @@ from experiments import common
 from opd.training import data as data_lib
 from opd import rollout
 from opd.training import lm_trainer
+from opd.training.loop_config import RunIO, Runtime
 from opd import tasks as tasks_lib
 from opd.config.overrides import config_to_dict
 from opd.models import to_model_config
@@ -78,11 +79,11 @@ def run(config, workdir: str) -> dict:
   with MetricWriter(workdir) as writer:
     logger = common.Logger(writer, every=config.train.log_every)
     state = lm_trainer.train_lm(
-        model_cfg, train_iter, optim, loop, mesh=mesh, rules=rules, seed=config.seed,
-        eval_batches=eval_batches, checkpoint_dir=f"{workdir}/checkpoints",
-        on_metrics=logger, run_config={"model": model_cfg.to_dict(),
-                                       "experiment": config_to_dict(config)},
-        first_metrics=first)
+        model_cfg, train_iter, optim, loop,
+        RunIO(checkpoint_dir=f"{workdir}/checkpoints", on_metrics=logger,
+              config={"model": model_cfg.to_dict(), "experiment": config_to_dict(config)},
+              first_metrics=first),
+        runtime=Runtime(mesh, rules, seed=config.seed), eval_batches=eval_batches)
     final_eval = lm_trainer.evaluate_loss(lm_trainer.lm_loss(model_cfg), state.params,
                                           eval_batches, mesh, rules)
     step = int(state.step)

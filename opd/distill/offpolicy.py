@@ -18,7 +18,7 @@ on-policy distillation removes).
 ``train_offpolicy_kd`` = ``OffPolicySource`` (batches of teacher text,
 resumable position, the teachers' hidden states for each batch) +
 ``make_forward_kl_loss`` in the shared train step, driven by
-``opd.training.loop.run`` (resume, checkpoints, eval, metrics, NaN stop),
+``opd.training.loop.train`` (resume, checkpoints, eval, metrics, NaN stop),
 like ``train_opd`` and the cold start. ``make_heldout_forward_kl`` measures
 the loss on held-out teacher text.
 
@@ -33,7 +33,6 @@ Batch (as ``opd.distill.loss.make_opd_loss``'s, without the GRPO keys)::
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import time
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -52,8 +51,8 @@ from opd.rollout.batches import PromptStream, training_arrays
 from opd.rollout.episodes import Episode
 from opd.tasks import Example
 from opd.training import loop as train_loop
-from opd.training.metrics_writer import MetricWriter
-from opd.training.train_step import (OptimConfig, TrainState, init_train_state, make_optimizer,
+from opd.training.loop_config import LoopConfig, RunIO, Runtime
+from opd.training.train_step import (OptimConfig, init_train_state, make_optimizer,
                                      make_train_step, shard_batch)
 
 __all__ = ["OffPolicyConfig", "OffPolicyRun", "OffPolicySource", "TeacherText",
@@ -237,7 +236,7 @@ def _host_batch(pool: TeacherPool, episodes: Sequence[Episode], owner: np.ndarra
 
 
 class OffPolicySource:
-  """Batches of fixed teacher text for ``opd.training.loop.run`` (module docstring).
+  """Batches of fixed teacher text for ``opd.training.loop.train`` (module docstring).
 
   Rows are drawn without replacement within an epoch in an order from
   ``(seed, epoch)`` (``PromptStream`` over row indices), so the position
@@ -290,10 +289,7 @@ class OffPolicySource:
     self.rows.set_state(state["rows"])
 
 
-class OffPolicyRun(NamedTuple):
-  """What ``train_offpolicy_kd`` returns: the final state and one metrics dict per step."""
-  state: TrainState
-  history: list[dict[str, float]]
+OffPolicyRun = train_loop.TrainRun  # the final state and one metrics dict per step run
 
 
 def make_heldout_forward_kl(student_cfg: ModelConfig, pool: TeacherPool, data: TeacherText,
@@ -335,29 +331,25 @@ def make_heldout_forward_kl(student_cfg: ModelConfig, pool: TeacherPool, data: T
 
 
 def train_offpolicy_kd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | TeacherPool,
-                       data: TeacherText, cfg: OffPolicyConfig, optim: OptimConfig, *,
-                       pad_id: int, steps: int, mesh, rules=sharding_lib.DEFAULT_RULES,
-                       seed: int = 0, workdir: str | pathlib.Path | None = None,
-                       writer: MetricWriter | None = None,
-                       on_metrics: Callable[[int, dict[str, float]], None] | None = None,
-                       checkpoint_dir: str | pathlib.Path | None = None, save_every: int = 0,
-                       keep_checkpoints: int = 2, run_config: Mapping[str, Any] | None = None,
-                       eval_fn: Callable[[Any], Mapping[str, float]] | None = None,
-                       eval_every: int = 0, progress: bool = True) -> OffPolicyRun:
-  """Trains the student on ``data`` for ``steps`` updates (module docstring).
+                       data: TeacherText, cfg: OffPolicyConfig, optim: OptimConfig,
+                       loop: LoopConfig, io: RunIO | None = None, *, runtime: Runtime,
+                       pad_id: int) -> OffPolicyRun:
+  """Trains the student on ``data`` for ``loop.steps`` updates (module docstring).
 
   Args:
-    params: the student's initial params (None: random init from ``seed``).
-    teachers: ``Teacher``s (placed on ``mesh``) or a ``TeacherPool``, in the
+    params: the student's initial params (None: random init from ``runtime.seed``).
+    teachers: ``Teacher``s (placed on ``runtime.mesh``) or a ``TeacherPool``, in the
       order ``data.teacher_of_row`` indexes.
     data: the teachers' text (``teacher_rollouts``).
     pad_id: the tokenizer's pad id.
-    Others: as ``opd.distill.trainer.train_opd``.
+    Others: as ``opd.distill.trainer.train_opd`` (``model``, ``offpolicy``,
+      ``teachers`` and ``rows`` added to ``io.config``).
   """
-  for name, value, typ in (("cfg", cfg, OffPolicyConfig), ("optim", optim, OptimConfig)):
+  for name, value, typ in (("cfg", cfg, OffPolicyConfig), ("optim", optim, OptimConfig),
+                           ("loop", loop, LoopConfig), ("runtime", runtime, Runtime)):
     if not isinstance(value, typ):
       raise ValueError(f"{name} must be a {typ.__name__}, got {type(value).__name__}")
-  rules = sharding_lib.validate_rules(rules)
+  mesh, rules, seed = runtime.mesh, runtime.rules, runtime.seed
   pool = teachers if isinstance(teachers, TeacherPool) else TeacherPool(
       teachers, student_cfg.vocab_size, mesh, rules=rules)
   source = OffPolicySource(pool, data, cfg, pad_id=pad_id, mesh=mesh, rules=rules, seed=seed)
@@ -367,13 +359,8 @@ def train_offpolicy_kd(student_cfg: ModelConfig, params, teachers: Sequence[Teac
   loss_fn = make_forward_kl_loss(student_cfg, pool.heads, temperature=cfg.kl_temperature,
                                  aggregation=cfg.aggregation, teacher_names=pool.names)
   step_fn = make_train_step(loss_fn, optimizer, mesh, shardings, rules=rules)
-  state, history = train_loop.run_trainer(
-      state, step_fn, source, steps, checkpoint_dir=checkpoint_dir,
-      keep_checkpoints=keep_checkpoints, workdir=workdir, writer=writer, on_metrics=on_metrics,
-      eval_fn=eval_fn, save_every=save_every,
-      config={**dict(run_config or {}), "model": student_cfg.to_dict(),
-              "offpolicy": cfg.to_dict(), "teachers": list(pool.names),
-              "rows": len(data.episodes)},
-      match_config=("model", "offpolicy", "teachers", "rows"), eval_every=eval_every,
-      progress=progress, desc="offpolicy_kd", progress_key="loss")
-  return OffPolicyRun(state, history)
+  io = (io if io is not None else RunIO()).with_config(
+      {"model": student_cfg.to_dict(), "offpolicy": cfg.to_dict(), "teachers": list(pool.names),
+       "rows": len(data.episodes)})
+  return train_loop.train(state, step_fn, source, loop, io, desc="offpolicy_kd",
+                          progress_key="loss")

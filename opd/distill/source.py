@@ -222,7 +222,7 @@ def make_hidden_fn(model_cfg: ModelConfig, *, mesh, rules):
 
 
 class OPDSource(PromptPosition):
-  """OPD rollout batches for ``opd.training.loop.run`` (module docstring).
+  """OPD rollout batches for ``opd.training.loop.train`` (module docstring).
 
   Args:
     student_cfg: the student's model.

@@ -3,7 +3,7 @@
 ``train_opd`` = ``opd.distill.source.OPDSource`` (student rollouts, teacher
 hidden states through the fault layer and the cache, scheduled weights) +
 ``opd.distill.loss.make_opd_loss`` in the shared train step, driven by
-``opd.training.loop.run`` (resume, checkpoints, eval, metrics, NaN stop).
+``opd.training.loop.train`` (resume, checkpoints, eval, metrics, NaN stop).
 Only the student is differentiated, optimised and checkpointed; the teachers
 hold params only. Metrics: the source's (module docstring of
 ``opd.distill.source``) plus ``train/{loss,kl/<teacher>,student_entropy,...}``.
@@ -21,8 +21,7 @@ stops the run with ``TeacherFaultError``.
 """
 from __future__ import annotations
 
-import pathlib
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,46 +39,36 @@ from opd.parallel import sharding as sharding_lib
 from opd.rollout.batches import prompt_stream, training_length
 from opd.tasks import Example
 from opd.training import loop as train_loop
-from opd.training.metrics_writer import MetricWriter
-from opd.training.train_step import (OptimConfig, TrainState, init_train_state, make_optimizer,
-                                     make_train_step)
+from opd.training.loop_config import LoopConfig, RunIO, Runtime
+from opd.training.train_step import OptimConfig, init_train_state, make_optimizer, make_train_step
 
 __all__ = ["OPDConfig", "OPDRun", "make_heldout_eval", "train_opd"]
 
 
-class OPDRun(NamedTuple):
-  """What ``train_opd`` returns: the final state and one metrics dict per step run."""
-  state: TrainState
-  history: list[dict[str, float]]
+OPDRun = train_loop.TrainRun  # the final state and one metrics dict per step run
 
 
 def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | TeacherPool,
-              prompts: Sequence[Example], cfg: OPDConfig, optim: OptimConfig, *, tokenizer,
-              steps: int, mesh, rules=sharding_lib.DEFAULT_RULES, seed: int = 0,
-              teacher_fns: Mapping[str, TeacherFn] | None = None,
-              workdir: str | pathlib.Path | None = None, writer: MetricWriter | None = None,
-              on_metrics: Callable[[int, dict[str, float]], None] | None = None,
-              checkpoint_dir: str | pathlib.Path | None = None, save_every: int = 0,
-              keep_checkpoints: int = 2, run_config: Mapping[str, Any] | None = None,
-              eval_fn: Callable[[Any], Mapping[str, float]] | None = None, eval_every: int = 0,
-              progress: bool = True, first_metrics: dict | None = None) -> OPDRun:
-  """Distils ``teachers`` into the student for ``steps`` rollout batches (module docstring).
+              prompts: Sequence[Example], cfg: OPDConfig, optim: OptimConfig, loop: LoopConfig,
+              io: RunIO | None = None, *, runtime: Runtime,
+              teacher_fns: Mapping[str, TeacherFn] | None = None) -> OPDRun:
+  """Distils ``teachers`` into the student for ``loop.steps`` rollout batches (module docstring).
 
   Args:
-    params: the student's initial params (None: random init from ``seed``).
-    teachers: ``Teacher``s (placed colocated on ``mesh``) or a ``TeacherPool``.
-    prompts: ``Example``s, drawn through ``prompt_stream(prompts, cfg.rollout, seed=seed)``
-      (a ``DomainBalancedStream`` with ``cfg.domain_balance``).
+    params: the student's initial params (None: random init from ``runtime.seed``).
+    teachers: ``Teacher``s (placed colocated on ``runtime.mesh``) or a ``TeacherPool``.
+    prompts: ``Example``s, drawn through ``prompt_stream(prompts, cfg.rollout,
+      seed=runtime.seed)`` (a ``DomainBalancedStream`` with ``cfg.domain_balance``).
+    loop: ``loop.steps`` rollout batches, each ``cfg.updates_per_batch``
+      updates; save / eval cadence as in every trainer.
+    io: as ``opd.rl.grpo.train_grpo``'s (``model``, ``opd`` and ``teachers``
+      added to ``io.config``); ``io.eval_fn(params)`` e.g. ``make_heldout_eval``;
+      ``io.first_metrics``: key 0 may hold the held-out eval before training,
+      key 1 gets step 1's metrics (restored on resume).
+    runtime: mesh, rules, seed and the tokenizer (needed: rollouts).
     teacher_fns: ``{name: fn(tokens, mask) -> [B, T, D_k]}`` replacing the
       in-process forward of those teachers (e.g. a ``RemoteTeacher``); their
       heads still come from ``teachers``.
-    steps: total rollout batches, each ``cfg.updates_per_batch`` updates.
-    eval_fn: ``eval_fn(params)`` every ``eval_every`` steps and after the
-      last (e.g. ``make_heldout_eval``), logged as ``eval/...``.
-    first_metrics: saved with the checkpoints and restored on resume
-      (``opd.training.loop.run``): key 0 may hold the held-out eval before
-      training, key 1 gets step 1's metrics.
-    Others: as ``opd.rl.grpo.train_grpo``.
 
   Raises:
     ValueError: bad arguments (naming them); with several jax processes, a
@@ -88,16 +77,19 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
     TeacherFaultError: a teacher answered none of its rows on
       ``cfg.fault_window`` consecutive batches.
 
-  Several jax processes: the step trains on ``mesh`` (all processes'
+  Several jax processes: the step trains on ``runtime.mesh`` (all processes'
   devices); rollouts, teacher forwards and diagnostics run in every process
   on its own devices (``opd.distill.source``), the teachers placed there
   (pass ``Teacher``s, or a pool built on
   ``opd.parallel.distributed.local_mesh()``).
   """
-  for name, value, typ in (("cfg", cfg, OPDConfig), ("optim", optim, OptimConfig)):
+  for name, value, typ in (("cfg", cfg, OPDConfig), ("optim", optim, OptimConfig),
+                           ("loop", loop, LoopConfig), ("runtime", runtime, Runtime)):
     if not isinstance(value, typ):
       raise ValueError(f"{name} must be a {typ.__name__}, got {type(value).__name__}")
-  rules = sharding_lib.validate_rules(rules)
+  if runtime.tokenizer is None:
+    raise ValueError("train_opd samples rollouts: Runtime.tokenizer must be set, got None")
+  mesh, rules, seed = runtime.mesh, runtime.rules, runtime.seed
   multi = jax.process_count() > 1
   host_mesh = distributed.host_work_mesh(mesh)
   pool = teachers if isinstance(teachers, TeacherPool) else TeacherPool(
@@ -107,8 +99,8 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
   safe_heads = tuple(asked.heads[n] for n in pool.names)
   source = OPDSource(student_cfg, cfg, prompt_stream(prompts, cfg.rollout, seed=seed),
                      teachers=asked, heads=safe_heads, domains=[t.domain for t in pool.teachers],
-                     total_steps=steps, tokenizer=tokenizer, mesh=pool.mesh, rules=rules,
-                     seed=seed, train_mesh=mesh)
+                     total_steps=loop.steps, tokenizer=runtime.tokenizer, mesh=pool.mesh,
+                     rules=rules, seed=seed, train_mesh=mesh)
   optimizer = make_optimizer(optim)
   state, shardings = init_train_state(student_cfg, optimizer, mesh, rules, rng=seed,
                                       params=params)
@@ -117,15 +109,9 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
   heads = [np.asarray(h) for h in safe_heads] if multi else safe_heads
   loss_fn = make_opd_loss(student_cfg, heads, cfg.loss_config(), teacher_names=pool.names)
   step_fn = make_train_step(loss_fn, optimizer, mesh, shardings, rules=rules)
-  state, history = train_loop.run_trainer(
-      state, step_fn, source, steps, checkpoint_dir=checkpoint_dir,
-      keep_checkpoints=keep_checkpoints, workdir=workdir, writer=writer, on_metrics=on_metrics,
-      eval_fn=eval_fn, save_every=save_every,
-      config={**dict(run_config or {}), "model": student_cfg.to_dict(), "opd": cfg.to_dict(),
-              "teachers": list(pool.names)},
-      match_config=("model", "opd", "teachers"), eval_every=eval_every, progress=progress,
-      desc="opd", progress_key="loss", first_metrics=first_metrics)
-  return OPDRun(state, history)
+  io = (io if io is not None else RunIO()).with_config(
+      {"model": student_cfg.to_dict(), "opd": cfg.to_dict(), "teachers": list(pool.names)})
+  return train_loop.train(state, step_fn, source, loop, io, desc="opd", progress_key="loss")
 
 
 def _fault_layer(pool: TeacherPool, cfg: OPDConfig, teacher_fns, counter: SkipCounter,

@@ -111,7 +111,7 @@ def _checked_extras(extras: Mapping[str, Any], host: Mapping[str, Any], rows: in
 
 
 class GRPOSource(PromptPosition):
-  """GRPO rollout batches for ``opd.training.loop.run`` (module docstring).
+  """GRPO rollout batches for ``opd.training.loop.train`` (module docstring).
 
   Args:
     model_cfg: the policy's model.

@@ -11,10 +11,11 @@ from grm.meta_rm import add_scalar_head
 from grm.reward import BTReward, GRMReward, bt_input_ids, rating_to_reward, response_text
 from opd.models import ModelConfig, forward, init_params
 from opd.parallel import sharding
-from opd.rl import GRPOConfig, train_grpo
+from opd.rl import GRPOConfig, GRPOExtras, train_grpo
 from opd.rollout.episodes import Completion, sampling_for_chat
 from opd.tasks import Example
 from opd.text.tokenizers import ByteTokenizer
+from opd.training.loop_config import LoopConfig, Runtime
 from opd.training.train_step import OptimConfig
 
 TOK = ByteTokenizer()
@@ -75,8 +76,8 @@ def test_grm_reward_inside_train_grpo_gives_the_batch_what_the_grm_wrote(monkeyp
   params = init_params(CFG, jax.random.key(0))
   steps = 2
   run = train_grpo(CFG, params, None, bandit_prompts(4), cfg, OptimConfig(lr=1e-3),
-                   tokenizer=TOK, steps=steps, mesh=mesh, reward_fn=spy, progress=False,
-                   text_every=0)
+                   LoopConfig(steps, text_every=0, progress=False),
+                   runtime=Runtime(mesh, tokenizer=TOK), extras=GRPOExtras(reward_fn=spy))
   B = cfg.group_size * cfg.prompts_per_step
   assert calls == [B * K] * steps  # one batched GRM call per GRPO batch
   assert len(seen) == steps == len(run.history)

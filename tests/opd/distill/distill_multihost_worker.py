@@ -37,6 +37,7 @@ def main():
   from opd.parallel import sharding
   from opd.tasks import Example
   from opd.text.tokenizers import ByteTokenizer
+  from opd.training.loop_config import LoopConfig, RunIO, Runtime
   from opd.training.train_step import OptimConfig
 
   if jax.device_count() != 4:
@@ -59,8 +60,9 @@ def main():
   host_mesh = distributed.host_work_mesh(mesh)
   eval_fn = make_heldout_eval(student, TeacherPool(teachers, v, host_mesh), prompts(2, "test"),
                               cfg, tokenizer=tok, mesh=host_mesh)
-  run = train_opd(student, None, teachers, prompts(8, "train"), cfg, optim, tokenizer=tok,
-                  steps=3, mesh=mesh, seed=0, eval_fn=eval_fn, progress=False)
+  run = train_opd(student, None, teachers, prompts(8, "train"), cfg, optim,
+                  LoopConfig(3, progress=False), RunIO(eval_fn=eval_fn),
+                  runtime=Runtime(mesh, seed=0, tokenizer=tok))
   params = distributed.gather_to_host(run.state.params)
   rows = distributed.process_batch_rows(mesh, sharding.DEFAULT_RULES, cfg.batch_size)
   if distributed.is_main_process():

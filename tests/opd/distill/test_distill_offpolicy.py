@@ -21,6 +21,7 @@ from opd.parallel import sharding
 from opd.rollout.episodes import Episode
 from opd.tasks import get_task
 from opd.text.tokenizers import END, ByteTokenizer
+from opd.training.loop_config import LoopConfig, Runtime
 from opd.training.train_step import OptimConfig
 from test_distill_trainer import WIDE, favouring_teacher, prompts  # same tiny teachers
 
@@ -135,7 +136,8 @@ def test_a_few_steps_lower_forward_kl_on_heldout_teacher_text(mesh, pool):
   params = init_params(STUDENT, jax.random.key(0))
   before = evaluate(params)
   run = train_offpolicy_kd(STUDENT, params, pool, train, cfg, OptimConfig(lr=1e-2),
-                           pad_id=TOK.pad_id, steps=12, mesh=mesh, progress=False)
+                           LoopConfig(12, progress=False), runtime=Runtime(mesh),
+                           pad_id=TOK.pad_id)
   after = evaluate(run.state.params)
   # A near-uniform student starts ~log V − H(q) ≈ 1.6 nats from the letter
   # teacher; 12 updates of lr 1e-2 on a context-free target learn most of

@@ -33,6 +33,7 @@ from opd.tasks import Example
 from opd.text.tokenizers import ByteTokenizer
 from opd.training.checkpoints import CheckpointManager
 from opd.training.metrics_writer import read_metrics
+from opd.training.loop_config import LoopConfig, RunIO, Runtime
 from opd.training.train_step import OptimConfig
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -78,9 +79,13 @@ def teachers():
           favouring_teacher("tb", 2, "beta", LOWER + DIGITS)]
 
 
-def _run(student, teachers, mesh, steps, cfg=OPD, **kw):
-  return train_opd(STUDENT, student, teachers, prompts(8), cfg, OPTIM, tokenizer=TOK,
-                   steps=steps, mesh=mesh, progress=False, **kw)
+def _run(student, teachers, mesh, steps, cfg=OPD, *, seed=0, save_every=0, eval_every=0,
+         teacher_fns=None, **io):
+  """``train_opd`` on ``prompts(8)``; ``io``: ``RunIO`` fields (workdir, checkpoint_dir, eval_fn)."""
+  return train_opd(STUDENT, student, teachers, prompts(8), cfg, OPTIM,
+                   LoopConfig(steps, save_every=save_every, eval_every=eval_every, progress=False),
+                   RunIO(**io),
+                   runtime=Runtime(mesh, seed=seed, tokenizer=TOK), teacher_fns=teacher_fns)
 
 
 def _one_batch(params, teachers, mesh, cfg):
@@ -276,12 +281,12 @@ def test_bad_input_is_rejected_naming_the_field(mesh, student, teachers):
     _run(student, teachers, mesh, 1, teacher_fns={"tc": lambda t, m: None})
   with pytest.raises(ValueError, match="domains\\[0\\]='gamma' has no teacher"):
     train_opd(STUDENT, student, teachers, prompts(2, domains=("gamma",)), OPD, OPTIM,
-              tokenizer=TOK, steps=1, mesh=mesh, progress=False)
+              LoopConfig(1, progress=False), runtime=Runtime(mesh, tokenizer=TOK))
   with pytest.raises(ValueError, match="anneal_steps=5 exceeds"):
     _run(student, teachers, mesh, 2, cfg=OPD.replace(anneal_steps=5))
   with pytest.raises(ValueError, match="cfg must be a OPDConfig"):
-    train_opd(STUDENT, student, teachers, prompts(2), {}, OPTIM, tokenizer=TOK, steps=1,
-              mesh=mesh)
+    train_opd(STUDENT, student, teachers, prompts(2), {}, OPTIM, LoopConfig(1),
+              runtime=Runtime(mesh, tokenizer=TOK))
   assert trainer_lib.OPDConfig is OPDConfig
 
 
