@@ -419,7 +419,7 @@ def _sampler_breakdown(name: str, setup: dict, reps: int) -> dict[str, Any]:
   cfg, tok = setup["model_cfg"], setup["tok"]
   sampling = setup["sampling"].replace(share_prefill=False)
   prompts = [prompt_ids(tok, ex) for ex in setup["examples"] for _ in range(setup["cfg"].group_size)]
-  P = 32 * -(-max(len(p) for p in prompts) // 32)  # episodes.sample's default bucket
+  P = 32 * -(-max(len(p) for p in prompts) // 32)  # policy.sample's default bucket
   tokens = np.full((len(prompts), P), tok.pad_id, np.int32)
   mask = np.zeros((len(prompts), P), bool)
   for i, p in enumerate(prompts):

@@ -19,7 +19,7 @@ TOK = ByteTokenizer()
 
 
 def _fake_sampler(calls):
-  """A stand-in for ``opd.rollout.episodes.sample`` that judges by reading
+  """A stand-in for ``opd.rollout.policy.sample`` that judges by reading
   each shown response's hidden score ("resp-<i>-s<score>")."""
 
   def sample(policy, prompts, rng, sampling, **kwargs):
