@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
 
-from opd.models import ModelConfig
+from opd.models import ModelConfig, moe_balance
 from opd.rl.config import GRPOConfig
 from opd.rl.loss import make_grpo_loss
 from opd.rl.rollout_source import GRPOSource
@@ -118,7 +118,8 @@ def train_grpo(model_cfg: ModelConfig, params, ref_params, prompts: Sequence[Exa
   optimizer = make_optimizer(optim)
   state, shardings = init_train_state(model_cfg, optimizer, mesh, rules, rng=seed, params=params)
   loss_fn = extras.loss_fn if extras.loss_fn is not None else make_grpo_loss(model_cfg, cfg)
-  step_fn = make_train_step(loss_fn, optimizer, mesh, shardings, rules=rules)
+  step_fn = make_train_step(loss_fn, optimizer, mesh, shardings, rules=rules,
+                            after_update=moe_balance.bias_update_hook(model_cfg))
   source = GRPOSource(model_cfg, cfg, stream, tokenizer=runtime.tokenizer, ref_params=ref_params,
                       param_shardings=shardings.params, mesh=mesh, rules=rules, seed=seed,
                       reward_fn=extras.reward_fn, agent_config=extras.agent_config,

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from opd.config.fields import check_int
-from opd.models import ModelConfig, forward, token_logprobs
+from opd.models import ModelConfig, forward, moe_balance, token_logprobs
 from opd.rl.config import LOSS_AGGREGATIONS, GRPOConfig
 
 __all__ = ["BATCH_KEYS", "check_batch", "make_grpo_loss", "policy_loss", "token_entropy"]
@@ -165,7 +165,9 @@ def make_grpo_loss(model_cfg: ModelConfig, cfg: GRPOConfig):
   accepted with ``kl_coef = 0``, to log the KL).
 
   Metrics: those of ``policy_loss`` plus ``entropy``, the mean over policy
-  tokens of the full-vocabulary entropy at temperature T.
+  tokens of the full-vocabulary entropy at temperature T. An MoE policy
+  (``model_cfg.moe``) adds its balance losses and router metrics
+  (``opd.models.moe_balance.balance_terms``).
   """
   if not isinstance(cfg, GRPOConfig):
     raise ValueError(f"cfg must be a GRPOConfig, got {type(cfg).__name__}")
@@ -178,7 +180,8 @@ def make_grpo_loss(model_cfg: ModelConfig, cfg: GRPOConfig):
     if ref is None and cfg.kl_coef > 0:
       raise ValueError(f"GRPOConfig.kl_coef={cfg.kl_coef} > 0 but the batch has no "
                        "'ref_logprobs'")
-    logits = forward(model_cfg, params, batch["tokens"], None, batch["mask"]).logits
+    out = forward(model_cfg, params, batch["tokens"], None, batch["mask"])
+    logits = out.logits
     logp = token_logprobs(logits, batch["targets"], T)
     weights = batch["loss_mask"].astype(jnp.float32) * batch["mask"].astype(jnp.float32)
     loss, metrics = policy_loss(
@@ -187,6 +190,10 @@ def make_grpo_loss(model_cfg: ModelConfig, cfg: GRPOConfig):
         aggregation=cfg.loss_aggregation, norm_tokens=cfg.max_new_tokens)
     entropy = jax.lax.stop_gradient(token_entropy(logits, T))
     metrics["entropy"] = _token_mean(entropy, weights > 0)
+    if model_cfg.moe is not None:
+      balance, router = moe_balance.balance_terms(model_cfg.moe, out.moe)
+      loss = loss + balance
+      metrics.update(router)
     return loss, metrics
 
   return loss_fn
