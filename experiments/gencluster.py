@@ -40,7 +40,6 @@ from experiments import common
 from experiments import pretrain as pretrain_job
 from experiments import sft as sft_job
 from experiments.gencluster_report import LABELS, STRATEGIES, mean_se, plot, render_report  # noqa: F401
-from experiments.specialists import _stage_config
 from grm import training as training_lib
 from grm.gencluster import clustering, execution, pipeline
 from grm.gencluster import inputs as inputs_lib
@@ -49,12 +48,13 @@ from grm.gencluster.problems import Problem, generator_prompt, make_problem
 from grm.gencluster.problems import validator_prompt
 from opd import tasks as tasks_lib
 from opd.models import init_params
-from opd.rollout.policy import Policy
 from opd.rollout.episodes import sampling_for_chat
+from opd.rollout.policy import Policy
 from opd.tasks.sandbox import Sandbox, SandboxLimits
 from opd.training import lm_trainer
 from opd.training.checkpoints import load_params
 from opd.training.files import read_json
+from opd.training.loop_config import RunIO, Runtime
 from opd.training.metrics_writer import MetricWriter
 
 VARIANTS = ("validated", "unfiltered")  # the inputs clusters are built on
@@ -96,12 +96,12 @@ def _stage_policy(ctx: _Ctx, workdir: pathlib.Path) -> dict:
   base = c.policy.base
   if not (base and (pathlib.Path(base).parent / common.FINAL).is_file()):
     base_dir = workdir / "base"
-    common.run_stage("policy: base pre-training", pretrain_job.run, _stage_config(
+    common.run_stage("policy: base pre-training", pretrain_job.run, common.stage_config(
         c, "pretrain", **{k: c.policy.pretrain[k] for k in ("optim", "train", "data")}), base_dir)
     base = str(base_dir / "checkpoints")
   sft_dir = workdir / "sft"
   sft = c.policy.sft
-  metrics = common.run_stage("policy: code SFT", sft_job.run, _stage_config(
+  metrics = common.run_stage("policy: code SFT", sft_job.run, common.stage_config(
       c, "sft", init=base, optim=sft.optim, train=sft.train, data=sft.data), sft_dir,
       inputs=[pathlib.Path(base).parent])
   path = str(sft_dir / "checkpoints")
@@ -287,10 +287,11 @@ def _stage_judge(ctx: _Ctx, workdir: pathlib.Path) -> dict:
   with MetricWriter(workdir) as writer:
     logger = common.Logger(writer, every=max(1, steps // 20))
     training_lib.train_judgement_sft(
-        ctx.model_cfg, _policy_params(ctx), ctx.tok, pairs, optim=optim, loop=loop,
-        mesh=ctx.mesh, rules=ctx.rules, seed=c.seed, seq_len=c.judge.seq_len,
-        batch_size=c.judge.batch_size, checkpoint_dir=workdir / "checkpoints",
-        on_metrics=lambda s, m: (history.append(m), logger(s, m)))
+        ctx.model_cfg, _policy_params(ctx), pairs, optim=optim, loop=loop,
+        io=RunIO(checkpoint_dir=workdir / "checkpoints",
+                 on_metrics=lambda s, m: (history.append(m), logger(s, m))),
+        runtime=Runtime(ctx.mesh, ctx.rules, seed=c.seed, tokenizer=ctx.tok),
+        seq_len=c.judge.seq_len, batch_size=c.judge.batch_size)
   losses = [float(m["loss"]) for m in history if "loss" in m]
   return {"trained": 1, "pairs": len(pairs), "loss_first": losses[0],
           "loss_final": float(np.mean(losses[-5:]))}
@@ -437,7 +438,8 @@ def run(config, workdir: str) -> dict:
   ctx = _Ctx.for_run(config, root)
   out = common.Stages.of(root).run_all([
       common.Stage(name, lambda _c, w, fn=fn: fn(ctx, pathlib.Path(w)),
-                   _stage_config(config, f"gencluster_{name}", **{g: config[g] for g in groups}),
+                   common.stage_config(config, f"gencluster_{name}",
+                                       **{g: config[g] for g in groups}),
                    UPSTREAM.get(name, ()))
       for name, fn, groups in STAGES])
   out["wall_s"] = timer.seconds

@@ -48,7 +48,6 @@ import numpy as np
 from experiments import common
 from experiments import pretrain as pretrain_job
 from experiments.grpo import grpo_config
-from experiments.specialists import _stage_config
 from grm.verify import evaluation as eval_lib
 from grm.verify import labelling as label_lib
 from grm.verify import refine as refine_lib
@@ -60,6 +59,7 @@ from opd.rollout.episodes import sampling_for_chat
 from opd.tasks import Example
 from opd.tasks.proof_task import check_proof
 from opd.training import lm_trainer
+from opd.training.loop_config import LoopConfig, RunIO, Runtime
 from opd.training.checkpoints import load_params
 from opd.training.files import read_json
 from opd.training.metrics_writer import MetricWriter
@@ -132,9 +132,9 @@ def _stage_base(ctx: _Ctx, workdir: pathlib.Path) -> dict:
     logger = common.Logger(writer, every=max(1, c.base.steps // 20))
     lm_trainer.train_lm(ctx.model_cfg, batches, common.optim_config(c.base_optim,
                                                                     "config.base_optim"),
-                        loop, mesh=ctx.mesh, rules=ctx.rules, seed=c.seed,
-                        checkpoint_dir=workdir / "checkpoints", on_metrics=logger,
-                        run_config={"model": ctx.model_cfg.to_dict()})
+                        loop, RunIO(checkpoint_dir=workdir / "checkpoints", on_metrics=logger,
+                                    config={"model": ctx.model_cfg.to_dict()}),
+                        runtime=Runtime(ctx.mesh, ctx.rules, seed=c.seed))
   return _losses(logger, docs=len(docs))
 
 
@@ -166,10 +166,10 @@ def _sft(ctx: _Ctx, pairs, workdir: pathlib.Path, *, steps: int | None = None,
     if lr is not None:
       optim = dataclasses.replace(optim, lr=float(lr))
     train_lib.train_role_sft(
-        ctx.model_cfg, _params(ctx, "base"), ctx.tok, pairs, optim=optim, loop=loop, mesh=ctx.mesh,
-        rules=ctx.rules, seed=c.seed, seq_len=seq_len or c.sft.seq_len,
-        batch_size=batch_size or c.sft.batch_size, checkpoint_dir=workdir / "checkpoints",
-        on_metrics=logger)
+        ctx.model_cfg, _params(ctx, "base"), pairs, optim=optim, loop=loop,
+        io=RunIO(checkpoint_dir=workdir / "checkpoints", on_metrics=logger),
+        runtime=Runtime(ctx.mesh, ctx.rules, seed=c.seed, tokenizer=ctx.tok),
+        seq_len=seq_len or c.sft.seq_len, batch_size=batch_size or c.sft.batch_size)
   return _losses(logger, pairs=len(pairs))
 
 
@@ -234,9 +234,9 @@ def _rl(ctx: _Ctx, start: str, examples, reward_fn, steps: int, workdir: pathlib
   with MetricWriter(workdir) as writer:
     run = train_lib.train_role_rl(
         ctx.model_cfg, _params(ctx, start), examples, cfg,
-        common.optim_config(c.grpo_optim, "config.grpo_optim"), reward_fn, tokenizer=ctx.tok,
-        steps=steps, mesh=ctx.mesh, rules=ctx.rules, seed=c.seed, writer=writer,
-        checkpoint_dir=workdir / "checkpoints")
+        common.optim_config(c.grpo_optim, "config.grpo_optim"), reward_fn, LoopConfig(steps),
+        RunIO(writer=writer, checkpoint_dir=workdir / "checkpoints"),
+        runtime=Runtime(ctx.mesh, ctx.rules, seed=c.seed, tokenizer=ctx.tok))
   out = {"steps": len(run.history)}
   keys = sorted({k for m in run.history for k in m
                  if k == "reward/mean" or (k.startswith("reward/components/")
@@ -434,7 +434,8 @@ def run(config, workdir: str) -> dict:
   ctx = _Ctx.for_run(config, root)
   out = common.Stages.of(root).run_all([
       common.Stage(name, lambda _c, w, fn=fn: fn(ctx, pathlib.Path(w)),
-                   _stage_config(config, f"mathv2_{name}", **{g: config[g] for g in groups}),
+                   common.stage_config(config, f"mathv2_{name}",
+                                       **{g: config[g] for g in groups}),
                    UPSTREAM.get(name, ()))
       for name, fn, groups in STAGES])
   out["wall_s"] = timer.seconds

@@ -32,18 +32,6 @@ from opd.tasks import ALL_DOMAINS
 
 log = logging.getLogger(__name__)
 
-def _stage_config(config, job: str, **groups) -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
-  c.job = job
-  c.seed = config.seed
-  c.model = config.model
-  c.mesh = config.mesh
-  c.sharding_rules = config.sharding_rules
-  for name, value in groups.items():
-    setattr(c, name, value)
-  return c
-
-
 def _copy(group, **changes) -> ml_collections.ConfigDict:
   out = ml_collections.ConfigDict(group.to_dict())
   out.update(changes)
@@ -88,26 +76,27 @@ def run(config, workdir: str, reuse=()) -> dict:
 
   stage_metrics["base"], base_dir = stages.run(
       "base pre-training", pretrain_job.run,
-      _stage_config(config, "pretrain", optim=config.base.optim, train=config.base.train,
-                    data=config.base.data), "base")
+      common.stage_config(config, "pretrain", optim=config.base.optim, train=config.base.train,
+                          data=config.base.data), "base")
 
   dirs = {}
   for d in domains:
     sft_train, sft_optim = _steps(config.sft.train, config.sft.optim, config, d, "sft_steps")
     stage_metrics[f"sft_{d}"], sft_dir = stages.run(
         f"{d}: SFT", sft_job.run,
-        _stage_config(config, "sft", init=str(base_dir / "checkpoints"), optim=sft_optim,
-                      train=sft_train, data=_copy(config.sft.data, domains=(d,))), f"{d}/sft",
+        common.stage_config(config, "sft", init=str(base_dir / "checkpoints"), optim=sft_optim,
+                            train=sft_train, data=_copy(config.sft.data, domains=(d,))),
+        f"{d}/sft",
         [base_dir])
     grpo_train, _ = _steps(config.grpo_train, None, config, d, "grpo_steps")
     grpo_lr = config.get("per_domain", {}).get(d, {}).get("grpo_lr")
     grpo_optim = _copy(config.grpo_optim, lr=grpo_lr) if grpo_lr else config.grpo_optim
     stage_metrics[f"grpo_{d}"], grpo_dir = stages.run(
         f"{d}: GRPO", grpo_job.run,
-        _stage_config(config, "grpo", init=str(sft_dir / "checkpoints"), grpo=config.grpo,
-                      optim=grpo_optim, train=grpo_train,
-                      data=_copy(config.grpo_data, domains=(d,)),
-                      agent_reward=config.agent_reward), f"{d}/grpo", [sft_dir])
+        common.stage_config(config, "grpo", init=str(sft_dir / "checkpoints"),
+                            grpo=config.grpo, optim=grpo_optim, train=grpo_train,
+                            data=_copy(config.grpo_data, domains=(d,)),
+                            agent_reward=config.agent_reward), f"{d}/grpo", [sft_dir])
     dirs[d] = {"sft": sft_dir, "grpo": grpo_dir}
 
   eval_cfg = ml_collections.ConfigDict(dict(
