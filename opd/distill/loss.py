@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from pallas_kernels.api import IMPLS
 from opd.config import fields
-from opd.models import ModelConfig, forward, head_matrix
+from opd.models import ModelConfig, forward, head_matrix, moe_balance
 from opd.rl.config import GRPOConfig
 from opd.rl.loss import policy_loss
 
@@ -181,6 +181,8 @@ def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
     with ``grpo_coef > 0`` also ``kl_loss`` (the distillation part),
     ``grpo_loss`` (the policy term before ``grpo_coef``) and
     ``grpo_clip_frac_low`` / ``grpo_clip_frac_high`` / ``grpo_ratio_mean``.
+    An MoE student (``student_cfg.moe``) adds its balance losses and router
+    metrics (``opd.models.moe_balance.balance_terms``).
   """
   heads = tuple(teacher_heads)
   if not heads:
@@ -256,6 +258,10 @@ def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
       loss = loss + config.grpo_coef * pg
     metrics["opd_tokens"] = jnp.sum(keep.astype(jnp.float32))
     metrics["opd_rows"] = jnp.sum(jnp.any(keep, axis=1).astype(jnp.float32))
+    if student_cfg.moe is not None:
+      balance, router = moe_balance.balance_terms(student_cfg.moe, out.moe)
+      loss = loss + balance
+      metrics.update(router)
     return loss, metrics
 
   return loss_fn

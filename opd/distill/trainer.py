@@ -33,7 +33,7 @@ from opd.distill.faults import FaultTolerantTeachers, SkipCounter, TeacherFn
 from opd.distill.loss import make_opd_loss
 from opd.distill.source import OPDConfig, OPDSource, make_hidden_fn
 from opd.distill.teachers import Teacher, TeacherPool
-from opd.models import ModelConfig, head_matrix
+from opd.models import ModelConfig, head_matrix, moe_balance
 from opd.parallel import distributed
 from opd.parallel import sharding as sharding_lib
 from opd.rollout.batches import prompt_stream, training_length
@@ -108,7 +108,8 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
   # step (on every process's devices) takes them as host constants.
   heads = [np.asarray(h) for h in safe_heads] if multi else safe_heads
   loss_fn = make_opd_loss(student_cfg, heads, cfg.loss_config(), teacher_names=pool.names)
-  step_fn = make_train_step(loss_fn, optimizer, mesh, shardings, rules=rules)
+  step_fn = make_train_step(loss_fn, optimizer, mesh, shardings, rules=rules,
+                            after_update=moe_balance.bias_update_hook(student_cfg))
   io = (io if io is not None else RunIO()).with_config(
       {"model": student_cfg.to_dict(), "opd": cfg.to_dict(), "teachers": list(pool.names)})
   return train_loop.train(state, step_fn, source, loop, io, desc="opd", progress_key="loss")

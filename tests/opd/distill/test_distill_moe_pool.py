@@ -13,7 +13,7 @@ import numpy as np
 
 from opd.distill.loss import OPDLossConfig, make_opd_loss
 from opd.distill.teachers import Teacher, TeacherPool
-from opd.models import ModelConfig, MoEConfig, forward, head_matrix, init_params
+from opd.models import ModelConfig, MoEConfig, forward, head_matrix, init_params, moe_balance
 from opd.parallel import sharding
 
 V = 64
@@ -85,3 +85,28 @@ def test_moe_and_dense_teachers_share_one_pool():
     # log-prob differences of order 1, moves by ~1e-5 of itself: 10x margin.
     np.testing.assert_allclose(float(metrics[f"kl/{t.name}"]), want, rtol=1e-4, atol=1e-6)
     assert want > 0.05  # far from uniform: the comparison has power
+
+
+def test_opd_loss_of_an_moe_student_adds_its_balance_terms():
+  student_cfg = MOE.replace(moe=MoEConfig(**{**MOE.moe.__dict__, "seq_aux_loss_coef": 0.1,
+                                             "aux_loss_coef": 0.2}))
+  teacher = Teacher("dense", DENSE, _scaled(DENSE, 2))
+  rng = np.random.default_rng(1)
+  B, T = 2, 6
+  tokens = rng.integers(0, V, (B, T)).astype(np.int32)
+  mask = np.ones((B, T), bool)
+  hidden = forward(DENSE, teacher.params, jnp.asarray(tokens), None, jnp.asarray(mask),
+                   return_logits=False, return_hidden=True).hidden
+  batch = {"tokens": tokens, "targets": tokens, "mask": mask, "loss_mask": mask,
+           "teacher_hidden": (hidden,), "teacher_weights": np.ones((B, T, 1), np.float32)}
+  params = _scaled(student_cfg, 4)
+  cfg = OPDLossConfig(gradient_in_forward=False, impl="reference")
+  heads = (head_matrix(DENSE, teacher.params),)
+  loss, metrics = make_opd_loss(student_cfg, heads, cfg)(params, batch, None)
+  plain, _ = make_opd_loss(MOE, heads, cfg)(params, batch, None)  # coefficients 0
+  want = moe_balance.aux_loss(student_cfg.moe, forward(student_cfg, params, jnp.asarray(tokens),
+                                                       None, jnp.asarray(mask)).moe)
+  assert float(want) > 0
+  np.testing.assert_allclose(float(loss - plain), float(want), atol=8 * EPS32 * float(loss))
+  np.testing.assert_allclose(float(metrics["moe/aux_loss"]), float(want), rtol=1e-6)
+  assert moe_balance.COUNTS_KEY not in metrics  # MOE's bias_update_rate is 0
