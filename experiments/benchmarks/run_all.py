@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable
 
 from experiments.benchmarks import (common, kl_loss, kl_loss_gpu, kl_train, moe, opd_step,
-                                    rollout, sampler, train_step)
+                                    rollout, sampler, tokenizer, train_step)
 
 
 def _sampler_headline(p: dict) -> str:
@@ -37,6 +37,11 @@ def _moe_headline(p: dict) -> str:
   return (f"MoE fwd+bwd tokens/s: {r['moe_ragged_vs_dense']:.2f}x a dense layer of equal active "
           f"params, grouped matmul {r['ragged_vs_onehot']:.2f}x one-hot, expert-parallel "
           f"{r['expert_parallel_vs_replicated']:.2f}x replicated ({p['sizes']['devices']} devices)")
+
+
+def _tokenizer_headline(p: dict) -> str:
+  return "; ".join(f"{r['tokenizer']}: {r['ratio']:.2f}x fewer tokens than bytes"
+                   for r in p["overall"] if r["tokenizer"] != "byte")
 
 
 def _kl_headline(p: dict) -> str:
@@ -90,6 +95,7 @@ BENCHMARKS: dict[str, tuple[Callable[..., dict], list[str], list[str],
     "opd_step": (opd_step.main, [], ["--quick"], _opd_step_headline),
     "rollout": (rollout.main, [], ["--quick"], _rollout_headline),
     "moe": (moe.main, [], ["--quick"], _moe_headline),
+    "tokenizer": (tokenizer.main, [], ["--quick"], _tokenizer_headline),
 }
 
 
