@@ -120,7 +120,11 @@ def test_grm_stage_configs_hold_the_benchmark_sampling_fields_only():
   from experiments.configs import grm as grm_config
   c = grm_config.get_config("tiny")
   kept = grm_job._without(c.benchmark, "benchmark", grm_job.BENCHMARK_ONLY)
-  assert set(kept) == set(c.benchmark) - {"ks", "ks_by_stage", "bootstrap_samples"}
+  # The benchmark's own fields (its k list, bootstrap, and the #27 yardstick switches:
+  # constrained decoding, the content-blind control, swap-averaged pairwise) are read by
+  # the benchmark stage alone; RFT and the meta-RM read only the sampling fields.
+  assert set(kept) == set(c.benchmark) - {"ks", "ks_by_stage", "bootstrap_samples", "constrained",
+                                          "content_blind", "pairwise_both_orders"}
   assert all(kept[k] == c.benchmark[k] for k in kept)
   assert "ks" in c.benchmark  # the job's own config is left whole
   assert grm_job._without(c.rft, "rft", grm_job.BENCHMARK_ONLY) is c.rft
