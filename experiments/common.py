@@ -487,3 +487,22 @@ class Stages:
       out.update({f"{s.name}/{k}": v for k, v in metrics.items()
                   if isinstance(v, (int, float)) and not isinstance(v, bool)})
     return out
+
+
+def run_stage_table(config, root: pathlib.Path, job: str, table, upstream, ctx) -> dict:
+  """Runs a pipeline written as a table of ``(name, fn(ctx, stage_dir), config groups)``.
+
+  Each stage's config holds the groups it names (``stage_config(config,
+  f"{job}_{name}", ...)``), its upstream stages come from ``upstream[name]``,
+  and the stages run in order through :meth:`Stages.run_all` (the gencluster
+  and mathv2 jobs). Returns every stage's numeric final metrics plus
+  ``wall_s``.
+  """
+  timer = Timer()
+  out = Stages.of(root).run_all([
+      Stage(name, lambda _c, w, fn=fn: fn(ctx, pathlib.Path(w)),
+            stage_config(config, f"{job}_{name}", **{g: config[g] for g in groups}),
+            upstream.get(name, ()))
+      for name, fn, groups in table])
+  out["wall_s"] = timer.seconds
+  return out

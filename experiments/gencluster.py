@@ -433,15 +433,8 @@ UPSTREAM = {"samples": ("policy", "problems"), "inputs": ("problems", "samples")
 
 
 def run(config, workdir: str) -> dict:
-  timer = common.Timer()
   root = pathlib.Path(workdir)
-  ctx = _Ctx.for_run(config, root)
-  out = common.Stages.of(root).run_all([
-      common.Stage(name, lambda _c, w, fn=fn: fn(ctx, pathlib.Path(w)),
-                   common.stage_config(config, f"gencluster_{name}",
-                                       **{g: config[g] for g in groups}),
-                   UPSTREAM.get(name, ()))
-      for name, fn, groups in STAGES])
-  out["wall_s"] = timer.seconds
+  out = common.run_stage_table(config, root, "gencluster", STAGES, UPSTREAM,
+                               _Ctx.for_run(config, root))
   print((root / "report" / "report.md").read_text(), flush=True)
   return out

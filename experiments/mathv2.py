@@ -429,14 +429,7 @@ UPSTREAM = {"base": ("data",), "generator_sft": ("base",), "verifier_sft": ("dat
 
 
 def run(config, workdir: str) -> dict:
-  timer = common.Timer()
   root = pathlib.Path(workdir)
-  ctx = _Ctx.for_run(config, root)
-  out = common.Stages.of(root).run_all([
-      common.Stage(name, lambda _c, w, fn=fn: fn(ctx, pathlib.Path(w)),
-                   common.stage_config(config, f"mathv2_{name}",
-                                       **{g: config[g] for g in groups}),
-                   UPSTREAM.get(name, ()))
-      for name, fn, groups in STAGES])
-  out["wall_s"] = timer.seconds
+  out = common.run_stage_table(config, root, "mathv2", STAGES, UPSTREAM,
+                               _Ctx.for_run(config, root))
   return out
