@@ -22,7 +22,10 @@ from opd.training.optim import OptimConfig
 MODEL = dict(vocab_size=270, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=None,
              d_ff=384, rope_theta=10_000.0, norm_eps=1e-6, qk_norm=True, qkv_bias=False,
              o_bias=False, tie_embeddings=True, scalar_head=False, dtype="float32",
-             param_dtype="float32", remat=False)
+             param_dtype="float32", remat=False,
+             # Added since f16cbda with defaults that keep the dense GQA model: the
+             # mixture-of-experts and multi-head latent attention sub-configs (DESIGN §2).
+             moe=None, mla=None)
 MODEL_TINY = dict(MODEL, d_model=32, n_layers=2, d_ff=64)
 PRETRAIN_OPTIM = dict(lr=3e-3, warmup_steps=10, decay_steps=90, schedule="cosine",
                       end_lr_ratio=0.1, weight_decay=0.01, b1=0.9, b2=0.95, eps=1e-8,
@@ -34,7 +37,8 @@ GRPO_OPTIM = dict(lr=2e-4, warmup_steps=2, decay_steps=0, schedule="constant", e
 GRPO = dict(group_size=8, prompts_per_step=8, clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.1,
             scale_advantages_by_std=True, advantage_eps=1e-6, loss_aggregation="token_mean",
             temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=80, updates_per_batch=1,
-            seq_len=256, length_bucket=32, max_error_fraction=0.1, num_text_samples=4)
+            seq_len=256, length_bucket=32, max_error_fraction=0.1, num_text_samples=4,
+            domain_balance=False)  # added since f16cbda; False keeps the old prompt stream
 GRPO_TINY = dict(GRPO, group_size=4, prompts_per_step=2, max_new_tokens=16, seq_len=128)
 AGENT_REWARD = dict(format=0.30, execution=0.25, step=0.20, final_answer=0.25, grm=0.0, user=0.0)
 EVAL = dict(n_per_domain=60, difficulty=1, seed=0, greedy=True, num_samples=4, temperature=1.0,
