@@ -16,6 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 from opd.models import ModelConfig, forward, init_params
 from opd.models import hf as hfio
+from hf_batches import hf_logits, padded_batch
 
 B, T = 3, 11
 
@@ -48,22 +49,9 @@ REL_TOL = 2 * 4 * np.sqrt(_STEPS) * np.sqrt(_WIDEST) * np.finfo(np.float32).eps
 
 
 def _padded_batch(vocab, seed=0):
-  """Row 0 full, row 1 left-padded, row 2 right-padded."""
-  rng = np.random.default_rng(seed)
-  tokens = rng.integers(0, vocab, (B, T)).astype(np.int32)
-  mask = np.ones((B, T), bool)
-  mask[1, :3] = False
-  mask[2, -4:] = False
-  positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
-  return tokens, mask, positions
+  return padded_batch(vocab, B, T, seed)
 
 
-def _hf_logits(model, tokens, mask, positions):
-  with torch.no_grad():
-    out = model(input_ids=torch.from_numpy(tokens).long(),
-                attention_mask=torch.from_numpy(mask.astype(np.int64)),
-                position_ids=torch.from_numpy(positions).long())
-  return out.logits.float().numpy()
 
 
 _jit_forward = jax.jit(lambda cfg, p, t, pos, m: forward(cfg, p, t, pos, m).logits,
@@ -123,7 +111,7 @@ def test_load_hf_matches_transformers(arch, tmp_path):
 
   tokens, mask, positions = _padded_batch(cfg.vocab_size)
   _assert_close_at_real_tokens(_our_logits(cfg, params, tokens, mask, positions),
-                               _hf_logits(model, tokens, mask, positions), mask)
+                               hf_logits(model, tokens, mask, positions), mask)
 
 
 def _random_ours(cfg, seed):
@@ -164,7 +152,7 @@ def test_save_hf_loads_in_transformers(arch, shard, tmp_path):
     assert not info.get(key), (key, info[key])
   tokens, mask, positions = _padded_batch(cfg.vocab_size, seed=3)
   _assert_close_at_real_tokens(_our_logits(cfg, params, tokens, mask, positions),
-                               _hf_logits(model.eval(), tokens, mask, positions), mask)
+                               hf_logits(model.eval(), tokens, mask, positions), mask)
 
   # Our own round trip is exact.
   cfg2, params2 = hfio.load_hf(str(tmp_path), config=cfg)

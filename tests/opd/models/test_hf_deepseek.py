@@ -19,6 +19,7 @@ from opd.models import ModelConfig, forward, init_params
 from opd.models import hf as hfio
 from opd.models.config import MLAConfig, YaRNConfig
 from opd.models.moe import MoEConfig
+from hf_batches import hf_logits, padded_batch
 
 B, T = 3, 11
 EPS32 = float(np.finfo(np.float32).eps)
@@ -96,22 +97,9 @@ def _rel_tol(cfg):
 
 
 def _padded_batch(vocab, seed=0):
-  """Row 0 full, row 1 left-padded, row 2 right-padded."""
-  rng = np.random.default_rng(seed)
-  tokens = rng.integers(0, vocab, (B, T)).astype(np.int32)
-  mask = np.ones((B, T), bool)
-  mask[1, :3] = False
-  mask[2, -4:] = False
-  positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
-  return tokens, mask, positions
+  return padded_batch(vocab, B, T, seed)
 
 
-def _hf_logits(model, tokens, mask, positions):
-  with torch.no_grad():
-    out = model(input_ids=torch.from_numpy(tokens).long(),
-                attention_mask=torch.from_numpy(mask.astype(np.int64)),
-                position_ids=torch.from_numpy(positions).long())
-  return out.logits.float().numpy()
 
 
 def _our_logits(cfg, params, tokens, mask, positions):
@@ -174,7 +162,7 @@ def test_load_hf_matches_transformers(case, tmp_path):
     np.testing.assert_array_equal(np.asarray(params["layers_1"]["mlp"]["selection_bias"]), bias)
   tokens, mask, positions = _padded_batch(cfg.vocab_size)
   rel = _assert_close_at_real_tokens(cfg, _our_logits(cfg, params, tokens, mask, positions),
-                                     _hf_logits(model, tokens, mask, positions), mask)
+                                     hf_logits(model, tokens, mask, positions), mask)
   print(f"{case}: max |ours - transformers| / rms = {rel:.2e}")
 
 
@@ -194,7 +182,7 @@ def test_save_hf_loads_in_transformers_and_round_trips(case, shard, tmp_path):
   assert kinds == ["DeepseekV3MLP", "DeepseekV3MLP" if cfg.moe is None else "DeepseekV3MoE"]
   tokens, mask, positions = _padded_batch(cfg.vocab_size, seed=3)
   _assert_close_at_real_tokens(cfg, _our_logits(cfg, params, tokens, mask, positions),
-                               _hf_logits(model.eval(), tokens, mask, positions), mask)
+                               hf_logits(model.eval(), tokens, mask, positions), mask)
   cfg2, params2 = hfio.load_hf(str(tmp_path), config=cfg)
   assert cfg2 == cfg
   jax.tree.map(np.testing.assert_array_equal, params2, params)

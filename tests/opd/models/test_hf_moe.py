@@ -17,6 +17,7 @@ from opd.models import ModelConfig, forward, init_params
 from opd.models import hf as hfio
 from opd.models import moe_balance
 from opd.models.moe import MoEConfig
+from hf_batches import hf_forward, padded_batch
 
 B, T = 3, 11
 HF_KW = dict(vocab_size=200, hidden_size=48, intermediate_size=64, moe_intermediate_size=24,
@@ -40,21 +41,11 @@ REL_TOL = 2 * 4 * np.sqrt(16 * 3 + 2) * np.sqrt(64) * np.finfo(np.float32).eps
 
 
 def _padded_batch(vocab, seed=0):
-  """Row 0 full, row 1 left-padded, row 2 right-padded."""
-  rng = np.random.default_rng(seed)
-  tokens = rng.integers(0, vocab, (B, T)).astype(np.int32)
-  mask = np.ones((B, T), bool)
-  mask[1, :3] = False
-  mask[2, -4:] = False
-  positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
-  return tokens, mask, positions
+  return padded_batch(vocab, B, T, seed)
 
 
 def _hf_out(model, tokens, mask, positions):
-  with torch.no_grad():
-    return model(input_ids=torch.from_numpy(tokens).long(),
-                 attention_mask=torch.from_numpy(mask.astype(np.int64)),
-                 position_ids=torch.from_numpy(positions).long(), output_router_logits=True)
+  return hf_forward(model, tokens, mask, positions, output_router_logits=True)
 
 
 def _ours(cfg, params, tokens, mask, positions):
