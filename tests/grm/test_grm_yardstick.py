@@ -9,21 +9,10 @@ from grm import evaluation as ev
 from grm import meta_rm as meta_lib
 from grm import yardstick as ys
 from grm.data import PreferenceGroup
+from grm_groups import random_groups as _groups
 from grm.format import GRMPrompt, permutation
 from grm.judge import SampledJudgement
 from grm.parse import Judgement
-
-
-def _groups(rng, num):
-  """Groups of n in 1..4: n >= 2 with distinct rewards, n == 1 with a rating in 1..10."""
-  out = []
-  for e in range(num):
-    n = int(rng.integers(1, 5))
-    ratings = (int(rng.integers(1, 11)),) if n == 1 else tuple(rng.permutation(n) / n)
-    out.append(PreferenceGroup(domain="math", example_id=f"g{e}", split="test", query=f"q{e}",
-                               responses=tuple(f"r{e}_{i}" for i in range(n)),
-                               ratings=ratings, reasons=("",) * n))
-  return out
 
 
 def _samples(rng, g, k, e):
