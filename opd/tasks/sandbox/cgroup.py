@@ -14,10 +14,14 @@ job in a delegated scope: ``systemd-run --user --scope -p Delegate=yes CMD``.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
 import time
+
+log = logging.getLogger(__name__)
+REMOVE_PATIENCE_S = 10.0  # how long remove() kills and retries before it logs a leftover
 
 _LOCK = threading.Lock()
 _PROBED: list[str | None] = []
@@ -153,18 +157,33 @@ class RunCgroup:
           pass
       time.sleep(0.01)
 
-  def remove(self):
-    """Kills what is left and removes the directories (best effort, never raises)."""
-    self.kill()
-    for d in set(self.dirs.values()):
-      for _ in range(100):
+  def remove(self, patience_s: float = REMOVE_PATIENCE_S) -> bool:
+    """Kills what is left and removes the directories; never raises.
+
+    A loaded host can take more than a moment to deliver SIGKILL to the last
+    processes (or to reap them), and ``rmdir`` fails with ``EBUSY`` until they
+    are gone, so this kills again and retries for up to ``patience_s`` seconds.
+    Returns whether every directory is gone; one that stays is logged, by path.
+    """
+    deadline = time.monotonic() + patience_s
+    left = set(self.dirs.values())
+    while True:
+      self.kill()
+      for d in sorted(left):
         try:
           os.rmdir(d)
-          break
+          left.discard(d)
         except FileNotFoundError:
-          break
+          left.discard(d)
         except OSError:
-          time.sleep(0.01)  # the last processes are still being reaped
+          pass
+      if not left:
+        return True
+      if time.monotonic() >= deadline:
+        log.warning("sandbox cgroup not removed after %.0f s (processes still in it): %s",
+                    patience_s, ", ".join(sorted(left)))
+        return False
+      time.sleep(0.02)  # the last processes are still being reaped
 
 
 def problem() -> str | None:

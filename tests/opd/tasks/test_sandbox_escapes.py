@@ -249,8 +249,12 @@ def _host_state(run_ids: list[str], uids: set[int]) -> dict:
         continue
       if owner in uids or any(run_id.encode() in cmdline for run_id in run_ids):
         procs.append(int(entry))
-  return {"key_users": keys, "tmp": sorted(os.listdir(tempfile.gettempdir())),
-          "cgroups": sorted(glob.glob("/sys/fs/cgroup/**/opd-sandbox-*", recursive=True)),
+  # Another pytest worker may be running sandboxes at the same moment: only this
+  # test's runs (its run ids, its uids) are attributed to it.
+  groups = [g for g in glob.glob("/sys/fs/cgroup/**/opd-sandbox-*", recursive=True)
+            if any(run_id in os.path.basename(g) for run_id in run_ids)]
+  return {"key_users": [k for k in keys if k.isdigit() and int(k) in uids],
+          "tmp": sorted(os.listdir(tempfile.gettempdir())), "cgroups": sorted(groups),
           "processes": sorted(procs)}
 
 
@@ -269,6 +273,7 @@ def test_hostile_batch_leaves_nothing_behind(monkeypatch):
         ".write('x' * 1000)\nos.mkdir('d')\n",
     ]
     before = _host_state([], set())
+    assert before == {"key_users": [], "tmp": [], "cgroups": [], "processes": []}
     results = run_python_batch(kernel_only, [GOOD] + hostile)
     results += [kernel_only.run_python(hostile[3])]  # E4 alone too
     run_ids = [r.run_id for r in results] + [r.run_id.rsplit("-", 1)[0] for r in results]
@@ -276,7 +281,7 @@ def test_hostile_batch_leaves_nothing_behind(monkeypatch):
             and r.stdout.split()[0].isdigit() and r.stdout != "45\n"}
     assert results[0].stdout == "45\n" and len(uids) == 2, results
     after = _host_state(run_ids, uids - {os.geteuid()})
-    assert after == {**before, "processes": []}, (before, after)
+    assert after == before, after
   finally:
     shutil.rmtree(private_tmp)
 

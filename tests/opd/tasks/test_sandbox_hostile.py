@@ -327,3 +327,25 @@ def test_weak_isolation_is_refused_without_opt_in(caplog, monkeypatch):
   with caplog.at_level(logging.WARNING):
     CodeTask(strong, allow_weak_isolation=True)
   assert "allow_weak_isolation=True" in caplog.text
+
+
+def test_cgroup_remove_waits_for_the_last_processes_then_logs_what_stays(tmp_path, caplog):
+  """``RunCgroup.remove`` retries while ``rmdir`` fails (as it does until the last
+  killed processes are reaped) and logs a directory that never empties, by path.
+  A plain directory with a file in it stands in for a busy cgroup."""
+  import threading
+  busy = tmp_path / "busy"
+  busy.mkdir()
+  (busy / "cgroup.procs").write_text("")  # no pids to kill; rmdir fails while it exists
+  group = cgroup.RunCgroup("v2", {"memory": str(busy), "pids": str(busy)})
+  timer = threading.Timer(0.3, (busy / "cgroup.procs").unlink)
+  timer.start()
+  assert group.remove(patience_s=5.0) is True and not busy.exists()
+  timer.join()
+  stuck = tmp_path / "stuck"
+  stuck.mkdir()
+  (stuck / "cgroup.procs").write_text("")
+  caplog.set_level("WARNING")
+  assert cgroup.RunCgroup("v2", {"memory": str(stuck), "pids": str(stuck)}).remove(
+      patience_s=0.1) is False
+  assert stuck.exists() and str(stuck) in caplog.text
