@@ -125,7 +125,8 @@ def _teacher(config, name: str, group, root: pathlib.Path, mesh, rules) -> str:
               optim=common.optim_config(build.optim, "config.build.optim"),
               loop=lm_trainer.LMTrainConfig(steps=build.sft_steps, save_every=build.sft_steps,
                                             progress=False),
-              runtime=Runtime(mesh, rules, seed=config.seed + 1))
+              runtime=Runtime(mesh, rules, seed=config.seed + 1,
+                              tokenizer=common.tokenizer_for(cfg, workdir)))
   return str(_ckpt(workdir))
 
 
@@ -201,7 +202,7 @@ def run_offpolicy_kd(config, workdir: str) -> dict:
   mesh, rules = common.mesh_and_rules(config)
   paths = resolve_inputs(config, root, mesh, rules)
   cfg = to_model_config(config.model)
-  tok = common.tokenizer_for(cfg)
+  tok = common.tokenizer_for(cfg, workdir)
   teachers = [Teacher.from_checkpoint(n, paths["teachers"][n], to_model_config(g.model),
                                       domain=g.domain or None, mesh=mesh, rules=rules)
               for n, g in config.teachers.items()]
@@ -293,7 +294,8 @@ def run_mixed_rl(config, workdir: str) -> dict:
                    keep_checkpoints=config.rl_train.keep_checkpoints),
         RunIO(writer=writer, checkpoint_dir=_ckpt(root),
               config={"experiment": config_to_dict(config)}),
-        runtime=Runtime(mesh, rules, seed=config.seed, tokenizer=common.tokenizer_for(cfg)),
+        runtime=Runtime(mesh, rules, seed=config.seed,
+                        tokenizer=common.tokenizer_for(cfg, workdir)),
         extras=GRPOExtras(agent_config=grpo_job.agent_reward_config(config.agent_reward)))
   common.plot_curves(root, keys=["reward/mean"] + [f"reward/domain/{d}/mean"
                                                    for d in config.domains],
@@ -322,7 +324,8 @@ def run_sequential_rl(config, workdir: str) -> dict:
       cfg, params, stages, gcfg, common.optim_config(config.rl_optim, "config.rl_optim"),
       [LoopConfig(s, keep_checkpoints=1) for s in steps],
       RunIO(workdir=root / "stages", config={"experiment": config_to_dict(config)}),
-      runtime=Runtime(mesh, rules, seed=config.seed, tokenizer=common.tokenizer_for(cfg)),
+      runtime=Runtime(mesh, rules, seed=config.seed,
+                        tokenizer=common.tokenizer_for(cfg, workdir)),
       extras=GRPOExtras(agent_config=grpo_job.agent_reward_config(config.agent_reward)))
   if not _has_checkpoint(_ckpt(root)):
     save_model(_ckpt(root), cfg, out.state.params, config)

@@ -14,7 +14,9 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import pathlib
+import shutil
 import time
 import uuid
 from typing import Any, Mapping, Sequence
@@ -48,12 +50,36 @@ def mesh_and_rules(config) -> tuple[Any, tuple]:
   return sharding.make_mesh(tuple(config.mesh)), sharding.validate_rules(rules)
 
 
-def tokenizer_for(model_cfg: ModelConfig, spec: str = "byte",
-                  directory: str | pathlib.Path | None = None) -> ByteTokenizer | BPETokenizer:
-  """The tokenizer ``spec`` names (``"byte"`` or ``"bpe:<V>"``, built in and
-  reused from ``directory``: ``opd.tasks.tokenizer.task_tokenizer``), checked
-  against the model's vocabulary."""
-  tok = task_tokenizer(spec, directory, field="config.tokenizer")
+_TOKENIZERS_BUILT: dict[str, pathlib.Path] = {}  # spec -> where this process built/checked it
+
+
+def tokenizer_for(model_cfg: ModelConfig, workdir: str | pathlib.Path | None = None
+                  ) -> ByteTokenizer | BPETokenizer:
+  """The tokenizer ``model_cfg.tokenizer`` names, checked against the model.
+
+  ``"byte"`` needs no files. ``"bpe:<V>"`` lives in
+  ``<workdir>/tokenizer/bpe_<V>/`` (``opd.tasks.tokenizer.task_tokenizer``):
+  built there once, reused after, and a stage of a pipeline gets a byte-identical
+  copy of the one this process already built (BPE training is deterministic, so
+  the copy is what a build there would write; its recorded sha256 is checked on
+  load). Every stage directory thus holds the exact tokenizer it ran with.
+  """
+  spec = model_cfg.tokenizer
+  if spec == "byte":
+    tok = ByteTokenizer()
+  else:
+    if workdir is None:
+      raise ValueError(f"config.model.tokenizer={spec!r} needs a workdir to keep the "
+                       "tokenizer in (tokenizer_for(model_cfg, workdir))")
+    directory = pathlib.Path(workdir) / "tokenizer" / spec.replace(":", "_")
+    built = _TOKENIZERS_BUILT.get(spec)
+    if built is not None and built != directory and not directory.exists():
+      tmp = directory.with_name(f".{directory.name}.{os.getpid()}.tmp")
+      shutil.rmtree(tmp, ignore_errors=True)
+      shutil.copytree(built, tmp)
+      os.replace(tmp, directory)  # both files appear at once
+    tok = task_tokenizer(spec, directory, field="config.model.tokenizer")
+    _TOKENIZERS_BUILT.setdefault(spec, directory)
   check_vocab(tok, model_cfg)
   return tok
 
@@ -98,7 +124,8 @@ class JobContext:
     from opd.models import to_model_config  # noqa: PLC0415
     model_cfg = to_model_config(config.model)
     mesh, rules = mesh_and_rules(config)
-    return cls(config, pathlib.Path(workdir), model_cfg, tokenizer_for(model_cfg), mesh, rules)
+    return cls(config, pathlib.Path(workdir), model_cfg, tokenizer_for(model_cfg, workdir),
+               mesh, rules)
 
 
 def per_process_batch(global_batch: int, what: str = "config.train.batch_size") -> int:

@@ -119,7 +119,7 @@ def _evaluate(config, models: Mapping[str, pathlib.Path]):
 
   def fn(cfg, workdir: str) -> dict:
     model_cfg = to_model_config(config.model)
-    tok = common.tokenizer_for(model_cfg)
+    tok = common.tokenizer_for(model_cfg, workdir)
     mesh, rules = common.mesh_and_rules(config)
     eval_cfg = from_group(ev.EvalConfig, cfg.eval, "config.eval", domains=(config.domain,))
     key = jax.random.key(config.seed + 1234)

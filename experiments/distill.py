@@ -53,10 +53,12 @@ def _build_teacher(config, name: str, group, root: pathlib.Path, mesh, rules) ->
     data = SFTData(domains=(group.domain,), num_train=config.build_teachers.num_train,
                    num_eval=8, difficulties=tuple(config.data.difficulties),
                    seq_len=config.opd.seq_len, batch_size=config.build_teachers.batch_size)
-    train_sft(to_model_config(group.model), None, data, workdir,
+    cfg = to_model_config(group.model)
+    train_sft(cfg, None, data, workdir,
               optim=common.optim_config(config.build_teachers.optim),
               loop=lm_trainer.LMTrainConfig(steps=steps, save_every=steps, progress=False),
-              runtime=Runtime(mesh, rules, seed=config.seed + 1))
+              runtime=Runtime(mesh, rules, seed=config.seed + 1,
+                              tokenizer=common.tokenizer_for(cfg, workdir)))
   return str(ckpt)
 
 
@@ -92,7 +94,7 @@ def _setup(config, workdir):
   else:
     log.warning("config.student.init is empty: the student starts from a random init")
     params = init_params(cfg, jax.random.key(config.seed))
-  return mesh, rules, teachers, cfg, params, common.tokenizer_for(cfg)
+  return mesh, rules, teachers, cfg, params, common.tokenizer_for(cfg, workdir)
 
 
 def _domains(teachers) -> tuple[str, ...]:

@@ -72,7 +72,7 @@ def run(config, workdir: str) -> dict:
     raise ValueError(f"config.rewards={tuple(config.rewards)} must be a non-empty subset of "
                      f"{REWARDS}")
   model_cfg = to_model_config(config.model)
-  tok = common.tokenizer_for(model_cfg)
+  tok = common.tokenizer_for(model_cfg, workdir)
   mesh, rules = common.mesh_and_rules(config)
   policy, grm_params, (bt_cfg, bt_params) = _models(config, model_cfg, mesh, rules)
   cfg = from_group(GRPOConfig, config.grpo, "config.grpo")

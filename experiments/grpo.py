@@ -40,7 +40,7 @@ def agent_reward_config(group, where: str = "config.agent_reward") -> AgentRewar
 def run(config, workdir: str) -> dict:
   timer = common.Timer()
   model_cfg = to_model_config(config.model)
-  tok = common.tokenizer_for(model_cfg)
+  tok = common.tokenizer_for(model_cfg, workdir)
   mesh, rules = common.mesh_and_rules(config)
   if not config.init:
     raise ValueError("config.init must name a checkpoint directory to start GRPO from "

@@ -61,7 +61,7 @@ def sample_text(model_cfg, params, tok, seed: int, mesh, rules, n: int = 4) -> s
 def run(config, workdir: str) -> dict:
   timer = common.Timer()
   model_cfg = to_model_config(config.model)
-  tok = common.tokenizer_for(model_cfg)
+  tok = common.tokenizer_for(model_cfg, workdir)
   mesh, rules = common.mesh_and_rules(config)
   optim = common.optim_config(config.optim)
   texts = corpus(config.data.num_docs, config.seed, config.data.response_fraction)

@@ -36,7 +36,8 @@ def run(config, workdir: str) -> dict:
   first: dict = {}  # step 1's metrics, restored from the checkpoint on a resume
   state, history = train_sft(model_cfg, params, data, workdir,
                              optim=common.optim_config(config.optim), loop=loop,
-                             runtime=Runtime(mesh, rules, seed=config.seed),
+                             runtime=Runtime(mesh, rules, seed=config.seed,
+                                             tokenizer=common.tokenizer_for(model_cfg, workdir)),
                              run_config={"experiment": config_to_dict(config)},
                              first_metrics=first)
   plot = common.plot_curves(workdir, keys=("loss", "eval/loss"), title="SFT loss")

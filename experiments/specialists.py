@@ -1,6 +1,9 @@
 """Job ``specialists``: the first stage of the V4 pipeline (docs/DESIGN.md §3, §5, §9).
 
   tiny base (pre-training on the task suite's text)
+    → optionally one shared SFT on every domain at once (``shared_sft.steps``
+      > 0; V4's specialists share one SFT'd base): the "base" of every later
+      stage, row and student, with the pre-trained model kept as ``pretrained``
     → for each domain: SFT on the domain, then GRPO with its verifier
     → evaluation of the base, every SFT model and every specialist on all
       five test sets: a markdown/JSON table and a heatmap.
@@ -24,6 +27,7 @@ from experiments import common
 from experiments import grpo as grpo_job
 from experiments import pretrain as pretrain_job
 from experiments import sft as sft_job
+from opd.eval import claims
 from opd.eval import evaluation as ev
 from opd.training.checkpoints import load_params
 from opd.config.fields import from_group
@@ -79,6 +83,21 @@ def run(config, workdir: str, reuse=()) -> dict:
       common.stage_config(config, "pretrain", optim=config.base.optim, train=config.base.train,
                           data=config.base.data), "base")
 
+  pretrained_dir = base_dir
+  shared = config.get("shared_sft")
+  if shared is not None and shared.steps > 0:
+    # V4's specialists start from one SFT'd base: every domain's SFT data at once.
+    train = _copy(config.sft.train, steps=shared.steps, save_every=shared.steps)
+    optim = config.sft.optim
+    if optim.schedule != "constant":
+      optim = _copy(optim, decay_steps=max(1, shared.steps - optim.warmup_steps))
+    stage_metrics["shared_sft"], base_dir = stages.run(
+        "shared SFT (every domain)", sft_job.run,
+        common.stage_config(config, "sft", init=str(pretrained_dir / "checkpoints"), optim=optim,
+                            train=train, data=_copy(config.sft.data, domains=domains,
+                                                    num_train=shared.num_train)),
+        "shared_sft", [pretrained_dir])
+
   dirs = {}
   for d in domains:
     sft_train, sft_optim = _steps(config.sft.train, config.sft.optim, config, d, "sft_steps")
@@ -111,7 +130,7 @@ def run(config, workdir: str, reuse=()) -> dict:
         f"[specialists] tables: {out_dir / 'results.md'}", flush=True)
   return {**metrics, "wall_s": timer.seconds, "heatmap": str(out_dir / "heatmap.png"),
           "report": str(out_dir / "report.md"), "dirs": {
-              "base": str(base_dir), **{f"{d}/{k}": str(v) for d in domains
+              "base": str(base_dir), "pretrained": str(pretrained_dir), **{f"{d}/{k}": str(v) for d in domains
                                         for k, v in dirs[d].items()}}}
 
 
@@ -122,7 +141,7 @@ def _evaluate(cfg, workdir: str) -> dict:
   GRPO optimises)."""
   domains = tuple(cfg.models)
   model_cfg = to_model_config(cfg.model)
-  tok = common.tokenizer_for(model_cfg)
+  tok = common.tokenizer_for(model_cfg, workdir)
   mesh, rules = common.mesh_and_rules(cfg)
   cross_cfg = from_group(ev.EvalConfig, cfg.eval, "config.eval", domains=domains,
                          num_samples=0)
@@ -178,6 +197,22 @@ def summarize(results, own, domains, metric: str, sampled: str) -> dict:
     out[f"grpo_minus_sft_{tag}"] = {d: grpo[d].value - sft[d].value for d in domains}
     out[f"grpo_minus_sft_{tag}_se"] = {d: (sft[d].se ** 2 + grpo[d].se ** 2) ** 0.5
                                        for d in domains}
+  # The sampler-quality bar (docs/RESULTS.md, "A stronger toy world"): on
+  # its own domain a specialist's mean@N over its greedy score, paired over
+  # examples; off its domain, its greedy total over the base's.
+  out["sampler_quality"], out["sampler_quality_se"] = {}, {}
+  for d in domains:
+    try:
+      q, se = claims.sampler_quality(own[d, "grpo"].domains[d])
+    except ValueError:  # a greedy score of 0: no ratio
+      q, se = float("nan"), float("nan")
+    out["sampler_quality"][d], out["sampler_quality_se"][d] = q, se
+  out["off_domain_retention"] = {}
+  for d in domains:
+    others = [o for o in domains if o != d]
+    base_total = sum(by_name["base"].score(o, metric).value for o in others)
+    spec_total = sum(by_name[f"{d}-specialist"].score(o, metric).value for o in others)
+    out["off_domain_retention"][d] = spec_total / base_total if base_total > 0 else float("nan")
   gain = out["specialist_minus_base"]
   out["domains_specialist_beats_base_by_20"] = sum(g >= 20 for g in gain.values())
   out["domains_grpo_improves_on_sft_sampled"] = sum(
@@ -202,6 +237,13 @@ def render_report(table: str, summary: dict, metric: str, sampled: str) -> str:
         f"{summary['sft_sampled'][d]:.1f} | {summary['grpo_sampled'][d]:.1f} | "
         f"{summary['grpo_minus_sft_sampled'][d]:+.1f} ± {summary['grpo_minus_sft_sampled_se'][d]:.1f} | "
         f"{summary['grpo_minus_sft_greedy'][d]:+.1f} ± {summary['grpo_minus_sft_greedy_se'][d]:.1f} |")
+  lines += ["", f"## Sampler quality: {sampled} / greedy {metric} on the own domain (bar: ≥ 0.8), "
+            "and off-domain greedy total / the base's (bar: ≥ 0.8)", "",
+            "| domain | sampler quality | off-domain retention |", "|---|---|---|"]
+  for d in domains:
+    lines.append(f"| {d} | {summary['sampler_quality'][d]:.2f} ± "
+                 f"{summary['sampler_quality_se'][d]:.2f} | "
+                 f"{summary['off_domain_retention'][d]:.2f} |")
   lines += ["", f"Specialist beats base by ≥ 20 points on "
             f"{summary['domains_specialist_beats_base_by_20']}/{n} domains. GRPO improves on SFT "
             f"on {summary['domains_grpo_improves_on_sft_sampled']}/{n} domains by {sampled} "

@@ -196,7 +196,7 @@ def _evaluate_one(config):
 
   def fn(cfg, workdir: str) -> dict:
     model_cfg = to_model_config(cfg.model)
-    tok = common.tokenizer_for(model_cfg)
+    tok = common.tokenizer_for(model_cfg, workdir)
     mesh, rules = common.mesh_and_rules(config.specialists)
     eval_cfg = from_group(ev.EvalConfig, cfg.eval, "config.eval", domains=tuple(cfg.domains))
     params = load_params(_ckpt(pathlib.Path(cfg.model_dir)), model_cfg, mesh=mesh, rules=rules)

@@ -9,12 +9,15 @@ V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Mapping
 
 import jax.numpy as jnp
 
 from opd.config.fields import check_fields, check_int, from_group, set_field
 from opd.models.moe import MoEConfig
+
+_BPE_SPEC = re.compile(r"bpe:[1-9][0-9]*")
 
 _DTYPES = {
     "float32": jnp.float32,
@@ -136,6 +139,12 @@ class ModelConfig:
     moe: ``None`` (dense) or a ``MoEConfig`` (a mapping is converted):
       layers ``>= moe.first_k_dense`` replace the dense MLP with routed (+
       shared) experts (``opd.models.moe``); the others keep width ``d_ff``.
+    tokenizer: the task tokenizer the vocabulary belongs to (docs/DESIGN.md
+      §9, "Tokenizers"): ``"byte"`` or ``"bpe:<V>"`` (a BPE of V entries
+      trained on the task corpus; ``vocab_size`` must be >= V). Every stage
+      of a pipeline copies the model group, so its tokenizer travels with it.
+      Models imported from HF carry their own tokenizer files instead; this
+      field then stays ``"byte"`` and is unused.
   """
   vocab_size: int = 512
   d_model: int = 128
@@ -156,9 +165,11 @@ class ModelConfig:
   remat: bool = False
   mla: MLAConfig | None = None
   moe: MoEConfig | None = None
+  tokenizer: str = "byte"
 
   def __post_init__(self):
     self._check_moe()
+    self._check_tokenizer()
     check_fields(self, "ModelConfig",
                  ints=dict.fromkeys(("vocab_size", "d_model", "n_layers", "n_heads",
                                      "n_kv_heads", "d_ff"), 1),
@@ -182,6 +193,15 @@ class ModelConfig:
     if self.moe is not None and self.moe.first_k_dense > self.n_layers:
       raise ValueError(f"ModelConfig.moe.first_k_dense={self.moe.first_k_dense} exceeds "
                        f"n_layers={self.n_layers}")
+
+  def _check_tokenizer(self):
+    spec = self.tokenizer
+    if not isinstance(spec, str) or not (spec == "byte" or _BPE_SPEC.fullmatch(spec)):
+      raise ValueError(f"ModelConfig.tokenizer={spec!r}: expected 'byte' or 'bpe:<V>' "
+                       "(e.g. 'bpe:1024')")
+    if spec != "byte" and int(spec.split(":")[1]) > self.vocab_size:
+      raise ValueError(f"ModelConfig.vocab_size={self.vocab_size} is smaller than the "
+                       f"tokenizer's {spec!r}: set vocab_size >= {spec.split(':')[1]}")
 
   def _mlp_params(self, layer: int) -> tuple[int, int]:
     """(stored, active per token) weights of layer ``layer``'s MLP or MoE block."""

@@ -148,6 +148,10 @@ class BPETokenizer(HFTokenizer):
   def __init__(self, path: str | os.PathLike, config: BPEConfig | None = None):
     super().__init__(str(path), bos_token=BOS, eos_token=EOS, pad_token=PAD)
     self.config = config
+    # The ModelConfig.tokenizer spec ("bpe:<V>") when built from that spec's config.
+    self.spec = (f"bpe:{config.vocab_size}"
+                 if config is not None and config == BPEConfig(vocab_size=config.vocab_size)
+                 else None)
     self.special_tokens = SPECIAL_TOKENS
     for token in SPECIAL_TOKENS:
       i = self.token_to_id(token)  # raises if absent

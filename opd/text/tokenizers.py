@@ -129,6 +129,8 @@ class ByteTokenizer(_TokenizerBase):
     self.bos_id, self.eos_id = self._special_to_id[BOS], self._special_to_id[EOS]
     self.pad_id = self._special_to_id[PAD]
     self.special_ids = frozenset(self._special_to_id.values())
+    # The ModelConfig.tokenizer spec this tokenizer is (check_vocab); None if custom.
+    self.spec = "byte" if self.special_tokens == tuple(SPECIAL_TOKENS) else None
 
   def token_to_id(self, token: str) -> int:
     """Id of a special-token string or of a one-byte string."""
@@ -299,8 +301,13 @@ def check_vocab(tokenizer, model_cfg) -> None:
   """Raises unless every id of ``tokenizer`` is a row of the model's embedding.
 
   A model vocabulary larger than the tokenizer's (padded to a multiple of
-  128, say) is fine.
+  128, say) is fine. A tokenizer that names its spec (``"byte"``,
+  ``"bpe:<V>"``) must be the one ``model_cfg.tokenizer`` names.
   """
+  want, have = getattr(model_cfg, "tokenizer", None), getattr(tokenizer, "spec", None)
+  if want and have and want != have:
+    raise ValueError(f"the model's tokenizer={want!r} (ModelConfig.tokenizer) but the tokenizer "
+                     f"given is {have!r}: its ids would mean other strings to this model")
   if tokenizer.vocab_size > model_cfg.vocab_size:
     raise ValueError(f"tokenizer vocab_size={tokenizer.vocab_size} exceeds the model's "
                      f"vocab_size={model_cfg.vocab_size}")

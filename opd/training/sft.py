@@ -86,6 +86,7 @@ def train_sft(model_cfg: ModelConfig, params, data: SFTData, workdir: str | path
               ) -> tuple[TrainState, list[tuple[int, dict[str, float]]]]:
   """SFT ``params`` on ``data``'s domains, checkpointed and logged under ``workdir``.
 
+  Text is encoded with ``runtime.tokenizer`` (None: the byte tokenizer).
   Train examples are drawn with ``runtime.seed``, held-out ones with ``seed + 1``;
   step metrics reach ``workdir``'s ``MetricWriter`` every ``loop.steps // 50``
   steps (eval metrics and step 1 always). ``first_metrics`` gets step 1's
@@ -94,7 +95,7 @@ def train_sft(model_cfg: ModelConfig, params, data: SFTData, workdir: str | path
   Returns:
     ``(state, history)``: the final state and every ``(step, metrics)``.
   """
-  tok = ByteTokenizer()
+  tok = runtime.tokenizer if runtime.tokenizer is not None else ByteTokenizer()
   check_vocab(tok, model_cfg)
   d, seed = data, runtime.seed
   train = sft_pairs(tasks_lib.domain_examples(d.domains, "train", d.num_train, seed,

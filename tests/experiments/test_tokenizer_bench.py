@@ -29,17 +29,36 @@ def test_quick_run_reports_recountable_ratios_and_reuses_builds(tmp_path):
   assert not build["reused"] and all(b["reused"] for b in bench.main(args)["builds"])
 
 
-def test_jobs_tokenizer_for_builds_the_named_tokenizer(tmp_path):
-  """experiments.common.tokenizer_for: "byte" as before, "bpe:<V>" built once in the
-  directory and checked against the model's vocabulary."""
+def test_jobs_tokenizer_for_builds_the_named_tokenizer(tmp_path, monkeypatch):
+  """experiments.common.tokenizer_for: the model config's tokenizer; "byte" as
+  before, "bpe:<V>" built once under the workdir, a second workdir of the same
+  process gets a byte-identical copy (no second build), and a tokenizer that is
+  not the model's is refused."""
   from experiments import common  # noqa: PLC0415
   from opd.models import ModelConfig  # noqa: PLC0415
-  model = lambda v: ModelConfig(vocab_size=v, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
-                                d_ff=32)
+  from opd.tasks import tokenizer as task_tok  # noqa: PLC0415
+  from opd.text.tokenizers import check_vocab  # noqa: PLC0415
+  monkeypatch.setattr(common, "_TOKENIZERS_BUILT", {})
+  model = lambda v, spec="byte": ModelConfig(vocab_size=v, d_model=16, n_layers=1, n_heads=2,
+                                             n_kv_heads=1, d_ff=32, tokenizer=spec)
   assert isinstance(common.tokenizer_for(model(270)), ByteTokenizer)
-  tok = common.tokenizer_for(model(512), "bpe:400", tmp_path / "tok")
-  assert isinstance(tok, BPETokenizer) and (tmp_path / "tok" / "tokenizer.json").exists()
-  with pytest.raises(ValueError, match="exceeds the model's vocab_size=300"):
-    common.tokenizer_for(model(300), "bpe:400", tmp_path / "tok")
-  with pytest.raises(ValueError, match="config.tokenizer='bpe'"):
-    common.tokenizer_for(model(512), "bpe", tmp_path / "tok")
+  tok = common.tokenizer_for(model(512, "bpe:400"), tmp_path / "a")
+  first = tmp_path / "a" / "tokenizer" / "bpe_400" / "tokenizer.json"
+  assert isinstance(tok, BPETokenizer) and tok.spec == "bpe:400" and first.exists()
+  builds = []
+  monkeypatch.setattr(task_tok, "bpe_corpus", lambda cfg: builds.append(cfg) or [])
+  again = common.tokenizer_for(model(512, "bpe:400"), tmp_path / "b")
+  second = tmp_path / "b" / "tokenizer" / "bpe_400" / "tokenizer.json"
+  assert builds == [] and second.read_bytes() == first.read_bytes()
+  text = "What is 17 + 25? Answer: 42"
+  assert again.encode(text) == tok.encode(text)
+  with pytest.raises(ValueError, match="vocab_size=300 is smaller than the tokenizer's 'bpe:400'"):
+    model(300, "bpe:400")
+  with pytest.raises(ValueError, match="ModelConfig.tokenizer='bpe'"):
+    model(512, "bpe")
+  with pytest.raises(ValueError, match="needs a workdir"):
+    common.tokenizer_for(model(512, "bpe:400"))
+  with pytest.raises(ValueError, match="the model's tokenizer='byte'"):
+    check_vocab(tok, model(512))
+  with pytest.raises(ValueError, match="the model's tokenizer='bpe:400'"):
+    check_vocab(ByteTokenizer(), model(512, "bpe:400"))
