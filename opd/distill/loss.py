@@ -19,6 +19,11 @@ logits become ``x_k / (τ τ_T)``, applied exactly by scaling its hidden states
 (``x_k = h_k W_k``), so the kernels are unchanged; the reported ``kl/<name>``
 is then to the sharpened teacher (docs/DESIGN.md §3).
 
+``form = "advantage"`` replaces all of the above by the advantage form
+(``opd.distill.advantage``): the teachers' sampled-token log-ratio as a
+per-token advantage, plus ``adv_alpha`` times GRPO's outcome advantage, in
+GRPO's policy gradient; ``form = "exact"`` (default) is everything else here.
+
 With ``grpo_coef > 0`` the GRPO verifier-reward term (docs/DESIGN.md §5) is
 added to the aggregated loss: ``grpo_coef · opd.rl.loss.policy_loss(log p_s(y),
 old_logprobs, advantages, ...)`` with the clipped ratio on the same tokens
@@ -44,7 +49,9 @@ The batch (teacher hidden states from :class:`opd.distill.cache.HiddenStateCache
     teacher_hidden            K arrays [B, T, D_k], aligned with ``tokens``
     teacher_weights           [B, T, K] >= 0 (opd.distill.teacher_weighting)
     positions (optional)      [B, T] int
-    old_logprobs, advantages  [B, T] float, [B] float   (only with grpo_coef > 0)
+    old_logprobs, advantages  [B, T] float, [B] float   (only with grpo_coef > 0; the
+                              advantage form needs old_logprobs, and advantages
+                              when adv_alpha > 0)
 """
 from __future__ import annotations
 
@@ -57,6 +64,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from pallas_kernels.api import IMPLS
 from opd.config import fields
+from opd.distill import advantage as advantage_lib
 from opd.models import ModelConfig, forward, head_matrix, moe_balance
 from opd.rl.config import GRPOConfig
 from opd.rl.loss import policy_loss
@@ -89,6 +97,14 @@ class OPDLossConfig:
     gradient_in_forward: ``full`` estimator only: train through
       ``pallas_kernels.fused_reverse_kl_train`` (default) rather than the
       per-token ``fused_reverse_kl`` (module docstring).
+    form: ``"exact"`` (this module's losses) or ``"advantage"``
+      (``opd.distill.advantage``; its log-probs at ``grpo_temperature``, the
+      sampling temperature, with the clip range above).
+    adv_gamma: γ in [0, 1] of the advantage's discounted future sum (0: the
+      immediate per-token advantage; 1: the sequence-level form).
+    adv_beta, adv_alpha: ``Â = β Â_OPD + α Â_ORM`` (>= 0, not both 0).
+    is_cap: 0 uses GRPO's clipped ratio; c >= 1 the truncated importance
+      weight ``min(π_S / π_behaviour, c)``.
   """
   estimator: str = "full"
   top_k: int = 8
@@ -102,6 +118,11 @@ class OPDLossConfig:
   grpo_clip_eps_high: float = GRPOConfig.clip_eps_high
   impl: str = "auto"
   gradient_in_forward: bool = True
+  form: str = "exact"
+  adv_gamma: float = advantage_lib.FORM_DEFAULTS["adv_gamma"]
+  adv_beta: float = advantage_lib.FORM_DEFAULTS["adv_beta"]
+  adv_alpha: float = advantage_lib.FORM_DEFAULTS["adv_alpha"]
+  is_cap: float = advantage_lib.FORM_DEFAULTS["is_cap"]
 
   def __post_init__(self):
     fields.check_fields(
@@ -111,14 +132,22 @@ class OPDLossConfig:
         floats={"grpo_clip_eps_low": dict(min_value=0, max_value=1, max_exclusive=True)},
         bools=("gradient_in_forward",),
         choices={"estimator": ESTIMATORS, "aggregation": AGGREGATIONS, "impl": IMPLS})
+    advantage_lib.check_form_fields(self, "OPDLossConfig", "form")
+
+  @property
+  def batch_extra_keys(self) -> tuple[str, ...]:
+    """The batch keys beyond ``BATCH_KEYS`` this loss reads."""
+    if self.form == "advantage":
+      return ("old_logprobs",) + (("advantages",) if self.adv_alpha else ())
+    return GRPO_KEYS if self.grpo_coef > 0 else ()
 
 
-def _check_batch(batch, k: int, widths: Sequence[int], grpo: bool):
-  missing = [key for key in BATCH_KEYS + (GRPO_KEYS if grpo else ()) if key not in batch]
+def _check_batch(batch, k: int, widths: Sequence[int], extra: tuple[str, ...]):
+  missing = [key for key in BATCH_KEYS + extra if key not in batch]
   if missing:
     raise ValueError(f"batch is missing {missing}; it has {sorted(batch)}")
   bt = tuple(batch["tokens"].shape)
-  for key in ("targets", "mask", "loss_mask") + (("old_logprobs",) if grpo else ()):
+  for key in ("targets", "mask", "loss_mask") + tuple(x for x in extra if x == "old_logprobs"):
     if tuple(batch[key].shape) != bt or len(bt) != 2:
       raise ValueError(f"batch[{key!r}].shape={tuple(batch[key].shape)}: expected [B, T]={bt}")
   hidden = batch["teacher_hidden"]
@@ -128,7 +157,7 @@ def _check_batch(batch, k: int, widths: Sequence[int], grpo: bool):
     if tuple(h.shape) != bt + (d,):
       raise ValueError(f"batch['teacher_hidden'][{i}].shape={tuple(h.shape)}: expected "
                        f"[B, T, D_k]={bt + (d,)}")
-  if grpo and tuple(batch["advantages"].shape) != bt[:1]:
+  if "advantages" in extra and tuple(batch["advantages"].shape) != bt[:1]:
     raise ValueError(f"batch['advantages'].shape={tuple(batch['advantages'].shape)}: expected "
                      f"[B]={bt[:1]}")
   if tuple(batch["teacher_weights"].shape) != bt + (k,):
@@ -160,6 +189,49 @@ def _grpo_term(config: OPDLossConfig, h_s, w_s, batch, keep, impl: str):
                      keep.astype(jnp.float32), clip_eps_low=config.grpo_clip_eps_low,
                      clip_eps_high=config.grpo_clip_eps_high, kl_coef=0.0,
                      aggregation=config.aggregation)
+
+
+def _exact_loss(config: OPDLossConfig, args, batch, keep, coef, names, shared: bool):
+  """The exact form (module docstring): ``(scalar, metrics)``; ``args`` are
+  ``(h_s, w_s, h_k, heads, w_flat)`` as the fused kernels take them."""
+  b, t = keep.shape
+  h_s, w_s, _, _, w_flat = args
+  m_flat = keep.reshape(b * t)
+  tau, impl = float(config.temperature), config.impl
+  metrics = {}
+  per_tok, loss = jnp.zeros((b * t,), jnp.float32), jnp.float32(0.0)
+  if config.estimator == "full" and config.gradient_in_forward:
+    loss, aux = pallas_kernels.fused_reverse_kl_train(*args, coef, temperature=tau, impl=impl,
+                                                      shared_head=shared, return_aux=True)
+  elif config.estimator == "full":
+    per_tok, aux = pallas_kernels.fused_reverse_kl(*args, mask=m_flat, temperature=tau,
+                                                   impl=impl, return_aux=True)
+  if config.estimator == "full":
+    uses = (w_flat > 0) & m_flat[:, None]  # [BT, K]
+    kl_k = jnp.sum(aux["kl"] * uses, axis=0) / jnp.maximum(jnp.sum(uses, axis=0), 1)
+    metrics.update({f"kl/{n}": kl_k[i] for i, n in enumerate(names)})
+    metrics["student_entropy"] = jnp.sum(aux["entropy"]) / jnp.maximum(jnp.sum(m_flat), 1)
+  elif config.estimator == "top_k":
+    per_tok = pallas_kernels.fused_topk_kl(*args, mask=m_flat, temperature=tau,
+                                           top_k=config.top_k,
+                                           impl="reference" if impl == "reference" else "auto")
+  else:
+    est = pallas_kernels.fused_token_level_kl(*args, batch["targets"].reshape(b * t),
+                                              mask=m_flat, temperature=tau, impl=impl)
+    pg = jax.lax.stop_gradient(est) * est  # gradient a_t ∇log p_s(y_t)
+    per_tok = pg + jax.lax.stop_gradient(est - pg)  # value a_t
+  if config.forward_kl_coef:
+    fkl = pallas_kernels.fused_forward_kl(*args, mask=m_flat, temperature=tau,
+                                          impl="reference" if impl == "reference" else "auto")
+    per_tok = per_tok + config.forward_kl_coef * fkl
+  loss = loss + jnp.sum(coef * per_tok)
+  if config.grpo_coef > 0:
+    pg, pg_metrics = _grpo_term(config, h_s, w_s, batch, keep, impl)
+    metrics.update(kl_loss=loss, grpo_loss=pg)
+    metrics.update({f"grpo_{k}": pg_metrics[k]
+                    for k in ("clip_frac_low", "clip_frac_high", "ratio_mean")})
+    loss = loss + config.grpo_coef * pg
+  return loss, metrics
 
 
 def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
@@ -202,13 +274,12 @@ def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
   # One head array for every teacher (e.g. specialists keeping the base's
   # head): the training loss loads each head tile once for all K.
   shared = len(heads) > 1 and all(w is heads[0] for w in heads)
-  tau, impl = float(config.temperature), config.impl
   inv_teacher_tau = 1.0 / float(config.teacher_temperature)
-  grpo = config.grpo_coef > 0
+  extra = config.batch_extra_keys
 
   def loss_fn(params, batch, rng):
     del rng
-    _check_batch(batch, len(heads), widths, grpo)
+    _check_batch(batch, len(heads), widths, extra)
     b, t = batch["tokens"].shape
     out = forward(student_cfg, params, batch["tokens"], batch.get("positions"), batch["mask"],
                   return_logits=False, return_hidden=True)
@@ -220,42 +291,14 @@ def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
     weights = batch["teacher_weights"].astype(jnp.float32)
     keep = ((batch["loss_mask"] > 0) & batch["mask"].astype(bool)
             & (jnp.sum(weights, axis=-1) > 0))  # [B, T]
-    w_flat, m_flat = weights.reshape(b * t, -1), keep.reshape(b * t)
+    w_flat = weights.reshape(b * t, -1)
     coef = token_coefficients(keep, config.aggregation).reshape(b * t)
-    args = (h_s, w_s, h_k, heads, w_flat)
-    metrics = {}
-    per_tok, loss = jnp.zeros((b * t,), jnp.float32), jnp.float32(0.0)
-    if config.estimator == "full" and config.gradient_in_forward:
-      loss, aux = pallas_kernels.fused_reverse_kl_train(*args, coef, temperature=tau, impl=impl,
-                                                        shared_head=shared, return_aux=True)
-    elif config.estimator == "full":
-      per_tok, aux = pallas_kernels.fused_reverse_kl(*args, mask=m_flat, temperature=tau,
-                                                     impl=impl, return_aux=True)
-    if config.estimator == "full":
-      uses = (w_flat > 0) & m_flat[:, None]  # [BT, K]
-      kl_k = jnp.sum(aux["kl"] * uses, axis=0) / jnp.maximum(jnp.sum(uses, axis=0), 1)
-      metrics.update({f"kl/{n}": kl_k[i] for i, n in enumerate(names)})
-      metrics["student_entropy"] = jnp.sum(aux["entropy"]) / jnp.maximum(jnp.sum(m_flat), 1)
-    elif config.estimator == "top_k":
-      per_tok = pallas_kernels.fused_topk_kl(*args, mask=m_flat, temperature=tau,
-                                             top_k=config.top_k,
-                                             impl="reference" if impl == "reference" else "auto")
+    if config.form == "advantage":
+      loss, metrics = advantage_lib.advantage_loss(config, h_s, w_s, h_k, heads, batch, keep,
+                                                   coef.reshape(b, t))
     else:
-      est = pallas_kernels.fused_token_level_kl(*args, batch["targets"].reshape(b * t),
-                                                mask=m_flat, temperature=tau, impl=impl)
-      pg = jax.lax.stop_gradient(est) * est  # gradient a_t ∇log p_s(y_t)
-      per_tok = pg + jax.lax.stop_gradient(est - pg)  # value a_t
-    if config.forward_kl_coef:
-      fkl = pallas_kernels.fused_forward_kl(*args, mask=m_flat, temperature=tau,
-                                            impl="reference" if impl == "reference" else "auto")
-      per_tok = per_tok + config.forward_kl_coef * fkl
-    loss = loss + jnp.sum(coef * per_tok)
-    if grpo:
-      pg, pg_metrics = _grpo_term(config, h_s, w_s, batch, keep, impl)
-      metrics.update(kl_loss=loss, grpo_loss=pg)
-      metrics.update({f"grpo_{k}": pg_metrics[k]
-                      for k in ("clip_frac_low", "clip_frac_high", "ratio_mean")})
-      loss = loss + config.grpo_coef * pg
+      loss, metrics = _exact_loss(config, (h_s, w_s, h_k, heads, w_flat), batch, keep, coef,
+                                  names, shared)
     metrics["opd_tokens"] = jnp.sum(keep.astype(jnp.float32))
     metrics["opd_rows"] = jnp.sum(jnp.any(keep, axis=1).astype(jnp.float32))
     if student_cfg.moe is not None:

@@ -9,10 +9,12 @@
    (``opd.rollout.batches.sample_groups``, key ``fold_in(key(seed), s)``: a
    resumed run samples what an uninterrupted one would), verified only with
    ``verify=True`` or ``grpo_coef > 0`` (then ``reward/mean`` is logged);
-   with ``grpo_coef > 0`` the rewards of rows ``p*G .. p*G+G-1`` (prompt
-   p's samples) become group-normalised advantages
-   (``opd.rl.advantages.group_advantages``), put in the batch with the
-   sampler's ``old_logprobs`` for the loss's GRPO term;
+   with ``grpo_coef > 0`` (or the advantage form with ``adv_alpha > 0``)
+   the rewards of rows ``p*G .. p*G+G-1`` (prompt p's samples) become
+   group-normalised advantages (``opd.rl.advantages.group_advantages``),
+   put in the batch with the sampler's ``old_logprobs`` for the loss's
+   GRPO term (the advantage form always gets ``old_logprobs``: its
+   behaviour policy, ``opd.distill.advantage``);
 3. builds the teacher weights ``w [B, T, K]``
    (``opd.distill.teacher_weighting``: routing by ``Example.domain``,
    confidence or uniform, as ``OPDConfig.schedule`` says), annealed to
@@ -57,6 +59,7 @@ import jax
 import numpy as np
 
 from opd.config import fields
+from opd.distill import advantage as advantage_lib
 from opd.distill import diagnostics, teacher_weighting
 from opd.distill.cache import HiddenStateCache, loss_batch
 from opd.distill.faults import FaultTolerantTeachers
@@ -103,6 +106,15 @@ class OPDConfig:
     confidence_per_token: one weight vector per token instead of per sequence.
     anneal_steps: weights move linearly to uniform over this many final steps.
     estimator: ``"full"``, ``"top_k"`` or ``"token"`` (``opd.distill.loss``).
+    loss_form: ``"exact"`` (the estimator's loss, default) or ``"advantage"``
+      (``opd.distill.advantage``: the sampled-token log-ratio as a per-token
+      advantage in GRPO's policy gradient, log-probs at ``temperature``).
+    adv_gamma: the advantage form's discount γ in [0, 1] (0 immediate, 1 the
+      sequence-level form).
+    adv_beta, adv_alpha: ``Â = β Â_OPD + α Â_ORM`` (α > 0 verifies the
+      rollouts and adds GRPO's group-normalised outcome advantage).
+    is_cap: 0: GRPO's clipped ratio; c >= 1: truncated importance weights
+      ``min(π_S / π_behaviour, c)`` (share truncated logged).
     top_k: k of the ``top_k`` estimator.
     aggregation: ``"token_mean"`` or ``"sequence_mean"``.
     forward_kl_coef: weight of the forward-KL term (default 0).
@@ -150,6 +162,11 @@ class OPDConfig:
   diag_tokens: int = 256
   verify: bool = False
   domain_balance: bool = False
+  loss_form: str = "exact"
+  adv_gamma: float = advantage_lib.FORM_DEFAULTS["adv_gamma"]
+  adv_beta: float = advantage_lib.FORM_DEFAULTS["adv_beta"]
+  adv_alpha: float = advantage_lib.FORM_DEFAULTS["adv_alpha"]
+  is_cap: float = advantage_lib.FORM_DEFAULTS["is_cap"]
 
   def __post_init__(self):
     owner = "OPDConfig"
@@ -166,6 +183,7 @@ class OPDConfig:
         choices={"schedule": SCHEDULES, "confidence_by": teacher_weighting.SCORES,
                  "estimator": ESTIMATORS, "aggregation": AGGREGATIONS,
                  "cache_dtype": ("bfloat16", "float16", "float32")})
+    advantage_lib.check_form_fields(self, owner, "loss_form")
 
   @property
   def rollout(self) -> RolloutConfig:
@@ -182,9 +200,15 @@ class OPDConfig:
     return self.prompts_per_step * self.group_size
 
   @property
+  def outcome_advantages(self) -> bool:
+    """The loss reads GRPO's outcome advantages (the GRPO term, or the
+    advantage form with ``adv_alpha > 0``)."""
+    return self.grpo_coef > 0 or (self.loss_form == "advantage" and self.adv_alpha > 0)
+
+  @property
   def verifies(self) -> bool:
-    """The rollouts are verified: ``verify`` asked, or the GRPO term needs rewards."""
-    return self.verify or self.grpo_coef > 0
+    """The rollouts are verified: ``verify`` asked, or the loss needs rewards."""
+    return self.verify or self.outcome_advantages
 
   def loss_config(self) -> OPDLossConfig:
     """The loss's options (``opd.distill.loss.make_opd_loss``)."""
@@ -195,7 +219,9 @@ class OPDConfig:
                          forward_kl_coef=self.forward_kl_coef, grpo_coef=self.grpo_coef,
                          grpo_temperature=self.temperature,
                          grpo_clip_eps_low=self.grpo_clip_eps_low,
-                         grpo_clip_eps_high=self.grpo_clip_eps_high)
+                         grpo_clip_eps_high=self.grpo_clip_eps_high,
+                         form=self.loss_form, adv_gamma=self.adv_gamma,
+                         adv_beta=self.adv_beta, adv_alpha=self.adv_alpha, is_cap=self.is_cap)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -323,11 +349,12 @@ class OPDSource(PromptPosition):
     opd, row_ok = loss_batch(host, cached, w)
     skipped = not cached.batch_ok
     opd["loss_mask"] = host["loss_mask"] * row_ok[:, None] * (not skipped)
-    if cfg.grpo_coef > 0:
+    if cfg.outcome_advantages:
       # Row p * G + g is sample g of prompt p: [P, G] groups are same-prompt.
       rewards = np.asarray([sc.reward for sc in score_episodes(episodes)])
       opd["advantages"] = group_advantages(rewards.reshape(cfg.prompts_per_step,
                                                            cfg.group_size)).reshape(-1)
+    if cfg.outcome_advantages or cfg.loss_form == "advantage":
       opd["old_logprobs"] = host["old_logprobs"]
     hidden, weights = opd.pop("teacher_hidden"), np.asarray(opd.pop("teacher_weights"))
     batch = self._place({**opd, "teacher_weights": weights}, hidden)

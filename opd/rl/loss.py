@@ -78,7 +78,8 @@ def policy_loss(logp: Array, old_logp: Array, advantages: Array, weights: Array,
     logp: ``[B, T]`` log-probs of the targets under the current policy
       (differentiated).
     old_logp: ``[B, T]`` log-probs under the sampling policy.
-    advantages: ``[B]``, one per sequence.
+    advantages: ``[B]``, one per sequence, or ``[B, T]``, one per token (the
+      OPD advantage form, ``opd.distill.advantage``).
     weights: ``[B, T]`` policy-token mask (0 on prompt, tool and pad tokens).
     ref_logp: ``[B, T]`` log-probs under the frozen reference; required when
       ``kl_coef > 0``, and when given the ``kl`` metric is reported.
@@ -97,8 +98,9 @@ def policy_loss(logp: Array, old_logp: Array, advantages: Array, weights: Array,
     ``policy_tokens``.
   """
   B, T = logp.shape
+  adv_shape = (B, T) if advantages.ndim == 2 else (B,)
   for name, x, shape in (("old_logp", old_logp, (B, T)), ("weights", weights, (B, T)),
-                         ("advantages", advantages, (B,)),
+                         ("advantages", advantages, adv_shape),
                          ("ref_logp", ref_logp, (B, T))):
     if x is not None and tuple(x.shape) != shape:
       raise ValueError(f"{name} must have shape {shape} to match logp {logp.shape}, "
@@ -110,7 +112,8 @@ def policy_loss(logp: Array, old_logp: Array, advantages: Array, weights: Array,
   # Masked positions get log-ratio 0 so no inf/NaN can leak into the gradient.
   log_ratio = jnp.where(on, jnp.clip(logp - old_logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO), 0.0)
   ratio = jnp.exp(log_ratio)
-  A = advantages.astype(jnp.float32)[:, None]
+  A = advantages.astype(jnp.float32)
+  A = A if A.ndim == 2 else A[:, None]
   clipped = jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
   pg = -jnp.minimum(ratio * A, clipped * A)
   per_token = pg
