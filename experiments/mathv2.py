@@ -49,6 +49,7 @@ from experiments import common
 from experiments import pretrain as pretrain_job
 from experiments.grpo import grpo_config
 from grm.verify import evaluation as eval_lib
+from grm.verify import format as verify_format
 from grm.verify import labelling as label_lib
 from grm.verify import refine as refine_lib
 from grm.verify import sampling as sampling_lib
@@ -66,6 +67,11 @@ from opd.training.metrics_writer import MetricWriter
 
 VERIFIERS = ("verifier_sft", "verifier_rl", "verifier_rl_meta")
 GENERATORS = ("generator_sft", "generator_rl")
+# config.sample.constrained_roles: the roles whose samples (outside GRPO's own
+# rollouts) are decoded under their whole grammar (opd.rollout.constraint), so every
+# finished one parses valid: the verifier's analysis and the meta-verifier's verdicts.
+ROLE_PATTERNS = {"verifier": verify_format.ANALYSIS_PATTERN,
+                 "meta": verify_format.META_PATTERN}
 
 
 _Ctx = common.JobContext
@@ -220,9 +226,20 @@ def _sampler(ctx: _Ctx, params, role: str, *, temperature: float | None = None,
       sampling_for_chat(ctx.tok, max_new_tokens=n,
                         temperature=s.temperature if temperature is None else temperature),
       max_new_tokens_cap=max(s.proof_tokens, s.analysis_tokens))
+  pattern = ROLE_PATTERNS[role] if role in constrained_roles(ctx.config) else False
   return _Counted(sampling_lib.sampler_fn(ctx.model_cfg, params, ctx.tok, sampling, seed=seed,
                                           batch_size=s.batch_size, prompt_bucket=s.prompt_len,
-                                          mesh=ctx.mesh, rules=ctx.rules))
+                                          mesh=ctx.mesh, rules=ctx.rules, constrained=pattern))
+
+
+def constrained_roles(config) -> tuple[str, ...]:
+  """``config.sample.constrained_roles`` (default none), each a key of ``ROLE_PATTERNS``;
+  ValueError naming the field otherwise."""
+  roles = config.sample.get("constrained_roles", ())
+  if isinstance(roles, str) or not all(r in ROLE_PATTERNS for r in roles):
+    raise ValueError(f"config.sample.constrained_roles={roles!r} must be a tuple of roles "
+                     f"among {tuple(ROLE_PATTERNS)}")
+  return tuple(roles)
 
 
 def _rl(ctx: _Ctx, start: str, examples, reward_fn, steps: int, workdir: pathlib.Path,
@@ -429,6 +446,7 @@ UPSTREAM = {"base": ("data",), "generator_sft": ("base",), "verifier_sft": ("dat
 
 
 def run(config, workdir: str) -> dict:
+  constrained_roles(config)  # checked before any stage runs
   root = pathlib.Path(workdir)
   out = common.run_stage_table(config, root, "mathv2", STAGES, UPSTREAM,
                                _Ctx.for_run(config, root))

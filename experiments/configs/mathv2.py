@@ -96,8 +96,13 @@ def get_config(arg=None):
   c.generator = ml_collections.ConfigDict(dict(sft_steps=2400, num_problems=1024, seq_len=256,
                                                batch_size=8, lr=1e-3, refine_fraction=0.0))
   # Every sampler call outside GRPO: fixed rows and prompt length (one compile).
+  # constrained_roles: roles among ("verifier", "meta") decoded under their whole
+  # grammar (experiments.mathv2.ROLE_PATTERNS; every finished sample then parses
+  # valid): evaluation, R_meta and the generator's reward, search and labelling.
+  # Empty keeps the measured numbers below.
   c.sample = ml_collections.ConfigDict(dict(
-      batch_size=32, prompt_len=512, temperature=1.0, proof_tokens=160, analysis_tokens=64))
+      batch_size=32, prompt_len=512, temperature=1.0, proof_tokens=160, analysis_tokens=64,
+      constrained_roles=()))
   c.grpo = grpo.grpo
   c.grpo.update(group_size=4, prompts_per_step=4, max_new_tokens=64, seq_len=512, kl_coef=0.05)
   c.grpo_optim = to_group(OptimConfig, lr=2e-4, warmup_steps=2, end_lr_ratio=1.0, b2=0.99)

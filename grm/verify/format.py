@@ -58,9 +58,31 @@ REASONS = ("not_text", "too_long", "empty", "no_score_line", "bad_score", "bad_l
 SCORE_TEXT = {0.0: "0", 0.5: "0.5", 1.0: "1"}
 # Constrained decoding of any role's output (opd.rollout.constraint): free
 # text, then the last line "Score: s" with s one of SCORE_TEXT's values.
-SCORE_PATTERN = (r"([^\n]*\n)*" + re.escape(SCORE_PREFIX) + " ("
-                 + "|".join(re.escape(t) for t in SCORE_TEXT.values()) + ")")
+_SCORE_LINE = (re.escape(SCORE_PREFIX) + " ("
+               + "|".join(re.escape(t) for t in SCORE_TEXT.values()) + ")")
+SCORE_PATTERN = r"([^\n]*\n)*" + _SCORE_LINE
 _SCORE_VALUE = {v: k for k, v in SCORE_TEXT.items()}
+# The whole output of a role in its grammar, for constrained decoding: every
+# finished sample parses valid. ANALYSIS_PATTERN: "No issues." or one or more
+# "Line k: kind" lines (k in 1..9999 without a leading zero; no message, as the
+# rule-written SFT targets), then the score line (parse_analysis).
+# META_PATTERN: "No issues stated." or "Issue 1: real|not real", "Issue 2: ...",
+# numbered in order, up to MAX_META_VERDICTS, then the score line (parse_meta
+# without n_issues; a count unlike the analysis's stays wrong_count).
+MAX_META_VERDICTS = 9
+_ISSUE_LINE = r"Line [1-9][0-9]{0,3}: (" + "|".join(ISSUE_KINDS) + ")"
+ANALYSIS_PATTERN = (f"({re.escape(NO_ISSUES)}|{_ISSUE_LINE}(\\n{_ISSUE_LINE})*)"
+                    f"\\n{_SCORE_LINE}")
+
+
+def _verdicts_pattern(first: int, last: int) -> str:
+  """``Issue first: v``, optionally followed by a newline and the verdicts first+1..last."""
+  head = f"Issue {first}: ({REAL}|{NOT_REAL})"
+  return head if first == last else f"{head}(\\n{_verdicts_pattern(first + 1, last)})?"
+
+
+META_PATTERN = (f"({re.escape(NO_ISSUES_STATED)}|{_verdicts_pattern(1, MAX_META_VERDICTS)})"
+                f"\\n{_SCORE_LINE}")
 
 _ISSUE = re.compile(r"Line ([0-9]{1,4}): ([a-z_]+)(?: - (.*))?", re.ASCII)
 _VERDICT = re.compile(r"Issue ([0-9]{1,4}): (real|not real)", re.ASCII)

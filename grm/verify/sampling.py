@@ -10,7 +10,9 @@ the same prompts gives fresh samples, and a run is reproducible from
 appended, so no parser of ``grm.verify.format`` reads it as complete (a cut
 ``Score: 0.5`` must not read as ``Score: 0``). ``constrained=True`` decodes
 under ``grm.verify.format.SCORE_PATTERN`` (the last line a valid
-``Score: s``; ``opd.rollout.constraint``).
+``Score: s``; ``opd.rollout.constraint``); ``constrained=<pattern>`` under
+that regular expression, e.g. a role's whole grammar (``ANALYSIS_PATTERN``,
+``META_PATTERN``), under which every finished sample parses valid.
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ TRUNCATED = "[truncated]"
 
 def sampler_fn(model_cfg: ModelConfig, params, tokenizer, sampling: SamplingConfig, *,
                seed: int = 0, batch_size: int | None = None, prompt_bucket: int = 32, mesh=None,
-               rules=None, constrained: bool = False) -> Callable[[Sequence[str]], list[str]]:
+               rules=None, constrained: bool | str = False
+               ) -> Callable[[Sequence[str]], list[str]]:
   """A callable ``fn(prompts) -> texts`` sampling one completion per prompt.
 
   Args:
@@ -40,14 +43,18 @@ def sampler_fn(model_cfg: ModelConfig, params, tokenizer, sampling: SamplingConf
     seed: base seed of every call's keys.
     batch_size: rows per sampler call (None: each call's prompt count).
     prompt_bucket, mesh, rules: passed to ``opd.rollout.policy.sample``.
-    constrained: decode under ``SCORE_PATTERN`` (module docstring).
+    constrained: False; True (``SCORE_PATTERN``); or the regular expression a
+      sample's whole text follows (module docstring).
   """
   if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
                                  or batch_size < 1):
     raise ValueError(f"batch_size={batch_size!r} must be an int >= 1 or None")
   base = jax.random.key(int(seed))
-  automaton = compile_patterns([SCORE_PATTERN], tokenizer, end_ids=sampling.end_ids,
-                               vocab_size=model_cfg.vocab_size) if constrained else None
+  if not isinstance(constrained, (bool, str)) or constrained == "":
+    raise ValueError(f"constrained={constrained!r} must be a bool or a non-empty pattern")
+  pattern = SCORE_PATTERN if constrained is True else constrained
+  automaton = compile_patterns([pattern], tokenizer, end_ids=sampling.end_ids,
+                               vocab_size=model_cfg.vocab_size) if pattern else None
   chunks = itertools.count()
   policy = Policy(model_cfg, params, tokenizer, mesh, rules)
 

@@ -117,3 +117,24 @@ def test_second_launch_reuses_every_stage(run):
   proc = _launch(workdir)
   for name, _, _ in job.STAGES:
     assert f"[stage] {name}: done earlier" in proc.stdout, name
+
+
+def test_tournament_constrained_flag_reaches_the_judge(monkeypatch):
+  """config.tournament.constrained (default off) is what the job's judge decodes under
+  (grm.gencluster.pipeline.model_judge: the "Better: A|B" grammar)."""
+  import types
+
+  from experiments.configs import gencluster as gencluster_config
+  from opd.text.tokenizers import ByteTokenizer
+  seen = []
+  monkeypatch.setattr(job, "_policy_params", lambda ctx: None)
+  monkeypatch.setattr(job.pipeline, "model_judge",
+                      lambda policy, sampling, *, batch_size, constrained: seen.append(constrained))
+  c = gencluster_config.get_config("tiny")
+  c.judge.checkpoint, c.judge.train_steps = "", 0
+  assert c.tournament.constrained is False
+  for flag in (False, True):
+    c.tournament.constrained = flag
+    job._judge(types.SimpleNamespace(config=c, tok=ByteTokenizer(), model_cfg=None, mesh=None,
+                                     rules=None, root=pathlib.Path("/nonexistent")))
+  assert seen == [False, True]

@@ -94,3 +94,34 @@ def test_a_second_launch_reuses_every_stage(run):
   workdir, _ = run
   out = _launch(workdir).stdout
   assert out.count("done earlier") == len(job.STAGES)
+
+
+def test_constrained_roles_reach_the_sampler_with_their_grammar(monkeypatch):
+  """config.sample.constrained_roles: those roles' samplers decode under their whole
+  grammar (grm.verify.format), the others and the default unconstrained; a role
+  outside ROLE_PATTERNS is refused naming the field."""
+  import types
+
+  from experiments.configs import mathv2 as mathv2_config
+  from grm.verify import format as verify_format
+  from opd.text.tokenizers import ByteTokenizer
+  seen = []
+
+  def fake_sampler_fn(*args, constrained, **kwargs):
+    seen.append(constrained)
+    return lambda prompts: []
+
+  monkeypatch.setattr(job.sampling_lib, "sampler_fn", fake_sampler_fn)
+  c = mathv2_config.get_config("tiny")
+  assert tuple(c.sample.constrained_roles) == ()  # default: as the measured runs
+  for roles in ((), ("verifier", "meta")):
+    c.sample.constrained_roles = roles
+    ctx = types.SimpleNamespace(config=c, tok=ByteTokenizer(), model_cfg=None, mesh=None,
+                                rules=None)
+    for role in ("generator", "verifier", "meta"):
+      job._sampler(ctx, None, role)
+  assert seen == [False] * 3 + [False, verify_format.ANALYSIS_PATTERN,
+                                verify_format.META_PATTERN]
+  c.sample.constrained_roles = ("generator",)
+  with pytest.raises(ValueError, match=r"config.sample.constrained_roles=\('generator',\)"):
+    job.run(c, "/nonexistent/never-created")

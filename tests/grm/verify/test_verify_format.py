@@ -2,6 +2,7 @@
 import random
 import re
 
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -158,3 +159,61 @@ def test_noisy_analysis_is_self_consistent(seed):
   assert len(full.issues) == 1 and (full.issues[0].line, full.issues[0].kind) not in true
   with pytest.raises(ValueError, match="rng"):
     write_analysis(CHECK, noise=0.5)
+
+
+# ----------------------------------------------------------------------------- grammars
+def _walks(automaton, pattern, n, rng, max_len=400):
+  """``n`` random walks through the compiled automaton from ``pattern``'s start: each
+  step a uniform choice among the allowed ids, ending at an end id (what a
+  constrained sampler with uniform logits writes); the texts of the walks that end."""
+  from opd.rollout.constraint import DEAD  # noqa: PLC0415
+  out = []
+  for _ in range(n):
+    s, ids = automaton.starts[pattern], []
+    for _ in range(max_len):
+      allowed = np.flatnonzero(automaton.table[s] != DEAD)
+      t = int(rng.choice(allowed))
+      if t in automaton.end_ids:
+        out.append(bytes(ids).decode())
+        break
+      ids.append(t)
+      s = int(automaton.table[s, t])
+  return out
+
+
+def test_role_grammars_accept_only_valid_outputs():
+  """Every text the analysis / meta grammars let a sampler finish parses valid (uniform
+  random walks through the compiled token automaton); the rule-written texts match; near
+  misses do not."""
+  from grm.verify.format import ANALYSIS_PATTERN, MAX_META_VERDICTS, META_PATTERN  # noqa: PLC0415
+  from opd.rollout.constraint import compile_patterns  # noqa: PLC0415
+  from opd.text.tokenizers import ByteTokenizer  # noqa: PLC0415
+  tok = ByteTokenizer()
+  automaton = compile_patterns([ANALYSIS_PATTERN, META_PATTERN], tok, end_ids=(tok.eos_id,))
+  rng = np.random.default_rng(0)
+  analyses, metas = _walks(automaton, 0, 300, rng), _walks(automaton, 1, 300, rng)
+  assert len(analyses) > 250 and len(metas) > 250  # the walks do end
+  for text in analyses:
+    assert parse_analysis(text).valid, text
+    assert re.fullmatch(ANALYSIS_PATTERN, text)
+  for text in metas:
+    assert parse_meta(text).valid, text
+  # Both branches and every score are reached.
+  assert {parse_analysis(t).reports_issues for t in analyses} == {True, False}
+  assert {parse_analysis(t).score for t in analyses} == {0.0, 0.5, 1.0}
+  assert {len(parse_meta(t).verdicts) for t in metas} >= {0, 1, 2}
+  # Rule-written texts are in the grammar.
+  r = random.Random(0)
+  for _ in range(50):
+    issues = [Issue(r.randint(1, 9999), r.choice(ISSUE_KINDS)) for _ in range(r.randint(0, 4))]
+    text = format_analysis(issues, score_of(issues))
+    assert re.fullmatch(ANALYSIS_PATTERN, text), text
+    verdicts = [r.random() < 0.5 for _ in range(r.randint(0, MAX_META_VERDICTS))]
+    assert re.fullmatch(META_PATTERN, format_meta(verdicts, r.choice((0.0, 0.5, 1.0))))
+  for bad in ("Line 0: wrong_step\nScore: 1", "Line 1: wrong\nScore: 1", "No issues.\nScore: 0.7",
+              "Line 1: wrong_step - msg\nScore: 1", "No issues.\nLine 1: bad_line\nScore: 0",
+              "Score: 1"):
+    assert not re.fullmatch(ANALYSIS_PATTERN, bad), bad
+  for bad in ("Issue 2: real\nScore: 0", "Issue 1: real\nIssue 1: real\nScore: 0",
+              "No issues stated.\nIssue 1: real\nScore: 1", "Issue 1: maybe\nScore: 1"):
+    assert not re.fullmatch(META_PATTERN, bad), bad

@@ -43,3 +43,28 @@ def test_chunks_keys_and_truncation(monkeypatch):
   with pytest.raises(ValueError, match="batch_size"):
     sampling_lib.sampler_fn(None, None, TOK, sampling_for_chat(TOK, max_new_tokens=4),
                             batch_size=0)
+
+
+def test_constrained_samples_of_a_random_model_parse_valid():
+  """A random tiny verifier: under the analysis grammar every finished sample parses
+  valid; unconstrained, none does. The grammar ends a sample with probability about 1/2
+  at each line break (a near-uniform model picks "Line" or "Score" alike), and a
+  line is <= 23 tokens, so 128 tokens cut a sample only after >= 5 issue lines
+  (probability ~2^-5 per row): at least 12 of 16 rows finish."""
+  from grm.verify.format import ANALYSIS_PATTERN, verifier_prompt  # noqa: PLC0415
+  from opd.models import ModelConfig, init_params  # noqa: PLC0415
+  cfg = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                    d_ff=64)
+  params = init_params(cfg, jax.random.key(0))
+  sampling = sampling_for_chat(TOK, max_new_tokens=128, temperature=1.0)
+  prompts = [verifier_prompt("What is 2 + 3?", f"Answer: {i}") for i in range(16)]
+  texts = {}
+  for constrained in (ANALYSIS_PATTERN, False):
+    texts[bool(constrained)] = sampling_lib.sampler_fn(
+        cfg, params, TOK, sampling, seed=0, batch_size=16, constrained=constrained)(prompts)
+  finished = [t for t in texts[True] if not t.endswith(sampling_lib.TRUNCATED)]
+  assert len(finished) >= 12
+  assert all(parse_analysis(t).valid for t in finished), finished
+  assert not any(parse_analysis(t).valid for t in texts[False])
+  with pytest.raises(ValueError, match="constrained=''"):
+    sampling_lib.sampler_fn(cfg, params, TOK, sampling, constrained="")
