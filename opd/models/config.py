@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from opd.config.fields import check_fields, check_int, from_group, set_field
 from opd.models.moe import MoEConfig
+from opd.models.v4.config import V4Config, v4_num_params
 
 _BPE_SPEC = re.compile(r"bpe:[1-9][0-9]*")
 
@@ -145,6 +146,12 @@ class ModelConfig:
       of a pipeline copies the model group, so its tokenizer travels with it.
       Models imported from HF carry their own tokenizer files instead; this
       field then stays ``"byte"`` and is unused.
+    v4: ``None`` or a ``V4Config`` (a mapping is converted): the DeepSeek-V4
+      decoder (``opd.models.v4``, docs/DESIGN.md §2) with ``n_layers`` entries
+      in its per-layer schedules. It needs ``moe`` (every V4 layer is MoE: one
+      shared expert, renormalised top-k, ``first_k_dense`` 0), one key/value
+      head (``n_kv_heads=1``), no ``mla``, ``qk_norm``, ``qkv_bias``, ``o_bias``;
+      ``d_ff`` is unused.
   """
   vocab_size: int = 512
   d_model: int = 128
@@ -166,6 +173,7 @@ class ModelConfig:
   mla: MLAConfig | None = None
   moe: MoEConfig | None = None
   tokenizer: str = "byte"
+  v4: V4Config | None = None
 
   def __post_init__(self):
     self._check_moe()
@@ -179,6 +187,8 @@ class ModelConfig:
                  choices=dict.fromkeys(("dtype", "param_dtype"), tuple(_DTYPES)))
     set_field(self, "head_dim", check_int("ModelConfig", "head_dim", self.head_dim, min_value=1,
                                           allow_none=True))
+    if self.v4 is not None:
+      self._check_v4()
     if self.mla is not None:
       self._check_mla()
     else:
@@ -202,6 +212,44 @@ class ModelConfig:
     if spec != "byte" and int(spec.split(":")[1]) > self.vocab_size:
       raise ValueError(f"ModelConfig.vocab_size={self.vocab_size} is smaller than the "
                        f"tokenizer's {spec!r}: set vocab_size >= {spec.split(':')[1]}")
+
+  def _check_v4(self):
+    if isinstance(self.v4, Mapping):
+      set_field(self, "v4", from_group(V4Config, self.v4, "ModelConfig.v4"))
+    if not isinstance(self.v4, V4Config):
+      raise ValueError(f"ModelConfig.v4 must be a V4Config, a mapping or None, got "
+                       f"{type(self.v4).__name__}")
+    v4, moe = self.v4, self.moe
+    if len(v4.layer_types) != self.n_layers:
+      raise ValueError(f"ModelConfig.v4.layer_types has {len(v4.layer_types)} entries, "
+                       f"n_layers={self.n_layers}: one per layer")
+    if self.mla is not None:
+      raise ValueError("ModelConfig.mla must be None with v4 (DeepSeek-V4 has its own attention)")
+    if self.n_kv_heads != 1:
+      raise ValueError(f"ModelConfig.n_kv_heads={self.n_kv_heads} must be 1 with v4 (one shared "
+                       "key = value head)")
+    for name in ("qk_norm", "qkv_bias", "o_bias"):
+      if getattr(self, name):
+        raise ValueError(f"ModelConfig.{name}=True is not supported with v4")
+    if moe is None:
+      raise ValueError("ModelConfig.moe must be set with v4 (every DeepSeek-V4 layer is MoE), "
+                       "got None")
+    wants = {"n_shared_experts": 1, "norm_topk_prob": True, "n_group": 1, "first_k_dense": 0,
+             "bias_update_rate": 0.0}
+    for name, value in wants.items():
+      if getattr(moe, name) != value:
+        raise ValueError(f"ModelConfig.moe.{name}={getattr(moe, name)!r} must be {value!r} "
+                         "with v4")
+    if self.param_dtype != "float32" and moe.n_routed_experts > 256:
+      raise ValueError(f"ModelConfig.param_dtype={self.param_dtype!r} holds expert ids exactly "
+                       f"only up to 256; the hash tables need n_routed_experts="
+                       f"{moe.n_routed_experts}: use float32")
+    if self.n_heads % v4.o_groups:
+      raise ValueError(f"ModelConfig.n_heads={self.n_heads} is not divisible by "
+                       f"v4.o_groups={v4.o_groups}")
+    if self.resolved_head_dim < v4.rope_dim:
+      raise ValueError(f"ModelConfig.v4.rope_dim={v4.rope_dim} exceeds head_dim="
+                       f"{self.resolved_head_dim}")
 
   def _mlp_params(self, layer: int) -> tuple[int, int]:
     """(stored, active per token) weights of layer ``layer``'s MLP or MoE block."""
@@ -281,6 +329,8 @@ class ModelConfig:
 
   def num_params(self) -> int:
     """Parameter count (embedding and head counted separately if untied)."""
+    if self.v4 is not None:
+      return v4_num_params(self)
     D, V = self.d_model, self.vocab_size
     H, K, Dh = self.n_heads, self.n_kv_heads, self.resolved_head_dim
     attn = self._attn_params()
@@ -300,6 +350,9 @@ class ModelConfig:
 
   def flops_per_token(self, seq_len: int) -> float:
     """Forward matmul FLOPs per token (2 per multiply-add), attention included."""
+    if self.v4 is not None:
+      raise ValueError("ModelConfig.flops_per_token counts GQA / MLA decoders; it has no "
+                       "formula for ModelConfig.v4 (compressed attention) yet")
     D, V = self.d_model, self.vocab_size
     H, Dh = self.n_heads, self.resolved_head_dim
     proj = 2 * (self._attn_params() - (0 if self.mla is None else self.mla.kv_lora_rank + (

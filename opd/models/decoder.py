@@ -28,6 +28,9 @@ from opd.models.layers import param as _param
 from opd.models.mla import MLAttention
 from opd.models.moe import MoEMLP
 from opd.models.moe_balance import stack_stats
+from opd.models.v4.cache import V4Cache
+from opd.models.v4.model import V4Decoder, init_v4_cache
+from opd.models.v4.moe import default_tid2eid
 
 Array = jax.Array
 
@@ -71,9 +74,12 @@ class DecoderOutput(NamedTuple):
   moe: Any = None
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_length: int, dtype=None) -> KVCache:
-  """An empty cache of ``max_length`` slots for ``batch`` sequences."""
+def init_cache(cfg: ModelConfig, batch: int, max_length: int, dtype=None) -> KVCache | V4Cache:
+  """An empty cache of ``max_length`` slots for ``batch`` sequences (a ``V4Cache`` with
+  ``cfg.v4``: sliding-window rings and compressor states, ``opd.models.v4.cache``)."""
   dtype = dtype or cfg.compute_dtype
+  if cfg.v4 is not None:
+    return init_v4_cache(cfg, batch, max_length, dtype)
   shape = (batch, cfg.n_kv_heads, max_length, cfg.resolved_head_dim)  # [B, K, S, Dh]
   v_shape = shape
   if cfg.mla is not None:  # the latent [B, 1, S, C] and the RoPE key [B, 1, S, Dr]
@@ -300,9 +306,14 @@ class Decoder(nn.Module):
 _FLAT_INIT_MAX_ELEMENTS = 1 << 26
 
 
+def _module(cfg: ModelConfig) -> nn.Module:
+  """The family member ``cfg`` names: ``V4Decoder`` with ``cfg.v4``, else ``Decoder``."""
+  return Decoder(cfg) if cfg.v4 is None else V4Decoder(cfg)
+
+
 def _abstract_boxed_params(cfg: ModelConfig):
   tokens = jnp.zeros((1, 2), jnp.int32)
-  return jax.eval_shape(lambda: Decoder(cfg).init(jax.random.key(0), tokens,
+  return jax.eval_shape(lambda: _module(cfg).init(jax.random.key(0), tokens,
                                                   return_hidden=True))["params"]
 
 
@@ -334,6 +345,8 @@ def init_params(cfg: ModelConfig, rng: Array, *, boxed: bool = False):
   for i, (x, kind) in enumerate(zip(shapes, kinds)):
     if kind == "normal":
       v = draw(x, i)
+    elif kind == "table":  # DeepSeek-V4's hash routing table (opd.models.v4.moe)
+      v = default_tid2eid(cfg.vocab_size, cfg.moe).reshape(x.shape)
     else:
       v = (jnp.ones if kind == "ones" else jnp.zeros)(x.shape, jnp.float32)
     values.append(v.astype(dtype))
@@ -400,9 +413,10 @@ def check_token_ids(ids, vocab_size: int, name: str = "tokens") -> None:
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("return_logits", "return_hidden"))
 def _forward_jit(cfg: ModelConfig, params, tokens, positions=None, mask=None, cache=None, *,
                  segment_ids=None, return_logits=True, return_hidden=False) -> DecoderOutput:
-  return Decoder(cfg).apply({"params": params}, tokens, positions, mask, cache,
-                            segment_ids=segment_ids, return_logits=return_logits,
-                            return_hidden=return_hidden)
+  out = _module(cfg).apply({"params": params}, tokens, positions, mask, cache,
+                           segment_ids=segment_ids, return_logits=return_logits,
+                           return_hidden=return_hidden)
+  return out if cfg.v4 is None else DecoderOutput(*out)
 
 
 def forward(cfg: ModelConfig, params, tokens, positions=None, mask=None, cache=None, *,

@@ -20,10 +20,13 @@ INIT_STD = 0.02  # as transformers' initializer_range default
 
 def init_kind(name: str) -> str:
   """How a parameter is initialised, from its name alone: "ones" for norm
-  scales, "zeros" for biases, "normal" (std 0.02) otherwise. ``init_params``
+  scales, "zeros" for biases, "table" for DeepSeek-V4's hash table, "normal"
+  (std 0.02) otherwise. ``init_params``
   relies on this one rule to draw every normal parameter in a single op."""
   if name == "scale":
     return "ones"
+  if name == "tid2eid":  # DeepSeek-V4's hash routing table (opd.models.v4.moe)
+    return "table"
   if name.endswith("bias"):
     return "zeros"
   return "normal"

@@ -12,8 +12,8 @@ Dh, RoPE on the last Dr dims of each head (interleaved pairs), Cq =
   o_ht = RoPE⁻¹_t(Σ_s p_hts kv_s)                        (the sink's share is dropped)
   y_t  = Σ_g (o_{t, heads of g} W_oa_g) W_ob_g            (g = 1..G: [H/G · Dh] -> [R] -> [D])
 
-``window(t)`` is the keys ``t - W < s <= t`` (W = ``sliding_window``) that the
-padding mask keeps. The sink is one learnt logit per head that absorbs
+``window(t)`` is the keys at positions ``p_t - W < p_s <= p_t`` (W =
+``sliding_window``) that the padding mask keeps. The sink is one learnt logit per head that absorbs
 probability mass, so a query may attend to nothing. Because the values carry
 the keys' rotation, the output's rope dims are rotated back by the query's
 angle (RoPE⁻¹, the rotation by ``-pos``), leaving a function of ``t - s``.
@@ -23,8 +23,8 @@ entries ``e_w`` to the window's keys (= values): HCA
 (``heavily_compressed_attention``) lets query t see every entry
 ``w < (t + 1) // m``, CSA (``compressed_sparse_attention``) only the ones its
 lightning indexer selects. Their RoPE base is ``compress_rope_theta``. The
-compression windows start at the row's first token, so compressed layers
-take right-padded rows (left padding would shift the windows).
+compression windows are addressed by position, so rows may be left- or
+right-padded. Decoding keeps a ``V4LayerCache`` (``opd.models.v4.cache``).
 
 Params: ``q_a [D, Cq]``, ``q_a_norm/scale [Cq]``, ``q_b [Cq, H, Dh]``,
 ``kv [D, Dh]``, ``kv_norm/scale [Dh]``, ``sink_bias [H]`` (zeros at init,
@@ -41,8 +41,8 @@ import jax.numpy as jnp
 
 from opd.config.fields import check_fields
 from opd.models.layers import RMSNorm, param
-from opd.models.v4.compressor import (Compressor, CompressorConfig, IndexerConfig,
-                                      LightningIndexer, visible_entries)
+from opd.models.v4.cache import V4LayerCache, empty_ring, ring_write
+from opd.models.v4.compressor import Compressor, CompressorConfig, IndexerConfig, LightningIndexer
 from opd.models.v4.hyper import unit_rms_norm
 from opd.models.v4.rope import rope_tail
 
@@ -116,13 +116,14 @@ class V4AttentionConfig:
     return "compressed_sparse_attention" if self.indexer else "heavily_compressed_attention"
 
 
-def window_mask(T: int, window: int, mask: Array | None) -> Array:
-  """``[B or 1, T, T]`` bool: key s is visible to query t iff ``t - window < s <= t``
-  and ``mask[s]``."""
-  t = jnp.arange(T)
-  keep = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - window)
-  keep = keep[None]
-  return keep if mask is None else keep & mask.astype(bool)[:, None, :]
+def window_keep(q_pos: Array, k_pos: Array, k_valid: Array, window: int) -> Array:
+  """``[B, T, S]`` bool: key s is visible to query t iff valid and ``p_t - W < p_s <= p_t``.
+
+  Args:
+    q_pos: ``[B, T]`` query positions; k_pos, k_valid: ``[B, S]`` key positions and validity.
+  """
+  qp, kp = q_pos[:, :, None], k_pos[:, None, :]
+  return k_valid[:, None, :] & (kp <= qp) & (kp > qp - window)
 
 
 def sink_attention(q: Array, kv: Array, keep: Array, sinks: Array, scale: float) -> Array:
@@ -143,16 +144,21 @@ def sink_attention(q: Array, kv: Array, keep: Array, sinks: Array, scale: float)
 
 
 class V4Attention(nn.Module):
-  """``(x [B, T, D], positions [B, T], mask [B, T] | None) -> [B, T, D]``; see the module docstring.
+  """``(x [B, T, D], positions [B, T], mask [B, T] | None, cache | None) -> (y [B, T, D], cache)``.
 
-  One class for the three layer types (``cfg.layer_type``). ``mask`` (True =
-  real token) hides padded keys; a query with no visible key puts all its
-  mass on the sink and returns zeros.
+  One class for the three layer types (``cfg.layer_type``); see the module
+  docstring. ``mask`` (True = real token) hides padded keys; a query with no
+  visible key puts all its mass on the sink and returns zeros. Windows and
+  compressed entries follow the positions, so a row may be padded on either
+  side. With a ``V4LayerCache`` the keys are its ring (the last W positions)
+  and the chunk's, the compressed entries those of its compressor state, and
+  the returned cache holds the chunk too; without one the returned cache is None.
   """
   cfg: V4AttentionConfig
 
   @nn.compact
-  def __call__(self, x: Array, positions: Array, mask: Array | None = None) -> Array:
+  def __call__(self, x: Array, positions: Array, mask: Array | None = None,
+               cache: V4LayerCache | None = None):
     cfg = self.cfg
     D, H, Dh, Cq = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.q_lora_rank
     G, R = cfg.o_groups, cfg.o_lora_rank
@@ -162,6 +168,7 @@ class V4Attention(nn.Module):
       raise ValueError(f"V4Attention: {positions.shape=} must be {x.shape[:2]}")
     B, T, _ = x.shape
     dt, f32 = x.dtype, jnp.float32
+    valid = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
     norm = lambda name: RMSNorm(cfg.norm_eps, dt, f32, name=name)
     wqa = param(self, "q_a", (D, Cq), ("embed", "latent"), f32)
     wqb = param(self, "q_b", (Cq, H, Dh), ("latent", "q_heads", "head_dim"), f32)
@@ -176,19 +183,41 @@ class V4Attention(nn.Module):
     q = rope_tail(q, positions, cfg.rope_dim, cfg.rope_theta)
     kv = norm("kv_norm")(x @ wkv.astype(dt))  # [B, T, Dh]
     kv = rope_tail(kv[:, :, None], positions, cfg.rope_dim, cfg.rope_theta)[:, :, 0]
-    keep = jnp.broadcast_to(window_mask(T, cfg.sliding_window, mask), (B, T, T))
+    keys, key_pos, key_valid = kv, positions, valid
+    new = None
+    if cache is not None:  # the ring's last W positions before the chunk's own keys
+      keys = jnp.concatenate([cache.kv.astype(dt), kv], axis=1)
+      key_pos = jnp.concatenate([cache.kv_pos, positions], axis=1)
+      key_valid = jnp.concatenate([cache.kv_pos >= 0, valid], axis=1)
+      ring, ring_pos = ring_write(cache.kv, cache.kv_pos, kv, positions, valid)
+      new = V4LayerCache(kv=ring, kv_pos=ring_pos)
+    keep = window_keep(positions, key_pos, key_valid, cfg.sliding_window)
     if cfg.compressor is not None:
-      entries = Compressor(cfg.compressor, name="compressor")(x)  # [B, n, Dh]
-      n, m = entries.shape[1], cfg.compressor.compress_rate
+      state = lambda name: None if cache is None else getattr(cache, name)
+      entries, c_state = Compressor(cfg.compressor, name="compressor")(
+          x, positions, mask, state("compressor"))  # keys [B, n, Dh]
+      m, n = cfg.compressor.compress_rate, entries.keys.shape[1]
       if cfg.indexer is None:  # HCA: every complete past window
-        seen = visible_entries(positions, n, m)
-      else:  # CSA: the indexer's picks (-1 = none)
-        picks, _ = LightningIndexer(cfg.indexer, name="indexer")(x, q_res, positions)
+        seen = entries.visible(positions, m)
+        i_state = None
+      else:  # CSA: the indexer's picks (-1 = none) among the same rows
+        picks, _, i_state = LightningIndexer(cfg.indexer, name="indexer")(
+            x, q_res, positions, mask, state("indexer"))
         seen = jnp.any(picks[..., None] == jnp.arange(n), axis=-2)  # [B, T, n]
-      kv = jnp.concatenate([kv, entries.astype(dt)], axis=1)
+      keys = jnp.concatenate([keys, entries.keys.astype(dt)], axis=1)
       keep = jnp.concatenate([keep, seen], axis=-1)
-    o = sink_attention(q, kv, keep, sinks, Dh ** -0.5)  # [B, T, H, Dh]
+      if new is not None:
+        new = new._replace(compressor=c_state, indexer=i_state)
+    o = sink_attention(q, keys, keep, sinks, Dh ** -0.5)  # [B, T, H, Dh]
     o = rope_tail(o, positions, cfg.rope_dim, cfg.rope_theta, inverse=True)
     o = o.reshape(B, T, G, H // G * Dh)
     z = jnp.einsum("BTGI,GIR->BTGR", o, woa.astype(dt))
-    return jnp.einsum("BTGR,GRD->BTD", z, wob.astype(dt))
+    return jnp.einsum("BTGR,GRD->BTD", z, wob.astype(dt)), new
+
+  @staticmethod
+  def empty_cache(cfg: V4AttentionConfig, batch: int, max_length: int, dtype) -> V4LayerCache:
+    """The layer's cache before any token (``max_length``: the longest sequence it will hold)."""
+    kv, kv_pos = empty_ring(batch, cfg.sliding_window, cfg.head_dim, dtype)
+    empty = lambda c: None if c is None else Compressor.empty_state(c, batch, max_length, dtype)
+    return V4LayerCache(kv=kv, kv_pos=kv_pos, compressor=empty(cfg.compressor),
+                        indexer=empty(None if cfg.indexer is None else cfg.indexer.compressor))

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from opd.models.layers import RMSNorm
 from opd.models.v4.attention import V4Attention, V4AttentionConfig
+from opd.models.v4.cache import V4LayerCache
 from opd.models.v4.hyper import HyperConfig, HyperConnection, expand
 from opd.models.v4.moe import V4MoE, V4MoEConfig
 
@@ -50,19 +51,21 @@ class V4LayerConfig:
 
 
 class V4DecoderLayer(nn.Module):
-  """``(h [B, T, N, D], positions [B, T], token_ids [B, T] | None, mask [B, T] | None)
-  -> (h' [B, T, N, D], Routing)``; ``token_ids`` is needed by a hash-routed layer."""
+  """``(h [B, T, N, D], positions [B, T], token_ids [B, T] | None, mask [B, T] | None, cache)
+  -> (h' [B, T, N, D], Routing, cache)``; ``token_ids`` is needed by a hash-routed layer,
+  ``cache`` is the attention's ``V4LayerCache`` (None without one)."""
   cfg: V4LayerConfig
 
   @nn.compact
   def __call__(self, h: Array, positions: Array, token_ids: Array | None = None,
-               mask: Array | None = None):
+               mask: Array | None = None, cache: V4LayerCache | None = None):
     cfg = self.cfg
     dt = h.dtype
     norm = lambda name: RMSNorm(cfg.norm_eps, dt, jnp.float32, name=name)
     post, comb, u = HyperConnection(cfg.hyper, name="attn_hc")(h)
-    y = V4Attention(cfg.attention, name="attn")(norm("attn_norm")(u), positions, mask)
+    y, cache = V4Attention(cfg.attention, name="attn")(norm("attn_norm")(u), positions, mask,
+                                                      cache)
     h = expand(post, comb, y, h)
     post, comb, u = HyperConnection(cfg.hyper, name="mlp_hc")(h)
     y, routing = V4MoE(cfg.moe, name="mlp")(norm("mlp_norm")(u), token_ids)
-    return expand(post, comb, y, h), routing
+    return expand(post, comb, y, h), routing, cache

@@ -20,9 +20,12 @@ The routed experts reuse ``opd.models.moe``'s dropless ragged dispatch.
 Params (our layout): ``router [D, E]``, ``selection_bias [E]`` (top-k
 layers), ``gate, up [E, D, Fe]``, ``down [E, Fe, D]``, ``shared_gate,
 shared_up [D, Fe]``, ``shared_down [Fe, D]``. The hash table is not a
-parameter: it lives in the ``"tables"`` collection as ``tid2eid [V, k]``
-int32 (a checkpoint supplies it; ``init`` fills it with the hash
-``(t·k + j) mod E``, k distinct experts per token).
+parameter the gradient moves: it is the param ``tid2eid [V·k]`` (row-major
+``[V, k]``), expert ids stored exactly as fp32 so the params stay one float
+tree for the trainers; being 1-D with a zero gradient, AdamW neither moves
+nor decays it (a checkpoint supplies it; ``init`` fills it with the hash
+``(t·k + j) mod E``, k distinct experts per token; logical axis ``vocab``,
+split by rows as the embedding).
 """
 from __future__ import annotations
 
@@ -127,8 +130,13 @@ class V4MoE(nn.Module):
     if cfg.mlp_type == "hash_moe":
       if token_ids is None:
         raise ValueError("V4MoE: a 'hash_moe' layer needs token_ids, got None")
-      table = self.variable("tables", "tid2eid", default_tid2eid, cfg.vocab_size, moe)
-      r = hash_route(logits, token_ids, table.value, moe)
+      V, k = cfg.vocab_size, moe.experts_per_token
+      init = lambda key, shape, dtype: default_tid2eid(V, moe).reshape(shape).astype(dtype)
+      table = self.param("tid2eid", nn.with_logical_partitioning(init, ("vocab",)), (V * k,),
+                         jnp.float32)
+      # The ids are stored exactly as floats; the int cast carries no gradient.
+      ids = jax.lax.stop_gradient(table).reshape(V, k).astype(jnp.int32)
+      r = hash_route(logits, token_ids, ids, moe)
     else:
       bias = param(self, "selection_bias", (E,), (None,), jnp.float32)
       r = route(logits, moe, bias)

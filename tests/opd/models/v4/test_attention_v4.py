@@ -16,7 +16,8 @@ B, T = 2, 20  # T > sliding_window = 8: the window drops keys; 5 CSA and 2 HCA w
 
 
 def _fwd(cfg):
-  return jax.jit(V4Attention(cfg).apply)
+  """The attention's output alone (no cache)."""
+  return jax.jit(lambda v, *args: V4Attention(cfg).apply(v, *args)[0])
 
 
 @pytest.fixture(scope="module")

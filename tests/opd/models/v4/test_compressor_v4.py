@@ -34,7 +34,8 @@ def test_indexer_topk_matches_numpy():
   n, m, k = 6, 4, 4
   scores = rng.integers(-3, 4, size=(2, 30, n)).astype(np.float32)  # many ties
   positions = np.stack([np.arange(30), np.maximum(np.arange(30) - 5, 0)])
-  got = np.asarray(indexer_topk(jnp.asarray(scores), jnp.asarray(positions), m, k))
+  visible = np.arange(n) < ((positions + 1) // m)[..., None]
+  got = np.asarray(indexer_topk(jnp.asarray(scores), jnp.asarray(visible), k))
   want = np_topk(scores, positions, m, k)
   np.testing.assert_array_equal(got, want)
   assert (want == -1).any() and (want >= 0).all(-1).any()  # both regimes present
@@ -71,8 +72,12 @@ def test_hca_compressor_matches_transformers(case):
   with torch.no_grad():
     kv_t, bias_t = mod(torch.from_numpy(x), None, pos, None, 0)
   cfg = _ccfg(c, c.head_dim, RATES["heavily_compressed_attention"], overlap=False)
-  e = jax.jit(Compressor(cfg).apply)({"params": jax.tree.map(jnp.asarray, _comp_params(mod))},
-                                      jnp.asarray(x))
+  keys, _ = jax.jit(Compressor(cfg).apply)(
+      {"params": jax.tree.map(jnp.asarray, _comp_params(mod))}, jnp.asarray(x),
+      jnp.asarray(pos.numpy()))
+  # Rows: the T // 8 complete windows, then the incomplete one (not valid).
+  np.testing.assert_array_equal(keys.valid, np.broadcast_to(np.arange(T // 8 + 1) < T // 8, (B, 3)))
+  e = keys.keys[:, :T // 8]
   err = rel_err(e, np_(kv_t)[:, 0])
   print("V4 HCA compressor parity (max rel err):", err)
   assert e.shape == (B, T // 8, c.head_dim) and err <= 1e-4
@@ -94,8 +99,10 @@ def test_csa_compressor_and_indexer_match_transformers(case):
     idx_t = mod.indexer(torch.from_numpy(x), torch.from_numpy(q_res), pos, None, 0)
   m = RATES["compressed_sparse_attention"]
   cfg = _ccfg(c, c.head_dim, m, overlap=True)
-  e = jax.jit(Compressor(cfg).apply)({"params": jax.tree.map(jnp.asarray, _comp_params(mod))},
-                                      jnp.asarray(x))
+  keys, _ = jax.jit(Compressor(cfg).apply)(
+      {"params": jax.tree.map(jnp.asarray, _comp_params(mod))}, jnp.asarray(x),
+      jnp.asarray(pos.numpy()))
+  e = keys.keys[:, :T // m]
   ind = mod.indexer
   icfg = IndexerConfig(compressor=_ccfg(c, c.index_head_dim, m, overlap=True),
                        q_lora_rank=c.q_lora_rank, n_heads=c.index_n_heads, topk=c.index_topk)
@@ -103,12 +110,12 @@ def test_csa_compressor_and_indexer_match_transformers(case):
         "q": np_(ind.q_b_proj.weight).T.reshape(c.q_lora_rank, c.index_n_heads, -1),
         "weights": np_(ind.scorer.weights_proj.weight).T}
   positions = jnp.asarray(pos.numpy())
-  idx, scores = jax.jit(LightningIndexer(icfg).apply)(
+  idx, scores, _ = jax.jit(LightningIndexer(icfg).apply)(
       {"params": jax.tree.map(jnp.asarray, ip)}, jnp.asarray(x), jnp.asarray(q_res), positions)
   err = rel_err(e, np_(kv_t)[:, 0])
   print("V4 CSA compressor parity (max rel err):", err)
   assert e.shape == (B, T // m, c.head_dim) and err <= 1e-4
-  scores, idx = np.asarray(scores), np.asarray(idx)
+  scores, idx = np.asarray(scores), np.asarray(idx)  # scores: T // m + 1 rows (last incomplete)
   np.testing.assert_array_equal(idx, np_topk(scores, pos.numpy(), m, c.index_topk))
   for b in range(B):  # no tie at the k-th place among visible entries
     for t in range(T):

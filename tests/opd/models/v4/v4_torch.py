@@ -105,7 +105,7 @@ def moe_config(cfg_hf, mlp_type, dispatch="ragged"):
 
 
 def moe_params(block, cfg):
-  """transformers' block -> our params (+ the hash table)."""
+  """transformers' block -> our params (the hash table as the flat float ``tid2eid``)."""
   Fe = cfg.moe.moe_d_ff
   gu = np_(block.experts.gate_up_proj)  # [E, 2Fe, D]: gate rows, then up rows
   p = {"router": np_(block.gate.weight).T,
@@ -114,9 +114,8 @@ def moe_params(block, cfg):
        "shared_gate": np_(block.shared_experts.gate_proj.weight).T,
        "shared_up": np_(block.shared_experts.up_proj.weight).T,
        "shared_down": np_(block.shared_experts.down_proj.weight).T}
-  v = {}
   if cfg.mlp_type == "hash_moe":
-    v["tables"] = {"tid2eid": jnp.asarray(block.gate.tid2eid.numpy(), jnp.int32)}
+    p["tid2eid"] = block.gate.tid2eid.numpy().reshape(-1).astype(np.float32)
   else:
     p["selection_bias"] = np_(block.gate.e_score_correction_bias)
-  return {"params": jax.tree.map(jnp.asarray, p), **v}
+  return {"params": jax.tree.map(jnp.asarray, p)}
