@@ -58,9 +58,11 @@ import numpy as np
 from experiments import common
 from experiments import pretrain as pretrain_job
 from experiments.grm_benchmark import stage_benchmark, stage_ks
-from experiments.grm_common import (GRM_BASE, GRM_STAGES, SHARED, base_params, grm_sampler,
-                                    load_groups, source_cfg, source_models, stage_params)
+from experiments.grm_common import (GRM_BASE, GRM_STAGES, SHARED, base_params,
+                                    control_without_sources, grm_sampler, load_groups,
+                                    source_cfg, source_models, stage_params)
 from grm import benchmark_set as bench_lib
+from grm import control_set
 from grm import meta_rm as meta_lib
 from grm import pairwise as pairwise_lib
 from grm import scalar_rm as scalar_lib
@@ -80,6 +82,9 @@ from opd.training.loop_config import LoopConfig, RunIO, Runtime
 from opd.training.metrics_writer import MetricWriter
 
 _PER_DOMAIN_KEYS = ("num_train", "num_test", "difficulties")
+# config.data.source: "models" samples the source models' responses (grm.data);
+# "control" builds the positive-control set (grm.control_set, cue config.data.cue).
+DATA_SOURCES = ("models", "control")
 
 
 def _examples(c, split: str, n: int, seed: int):
@@ -98,8 +103,26 @@ def _examples(c, split: str, n: int, seed: int):
   return out
 
 
+def _control_data(c) -> tuple[list, list, dict]:
+  """The positive-control set (``grm.control_set``): ``(examples, groups, counts)``."""
+  examples, groups = [], []
+  for split, n, seed in (("train", c.data.num_train, c.seed), ("test", c.data.num_test,
+                                                               c.seed + 1)):
+    ex, gs = control_set.control_groups(split, int(n), cue=c.data.cue, seed=seed,
+                                        difficulties=tuple(c.data.difficulties))
+    examples += ex
+    groups += gs
+  return examples, groups, {"kept": len(groups), "kept_n2": len(groups)}
+
+
 def _stage_data(ctx: common.JobContext, workdir: pathlib.Path) -> dict:
   c = ctx.config
+  source = c.data.get("source", "models")
+  if source not in DATA_SOURCES:
+    raise ValueError(f"config.data.source={source!r} must be one of {DATA_SOURCES}")
+  if source == "control":
+    examples, groups, counts = _control_data(c)
+    return _write_groups(workdir, examples, groups, counts, {})
   examples = _examples(c, "train", c.data.num_train, c.seed) + _examples(
       c, "test", c.data.num_test, c.seed + 1)
   models = [(source_cfg(ctx), p) for p in source_models(ctx).values()]
@@ -114,6 +137,12 @@ def _stage_data(ctx: common.JobContext, workdir: pathlib.Path) -> dict:
         row.append(Candidate(text, tasks_lib.get_task(ex.domain).verify(ex, text)))
   groups, counts = build_groups(examples, cands, seed=c.seed, sizes=tuple(c.data.sizes),
                                 max_draws=c.data.max_draws)
+  return {**_write_groups(workdir, examples, groups, counts, timings),
+          "candidates": sum(len(r) for r in cands)}
+
+
+def _write_groups(workdir: pathlib.Path, examples, groups, counts: dict, timings: dict) -> dict:
+  """``groups.json``, ``test_examples.json`` and ``subsets.json``; the data stage's metrics."""
   splits = split_groups(groups)
   common.write_json(workdir / "groups.json",
                     {s: [dataclasses.asdict(g) for g in gs] for s, gs in splits.items()})
@@ -122,8 +151,7 @@ def _stage_data(ctx: common.JobContext, workdir: pathlib.Path) -> dict:
   sizes = bench_lib.subset_sizes(test)
   common.write_json(workdir / "subsets.json",
                     {s: [g.example_id for g in gs] for s, gs in test.items()})
-  return {**counts, **{f"{k}_s": v for k, v in timings.items()},
-          "examples": len(examples), "candidates": sum(len(r) for r in cands),
+  return {**counts, **{f"{k}_s": v for k, v in timings.items()}, "examples": len(examples),
           "train_groups": len(splits.get("train", [])),
           "test_groups": len(splits.get("test", [])),
           **{f"test_{s}": v["groups"] for s, v in sizes.items()}}
@@ -405,6 +433,14 @@ def grm_model(config) -> ml_collections.ConfigDict:
   return common.model_at_width(config.model, config.get("grm_width", 0), "config.grm_width")
 
 
+def has_own_base(config) -> bool:
+  """Whether the GRM pre-trains its own base (stage ``grm_base``): at another width
+  than the source models', or on the positive-control set (``data.source``
+  "control", no source models to start from)."""
+  return (grm_model(config).to_dict() != config.model.to_dict()
+          or control_without_sources(config))
+
+
 def _skipped(config, root: pathlib.Path) -> set[str]:
   skip = tuple(config.get("skip_stages", ()) or ())
   names = [n for n, _, _ in STAGES]
@@ -432,7 +468,7 @@ def _grm_base_stage(config, model) -> ml_collections.ConfigDict:
 def run(config, workdir: str) -> dict:
   timer = common.Timer()
   model = grm_model(config)
-  own_base = model.to_dict() != config.model.to_dict()
+  own_base = has_own_base(config)
   if not config.tiny_models and not own_base and "base" not in config.models:
     raise ValueError(f"config.models={dict(config.models)} needs a 'base' entry (the GRM, "
                      "BT RM and pairwise judge start from it), or set config.tiny_models > 0")

@@ -56,8 +56,9 @@ def stage_ks(c, stage: str) -> tuple[int, ...]:
 
 def grm_results(ctx, stage: str, subsets, meta, cfg=None) -> dict:
   """Greedy, voting@k and meta-RM voting@k correctness per subset for one GRM stage
-  (``meta``: the meta-RM's ``(model config, params)``; ``cfg``: the GRM's model
-  config when not the plain GRM's, e.g. the shared backbone)."""
+  (``meta``: the meta-RM's ``(model config, params)``, or None without one: every
+  meta score 0, so only greedy and voting@k are meaningful; ``cfg``: the GRM's
+  model config when not the plain GRM's, e.g. the shared backbone)."""
   c = ctx.config
   params = stage_params(ctx, stage, cfg)
   names = [s for s, gs in subsets.items() for _ in gs]
@@ -65,7 +66,6 @@ def grm_results(ctx, stage: str, subsets, meta, cfg=None) -> dict:
   ks = stage_ks(c, stage)
   k_max = max(ks)
   constrained = bool(c.benchmark.get("constrained", False))
-  meta_cfg, meta_params = meta
 
   def judge(gs, label):
     """Greedy and k_max samples of ``gs``, with the meta scores of the samples."""
@@ -77,9 +77,12 @@ def grm_results(ctx, stage: str, subsets, meta, cfg=None) -> dict:
                        progress=f"{stage} {label}k={k_max}", constrained=constrained)(
                            pairs, k_max, c.seed + 13, None)
     flat = [s for row in many for s in row]
-    m = meta_lib.meta_scores(meta_cfg, meta_params, ctx.tok, flat, seq_len=c.rm.seq_len,
-                             batch_size=c.rm.score_batch_size,
-                             length_bucket=c.rm.length_bucket).reshape(len(gs), k_max)
+    if meta is None:
+      m = np.zeros((len(gs), k_max))
+    else:
+      m = meta_lib.meta_scores(*meta, ctx.tok, flat, seq_len=c.rm.seq_len,
+                               batch_size=c.rm.score_batch_size,
+                               length_bucket=c.rm.length_bucket).reshape(len(gs), k_max)
     records = [ys.group_record(s, g, gr, mn, mm)
                for s, g, gr, mn, mm in zip(names, gs, greedy, many, m)]
     return greedy, many, flat, m, records

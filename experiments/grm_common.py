@@ -35,11 +35,18 @@ def source_models(ctx: common.JobContext) -> dict:
           for name, path in c.models.items()}
 
 
+def control_without_sources(config) -> bool:
+  """The positive-control set (``data.source`` "control") without random tiny models:
+  no source model to start from, so the GRM pre-trains its own base."""
+  return config.data.get("source", "models") == "control" and not config.tiny_models
+
+
 def base_params(ctx: common.JobContext):
   """What the GRM, BT RM and pairwise judge start from: their own pre-trained base
-  (stage ``grm_base``) when ``config.grm_width`` changes the architecture, else
-  ``models.base`` (the tiny variant: its first random model)."""
-  if ctx.model_cfg != source_cfg(ctx):
+  (stage ``grm_base``) when ``config.grm_width`` changes the architecture or the
+  data is the positive-control set, else ``models.base`` (the tiny variant: its
+  first random model)."""
+  if control_without_sources(ctx.config) or ctx.model_cfg != source_cfg(ctx):
     return load_params(ctx.root / GRM_BASE / "checkpoints", ctx.model_cfg, mesh=ctx.mesh,
                        rules=ctx.rules)
   if ctx.config.tiny_models:

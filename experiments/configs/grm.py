@@ -6,6 +6,9 @@ See docs/DESIGN.md §6 and ``experiments/grm.py``.
       --workdir=workdirs/grm                  # on the models of `make demo` (workdirs/demo)
   python -m experiments.launch --config=experiments/configs/grm.py:tiny \
       --workdir=workdirs/grm_tiny             # CI smoke test: tiny random models
+  python -m experiments.launch --config=experiments/configs/grm.py:control \
+      --workdir=workdirs/grm_control          # positive control (grm.control_set)
+  python -m experiments.grm_yardstick --workdir=workdirs/grm_control --ks=1,4
 
 Shared backbone against a separate GRM + meta-RM pair of the same parameter
 count (docs/RESULTS.md, "Shared backbone vs separate"): the pair at width 88
@@ -57,7 +60,7 @@ DEMO_MODELS = {"base": f"{DEMO}/base/checkpoints",
 
 
 def get_config(arg=None):
-  arg = config_utils.parse_arg(arg, tiny=False)
+  arg = config_utils.parse_arg(arg, tiny=False, control=False, cue="marker")
   variant = "tiny" if arg["tiny"] else None
   pre = pretrain_config.get_config(variant)
   grpo = grpo_config.get_config(variant)
@@ -87,7 +90,10 @@ def get_config(arg=None):
   # math and code answers are almost all wrong, so no group has a unique best.
   # Instruct spans 1-3 so that more of its prompts forbid a word (the
   # constraint_safety subset: ~1/6 of difficulty-1 prompts, ~1/2 at 3).
+  # source: "models" (the groups above) or "control" (the positive-control set,
+  # grm.control_set, with cue; the `control` variant).
   c.data = ml_collections.ConfigDict(dict(
+      source="models", cue="marker",
       domains=("math", "code", "instruct", "writing", "agent"), num_train=64, num_test=30,
       difficulties=(1,), temperatures=(0.0, 0.5, 1.0), max_new_tokens=80, sizes=(1, 2, 3, 4),
       include_reference=False, noise=0.2, max_draws=64,
@@ -137,6 +143,8 @@ def get_config(arg=None):
       ks_by_stage=dict(shared=(1, 2, 4, 8)),
       temperature=0.7, max_new_tokens=320, bootstrap_samples=1000, batch_size=32,
       length_bucket=64, constrained=False, content_blind=True, pairwise_both_orders=True))
+  if arg["control"]:
+    _control(c, arg["cue"])
   if arg["tiny"]:
     c.tiny_models = 2
     c.data.update(domains=("math", "instruct"), num_train=4, num_test=4, difficulties=(1, 2),
@@ -155,3 +163,22 @@ def get_config(arg=None):
     c.benchmark.update(ks=(1, 2), max_new_tokens=8, bootstrap_samples=20, batch_size=16)
     c.benchmark.ks_by_stage = ml_collections.ConfigDict(dict(cold_start=(1,)))
   return c
+
+
+def _control(c, cue: str) -> None:
+  """The positive control (``grm.py:control[,cue=answer]``): n = 2 math groups whose
+  better response carries a visible cue (``grm.control_set``), no source models
+  (the GRM pre-trains its own base, stage ``grm_base``, by ``config.base``), the
+  SPCT stages at the smallest budget that could work (prompt + judgement <= 644
+  tokens, judgements <= 204), and no meta-RM, shared backbone or baselines:
+  ``experiments/grm_yardstick.py`` measures it."""
+  c.models = ml_collections.ConfigDict()
+  c.data.update(source="control", cue=cue, domains=("math",), num_train=320, num_test=128,
+                sizes=(2,))
+  c.data.per_domain = ml_collections.ConfigDict()
+  c.skip_stages = ("shared", "bt_rm", "pairwise", "meta_rm", "benchmark")
+  c.sft.update(steps=300, seq_len=768)
+  c.sft_optim.update(decay_steps=290)
+  c.rft.update(max_new_tokens=224, num_groups=64, steps=40)
+  c.grpo.update(max_new_tokens=224, seq_len=768)
+  c.benchmark.update(max_new_tokens=224)

@@ -272,3 +272,69 @@ def test_compare_summary_against_numpy():
     assert d["se"] == pytest.approx(analytic, rel=0.25)
     unpaired = np.hypot(table[name]["shared"]["se"], table[name]["separate"]["se"])
     assert d["se"] < unpaired
+
+
+def test_control_variant_writes_the_control_set_and_pretrains_its_own_base(tmp_path):
+  """grm.py:control: the data stage writes grm.control_set's groups (n = 2, all in the
+  reasoning subset), the GRM pre-trains its own base (no source models), and the stages
+  without a use for it are skipped; the default and tiny variants keep theirs."""
+  import dataclasses
+  import types
+
+  from grm import control_set
+  c = grm_config.get_config("control")
+  assert grm_job.has_own_base(c) and not grm_job.has_own_base(grm_config.get_config())
+  assert not grm_job.has_own_base(grm_config.get_config("control,tiny"))  # random models
+  assert set(c.skip_stages) == {"shared", "bt_rm", "pairwise", "meta_rm", "benchmark"}
+  c.data.update(num_train=6, num_test=5)
+  metrics = grm_job._stage_data(types.SimpleNamespace(config=c), tmp_path)
+  groups = json.loads((tmp_path / "groups.json").read_text())
+  for split, n, seed in (("train", 6, c.seed), ("test", 5, c.seed + 1)):
+    _, want = control_set.control_groups(split, n, cue="marker", seed=seed)
+    assert groups[split] == [json.loads(json.dumps(dataclasses.asdict(g))) for g in want]
+  subsets = json.loads((tmp_path / "subsets.json").read_text())
+  assert subsets["reasoning"] == [g["example_id"] for g in groups["test"]]
+  assert sum(map(len, subsets.values())) == 5
+  assert (metrics["train_groups"], metrics["test_groups"], metrics["kept_n2"]) == (6, 5, 11)
+  c.data.source = "elsewhere"
+  with pytest.raises(ValueError, match="config.data.source='elsewhere'"):
+    grm_job._stage_data(types.SimpleNamespace(config=c), tmp_path)
+
+
+def test_grm_yardstick_cli_resamples_the_benchmark_without_a_meta_rm(run, tmp_path):
+  """experiments.grm_yardstick on the fixture run: the same seeds and sampling settings
+  as the benchmark stage, so its records hold the benchmark's scores and validity (meta
+  scores 0: no meta-RM), and its table is recompute() of them with no meta rows."""
+  workdir, _ = run
+  out = tmp_path / "yard"
+  cmd = [sys.executable, "-m", "experiments.grm_yardstick", f"--workdir={workdir}",
+         "--stages=cold_start", "--ks=1", f"--out={out}"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=one_device_env(), timeout=900,
+                        cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  mine = json.loads((out / "results_cold_start_k1.json").read_text())
+  bench = json.loads((workdir / "benchmark" / "results_cold_start.json").read_text())
+  for key in ("records", "control_records"):
+    if key not in bench:
+      continue
+    assert len(mine[key]) == len(bench[key])
+    for a, b in zip(mine[key], bench[key]):
+      assert a["greedy"] == b["greedy"] and a["ratings"] == b["ratings"]
+      assert {k: a["samples"][k] for k in ("scores", "valid", "reasons")} == \
+          {k: b["samples"][k] for k in ("scores", "valid", "reasons")}
+      assert a["samples"]["meta"] == [0.0] * len(a["samples"]["valid"])
+  table = json.loads((out / "yardstick.json").read_text())
+  assert {k for k in table if "/" in k} == {"cold_start/greedy", "cold_start/vote@1"}
+  config = grm_config.get_config("tiny")
+  again = yardstick.recompute(mine["records"], (1,), num_resamples=config.benchmark.bootstrap_samples,
+                              seed=config.seed)
+  for name in ("greedy", "vote@1"):
+    got = table[f"cold_start/{name}"]
+    assert {k: got[k] for k in again[name]} == again[name]
+  assert "| cold_start/greedy |" in proc.stdout
+  for bad, match in (("--ks=0", "--ks='0'"), ("--stages=meta_rm", "--stages='meta_rm'")):
+    proc = subprocess.run(cmd[:3] + [bad, f"--out={out}"] + ([] if "stages" in bad else
+                                                              ["--stages=cold_start"]),
+                          capture_output=True, text=True, env=one_device_env(), timeout=300,
+                          cwd=ROOT)
+    assert proc.returncode != 0 and match in proc.stderr, proc.stderr[-2000:]

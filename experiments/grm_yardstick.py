@@ -1,0 +1,107 @@
+"""The GRM yardstick on any ``grm`` run's GRM stages, without a meta-RM (docs/DESIGN.md §6).
+
+  python -m experiments.grm_yardstick --workdir=workdirs/grm_control \\
+      [--stages=cold_start,rft,rule_rl] [--ks=1,4] [--out=<workdir>/yardstick]
+
+For each finished GRM stage of the run: greedy and the first k of
+``max(ks)`` samples at the run's ``benchmark.temperature`` on its test groups
+and on the content-blind control of them (``grm.yardstick.content_blind``),
+as the benchmark stage samples them (``experiments.grm_benchmark.grm_results``,
+with the run's ``benchmark`` sampling settings), but with no meta-RM, so a
+run that skipped the ``meta_rm`` and ``benchmark`` stages (the
+positive-control run, ``experiments/configs/grm.py:control``) is measured too.
+Writes ``results_<stage>_k<ks>.json`` (per-group records; cached, so a rerun
+resumes), ``yardstick.json`` (``experiments.grm_benchmark.yardstick_table``:
+strict and chance-credit accuracy, valid and tie rates, n >= 2 and n = 1
+apart, chance, the most-common-rating baseline, the control) and
+``yardstick.md``. Meta-RM rows are left out (no meta-RM).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import sys
+
+import ml_collections
+from absl import app, flags
+
+from experiments import common
+
+flags.DEFINE_string("workdir", None, "a grm run directory")
+flags.DEFINE_string("stages", "cold_start,rft,rule_rl", "comma-separated GRM stages")
+flags.DEFINE_string("ks", "1,4", "comma-separated k of voting@k")
+flags.DEFINE_string("out", None, "where the results go (default <workdir>/yardstick)")
+FLAGS = flags.FLAGS
+
+
+def _context(run_dir: pathlib.Path, ks: tuple[int, ...]):
+  """The run's saved config (voting at ``ks``, the control on) and its job context."""
+  from experiments import grm as grm_job  # noqa: PLC0415
+  from opd.models import to_model_config  # noqa: PLC0415
+  path = run_dir / "config.json"
+  if not path.exists():
+    raise FileNotFoundError(f"{path} is missing: {run_dir} is not a grm run directory")
+  config = ml_collections.ConfigDict(json.loads(path.read_text()))
+  if config.get("job") != "grm":
+    raise ValueError(f"{path}: job={config.get('job')!r}, expected 'grm'")
+  config.benchmark.ks = tuple(ks)
+  config.benchmark.ks_by_stage = ml_collections.ConfigDict()
+  config.benchmark.content_blind = True
+  ctx = common.JobContext.for_run(config, run_dir)
+  return dataclasses.replace(ctx, model_cfg=to_model_config(grm_job.grm_model(config)))
+
+
+def parse_ks(text: str) -> tuple[int, ...]:
+  """``"1,4"`` as ``(1, 4)``; ValueError naming ``--ks`` unless non-empty ints >= 1."""
+  try:
+    ks = tuple(int(k) for k in text.split(","))
+  except ValueError:
+    raise ValueError(f"--ks={text!r} must be comma-separated ints >= 1") from None
+  if not ks or min(ks) < 1:
+    raise ValueError(f"--ks={text!r} must be comma-separated ints >= 1")
+  return ks
+
+
+def measure(run_dir, stages, ks, out) -> dict:
+  """The yardstick table of ``stages`` of ``run_dir`` (module docstring); writes ``out``."""
+  from experiments.grm_benchmark import grm_results, yardstick_table  # noqa: PLC0415
+  from experiments.grm_common import GRM_STAGES, load_groups, load_test_subsets  # noqa: PLC0415
+  from experiments.grm_report import render_yardstick  # noqa: PLC0415
+  run_dir, out = pathlib.Path(run_dir), pathlib.Path(out)
+  bad = sorted(set(stages) - set(GRM_STAGES))
+  if not stages or bad:
+    raise ValueError(f"--stages={','.join(stages)!r}: {bad or 'none'} not among the GRM "
+                     f"stages {GRM_STAGES}")
+  missing = [s for s in stages if not (run_dir / s / common.FINAL).exists()]
+  if missing:
+    raise FileNotFoundError(f"{run_dir}: stages {missing} have not finished (no "
+                            f"{common.FINAL})")
+  ctx = _context(run_dir, ks)
+  subsets = load_test_subsets(ctx)
+  out.mkdir(parents=True, exist_ok=True)
+  tag = "-".join(map(str, ks))
+  parts = {stage: common.cached_json(out / f"results_{stage}_k{tag}.json",
+                                     lambda stage=stage: grm_results(ctx, stage, subsets, None))
+           for stage in stages}
+  table = yardstick_table(parts, load_groups(ctx).get("train", []), ctx.config)
+  table = {name: row for name, row in table.items() if "/meta@" not in name}
+  common.write_json(out / "yardstick.json", table)
+  (out / "yardstick.md").write_text("\n".join(
+      [f"# GRM yardstick of {run_dir} (no meta-RM)"] + render_yardstick(table)) + "\n")
+  return table
+
+
+def main(argv):
+  del argv
+  if not FLAGS.workdir:
+    raise app.UsageError("--workdir is required")
+  run_dir = pathlib.Path(FLAGS.workdir)
+  measure(run_dir, tuple(s for s in FLAGS.stages.split(",") if s), parse_ks(FLAGS.ks),
+          FLAGS.out or run_dir / "yardstick")
+  sys.stdout.write((pathlib.Path(FLAGS.out or run_dir / "yardstick") / "yardstick.md")
+                   .read_text())
+
+
+if __name__ == "__main__":
+  app.run(main)
