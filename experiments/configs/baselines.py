@@ -116,6 +116,8 @@ def get_config(arg=None):
     c.grpo.update(prompts_per_step=2, group_size=2, max_new_tokens=8, seq_len=128,
                   length_bucket=0)
     c.rl_train.update(steps=2, save_every=2)
+    # Sequential RL's stages have 1 step each (2 over 2 domains): warmup 1.
+    c.rl_optim.update(warmup_steps=1)
   return c
 
 

@@ -71,6 +71,8 @@ def demo_student_stages(tiny: bool) -> ml_collections.ConfigDict:
     s.cold_start_optim.update(warmup_steps=1, decay_steps=1)
     s.opd.update(prompts_per_step=5, group_size=2, max_new_tokens=12, seq_len=160, diag_every=2,
                  length_bucket=0)
+    # Its schedule fits its 2 steps (the job-start check refuses warmup 5 of 2).
+    s.opd_optim.update(warmup_steps=1, decay_steps=1)
     s.opd_train.update(steps=2, save_every=2, eval_every=2)
     s.anneal.steps = 2
     s.anneal_optim.update(decay_steps=2)

@@ -12,7 +12,9 @@
   python -m experiments.launch --config=experiments/configs/v4.py:tiny --workdir=workdirs/v4_tiny
 
 The variant argument: ``tiny``, ``seeds=N`` (student seeds 0..N-1),
-``all_baselines``. Stages are shared with the separate jobs (``specialists``,
+``all_baselines``, ``strong`` (the stronger toy world of
+experiments/configs/specialists.py, with the positive control on and 200 test
+examples per domain). Stages are shared with the separate jobs (``specialists``,
 ``cold_start``/``opd`` in experiments/configs/distill.py, the baselines in
 experiments/configs/baselines.py), so the same workdir extends step by step:
 ``seeds=3`` after a default run trains and evaluates only seeds 1 and 2.
@@ -48,11 +50,11 @@ ALL_BASELINES = ("merge", "task_arithmetic", "mixed_rl", "sequential_rl", "offpo
 
 
 def get_config(arg=None):
-  arg = config_utils.parse_arg(arg, tiny=False, seeds=1, all_baselines=False)
+  arg = config_utils.parse_arg(arg, tiny=False, seeds=1, all_baselines=False, strong=False)
   if arg["seeds"] < 1:
     raise ValueError(f"config arg seeds={arg['seeds']}: expected >= 1")
   variant = "tiny" if arg["tiny"] else None
-  spec = specialists_config.get_config(variant)
+  spec = specialists_config.get_config(",".join(k for k in ("tiny", "strong") if arg[k]))
   if arg["tiny"]:
     spec.domains = ("math", "instruct")  # two domains keep the CI smoke test short
   bl = baselines_config.get_config(variant)
@@ -75,6 +77,16 @@ def get_config(arg=None):
   # full-size distillation ablations, experiments/configs/common.py).
   for name, group in common_config.demo_student_stages(arg["tiny"]).items():
     setattr(c, name, group)
+  # Single-teacher OPD per domain from the first seed's cold start, scored at
+  # every checkpoint (experiments/positive_control.py); 0 steps: none.
+  c.positive_control = ml_collections.ConfigDict(dict(steps=0, eval_every=40))
+  if arg["strong"] and arg["tiny"]:
+    c.positive_control.update(steps=2, eval_every=1)
+  elif arg["strong"]:
+    c.positive_control.update(steps=160, eval_every=40)
+    c.eval.update(n_per_domain=200)
+    c.opd.update(seq_len=128, max_new_tokens=48)
+    c.cold_start.update(seq_len=128, max_new_tokens=48)
   c.baselines = bl
   c.baselines.baselines = ALL_BASELINES if arg["all_baselines"] else DEFAULT_BASELINES
   c.baselines.domains = spec.domains
@@ -90,6 +102,7 @@ def get_config(arg=None):
     c.baselines.grpo.update(prompts_per_step=5, group_size=2, max_new_tokens=8, seq_len=128)
     c.baselines.rl_train.update(steps=2, save_every=2)
     c.baselines.kd.update(steps=2, save_every=2, eval_every=2)
+    c.baselines.kd_optim.update(decay_steps=1)  # warmup 1 + decay 1 = its 2 steps
   # Off-policy KD distils the same kind of text the cold start keeps: the
   # specialists' answers at the cold start's temperature, length and reward
   # filter (at the baselines' own 48 tokens and min_reward 1.0, every agent

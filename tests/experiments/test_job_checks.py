@@ -7,12 +7,14 @@ The suite runs with 8 fake CPU devices, so ``mesh=(-1, 1, 1)`` has 8 batch
 shards.
 """
 import pathlib
+import re
 
 import jax
 import pytest
 
-from experiments import launch
+from experiments import common, jobs, launch
 from opd.config import overrides as config_utils
+from opd.parallel import sharding
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "configs"
 
@@ -66,3 +68,131 @@ def test_grm_benchmark_ks_by_stage_names_grm_stages(tmp_path):
   config.benchmark.ks_by_stage.rule_rll = (1, 2)
   _refused(config, tmp_path, r"config.benchmark.ks_by_stage names \['rule_rll'\], which are not "
                              r"GRM stages")
+
+
+# Warmup longer than the stage that runs it (and a decay that outlasts it), for
+# every trainer a job runs: refused at job start, naming the optimizer field and
+# the step field of that stage. The tiny configs' step counts, read by the
+# test from the loaded config, are the stage's real length: each case sets
+# the warmup to that + 1 (or the decay so warmup + decay is that + 1).
+_WARMUP_CASES = [
+    # (config, step field the stage runs, optimizer field)
+    ("pretrain", "train.steps", "optim"),
+    ("sft", "train.steps", "optim"),
+    ("grpo", "train.steps", "optim"),
+    ("distill", "train.steps", "optim"),  # OPD
+    ("distill:job=cold_start", "cold_start.steps", "optim"),
+    ("distill", "build_teachers.sft_steps", "build_teachers.optim"),
+    ("specialists", "base.train.steps", "base.optim"),
+    ("specialists", "grpo_train.steps", "grpo_optim"),
+    ("v4", "cold_start.steps", "cold_start_optim"),
+    ("v4", "opd_train.steps", "opd_optim"),
+    ("v4", "anneal.steps", "anneal_optim"),
+    ("v4", "specialists.sft.train.steps", "specialists.sft.optim"),
+    ("baselines:job=offpolicy_kd", "kd.steps", "kd_optim"),
+    ("baselines:job=mixed_rl", "rl_train.steps", "rl_optim"),
+    ("baselines", "build.sft_steps", "build.optim"),
+    ("compat", "opd_train.steps", "opd_optim"),
+    ("compat", "student_sft.train.steps", "student_sft.optim"),
+]
+
+
+@pytest.fixture
+def one_device(monkeypatch):
+  """The job checks build ``config.mesh`` over one device, as a CLI run on a
+  one-device machine does (the shipped tiny configs' batches are sized for
+  that; the suite's 8 fake devices are for the batch-shard cases above)."""
+  def mesh_and_rules(config):
+    rules = tuple(config.get("sharding_rules", None) or sharding.DEFAULT_RULES)
+    return (sharding.make_mesh(tuple(config.mesh), jax.devices()[:1]),
+            sharding.validate_rules(rules))
+  monkeypatch.setattr(common, "mesh_and_rules", mesh_and_rules)
+
+
+def _load_variant(spec, *overrides):
+  name, _, extra = spec.partition(":")
+  config = config_utils.load_config(f"{CONFIG_DIR / name}.py:tiny{',' + extra if extra else ''}")
+  return config_utils.apply_overrides(config, list(overrides)) or config
+
+
+def _get(config, dotted):
+  for key in dotted.split("."):
+    config = config[key]
+  return config
+
+
+@pytest.mark.parametrize("spec,steps,optim", _WARMUP_CASES,
+                         ids=[f"{c}-{o}" for c, _, o in _WARMUP_CASES])
+def test_a_warmup_longer_than_its_stage_is_refused_at_job_start(tmp_path, one_device, spec,
+                                                                steps, optim):
+  n = _get(_load_variant(spec), steps)
+  # A constant schedule: only the warmup can be wrong.
+  config = _load_variant(spec, f"{optim}.warmup_steps={n + 1}", f"{optim}.schedule=constant")
+  _refused(config, tmp_path, rf"config.{re.escape(optim)}.warmup_steps={n + 1} exceeds "
+                             rf"config.{re.escape(steps)}={n}: the run would end before the warmup")
+
+
+@pytest.mark.parametrize("spec,steps,optim", [
+    ("distill", "train.steps", "optim"),
+    ("v4", "anneal.steps", "anneal_optim"),
+    ("v4", "cold_start.steps", "cold_start_optim"),
+    ("baselines:job=offpolicy_kd", "kd.steps", "kd_optim"),
+    ("sft", "train.steps", "optim"),
+])
+def test_a_decay_that_outlasts_its_stage_is_refused_at_job_start(tmp_path, one_device, spec,
+                                                                steps, optim):
+  config = _load_variant(spec)
+  n, warm = _get(config, steps), _get(config, optim).warmup_steps
+  assert warm < n  # the case is about the decay alone
+  config = _load_variant(spec, f"{optim}.decay_steps={n - warm + 1}", f"{optim}.schedule=cosine")
+  _refused(config, tmp_path, rf"config.{re.escape(optim)}.warmup_steps \+ "
+                             rf"config.{re.escape(optim)}.decay_steps \(= {warm} \+ "
+                             rf"{n - warm + 1}\) exceeds config.{re.escape(steps)}={n}")
+
+
+def test_specialists_per_domain_step_overrides_are_checked(tmp_path, one_device):
+  # math's SFT runs per_domain.math.sft_steps = 3 steps (not sft.train.steps = 5).
+  config = _load("specialists", "sft.optim.warmup_steps=4", "sft.optim.decay_steps=1",
+                 "per_domain.math.sft_steps=3")
+  _refused(config, tmp_path, r"config.sft.optim.warmup_steps=4 exceeds "
+                             r"config.per_domain.math.sft_steps=3")
+  config = _load("specialists", "per_domain.code.grpo_steps=1")  # grpo_optim warms up 2 steps
+  assert config.grpo_optim.warmup_steps == 2
+  _refused(config, tmp_path, r"config.grpo_optim.warmup_steps=2 exceeds "
+                             r"config.per_domain.code.grpo_steps=1")
+
+
+def test_the_specialists_check_refits_an_overridden_sft_decay_as_the_job_does(one_device):
+  # sft.optim: warmup 1 + decay 4 = the shared 5 steps. math's override of 3
+  # steps is valid: the job refits the cosine decay to 3 - 1 = 2 steps
+  # (experiments/specialists.py), so the check must not compare 1 + 4 with 3.
+  config = _load("specialists", "per_domain.math.sft_steps=3")
+  assert (config.sft.optim.warmup_steps, config.sft.optim.decay_steps) == (1, 4)
+  jobs.validate(config)
+
+
+def test_sequential_rl_checks_the_warmup_against_its_shortest_stage(tmp_path, one_device):
+  # 5 steps over 2 domains: stages of 3 and 2 steps, each with a fresh optimizer.
+  config = _load_variant("baselines:job=sequential_rl", "rl_train.steps=5",
+                         "rl_optim.warmup_steps=3")
+  _refused(config, tmp_path, r"config.rl_optim.warmup_steps=3 exceeds config.rl_train.steps // "
+                             r"len\(config.sequential.order\) \(= 5 // 2")
+  config = _load_variant("baselines:job=sequential_rl", "rl_train.steps=1")
+  _refused(config, tmp_path, r"config.rl_train.steps=1 is fewer than the 2 stages of "
+                             r"config.sequential.order")
+
+
+# Every shipped config, default and tiny, with the job variants of those that
+# have them, passes every job-start check.
+_SHIPPED = sorted(p.stem for p in CONFIG_DIR.glob("*.py") if p.stem not in ("__init__", "common"))
+_VARIANTS = ([(n, v) for n in _SHIPPED for v in ("", "tiny")]
+             + [(n, f"{t}job={j}") for t in ("", "tiny,") for n, j in (
+                 ("distill", "cold_start"), ("baselines", "offpolicy_kd"),
+                 ("baselines", "mixed_rl"), ("baselines", "sequential_rl"))]
+             + [("v4", "all_baselines"), ("v4", "tiny,all_baselines")])
+
+
+@pytest.mark.parametrize("name,variant", _VARIANTS, ids=[f"{n}:{v}" for n, v in _VARIANTS])
+def test_every_shipped_config_passes_its_job_start_check(one_device, name, variant):
+  config = config_utils.load_config(f"{CONFIG_DIR / name}.py" + (f":{variant}" if variant else ""))
+  jobs.validate(config)
