@@ -81,9 +81,9 @@ def run(*, full: bool = False, batch: int = 4, prompt_len: int = 16, new_tokens:
   if batch % len(devices):
     raise ValueError(f"rehearsal: batch={batch} is not divisible by the {len(devices)} devices")
   seq_len = prompt_len + new_tokens - 1
-  model_kw = dict(fused_loss=True, num_teachers=len(cfgs),
-                  teacher_dims=tuple(c.d_model for c in cfgs.values()), rollout_batch=batch,
-                  cache_len=seq_len + 1)
+  model_kw = dict(fused_loss=True,
+                  teachers=memory.TeacherMemory(dims=tuple(c.d_model for c in cfgs.values())),
+                  rollout=memory.RolloutMemory(batch=batch, cache_len=seq_len + 1))
   if device_gib is not None:
     memory.check_fits(student, (1, len(devices), 1), batch, seq_len, device_gib * 2**30,
                       **model_kw)

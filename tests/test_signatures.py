@@ -2,21 +2,15 @@
 
 Loose arguments are grouped into config objects that name a concept
 (``opd.rollout.Policy``, ``RolloutLog``, ``AnswerSampling``, the trainers'
-configs). ``self``/``cls`` do not count; ``pallas_kernels/`` is not checked
-(kernel entry points mirror their math's inputs).
+configs, ``opd.parallel.memory.TeacherMemory``). ``self``/``cls`` do not
+count; ``pallas_kernels/`` is not checked (kernel entry points mirror their
+math's inputs). There is no allow-list: every function is held to the limit.
 """
 import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MAX_PARAMS = 10
-
-# Not converted yet; each entry is issue #24's and must still be over the
-# limit (a converted function fails the test until it is dropped from here).
-ALLOWED = {
-    # #24: 15; the memory model, still being extended by its own change.
-    "opd/parallel/memory.py::estimate_memory",
-}
 
 
 def _counts(root: pathlib.Path) -> dict[str, int]:
@@ -45,14 +39,9 @@ def _too_long(root: pathlib.Path) -> dict[str, int]:
 
 
 def test_no_public_function_takes_more_than_ten_parameters():
-  bad = {k: n for k, n in _too_long(ROOT).items() if k not in ALLOWED}
+  bad = _too_long(ROOT)
   assert not bad, "group these parameters into config objects: " + ", ".join(
       f"{k} ({n})" for k, n in sorted(bad.items()))
-
-
-def test_the_allow_list_only_holds_functions_still_over_the_limit():
-  stale = ALLOWED - set(_too_long(ROOT))
-  assert not stale, f"converted (or gone), drop from ALLOWED: {sorted(stale)}"
 
 
 def test_checker_counts_parameters_as_documented(tmp_path):

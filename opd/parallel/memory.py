@@ -1,6 +1,7 @@
 """The per-device memory of a training or rollout layout, as formulas (docs/SCALING.md).
 
-``estimate_memory(cfg, mesh_shape, batch, seq)`` returns a ``MemoryEstimate``
+``estimate_memory(cfg, mesh_shape, batch, seq, teachers=TeacherMemory(...),
+rollout=RolloutMemory(...), lora=LoRAMemory(...))`` returns a ``MemoryEstimate``
 whose fields are bytes per device of: the fp32 master parameters, their
 gradients, AdamW's two moments, the activations the backward pass keeps
 (with or without rematerialisation), the loss head (materialised logits, or
@@ -42,6 +43,7 @@ from typing import Sequence
 
 from pallas_kernels.train_loss import default_block_t
 
+from opd.config.fields import check_int, set_field
 from opd.models.config import ModelConfig
 from opd.models.lora import LoRAConfig, lora_param_count
 
@@ -136,12 +138,75 @@ def _dense_width(cfg: ModelConfig) -> int:
   return moe.moe_d_ff * (moe.experts_per_token + moe.n_shared_experts)
 
 
+@dataclasses.dataclass(frozen=True)
+class TeacherMemory:
+  """The OPD teachers' share of a step's memory.
+
+  Attributes:
+    dims: each teacher's width D_k (their number also sizes the fused loss
+      kernel's chunk); their cached hidden states take
+      ``Σ_k D_k · cache_bytes`` per token.
+    param_bytes: total bytes of the frozen teachers resident with the student
+      (e.g. ``num_params · 2`` for bf16, ``opd.models.quant`` for int8),
+      split like the student's weights.
+    cache_bytes: bytes of one cached hidden-state element (2: bf16).
+  """
+  dims: tuple[int, ...] = ()
+  param_bytes: int = 0
+  cache_bytes: int = 2
+
+  def __post_init__(self):
+    if isinstance(self.dims, (str, bytes)) or not hasattr(self.dims, "__iter__"):
+      raise ValueError(f"TeacherMemory.dims={self.dims!r} must be a sequence of widths")
+    set_field(self, "dims", tuple(check_int("TeacherMemory", f"dims[{i}]", d, min_value=1)
+                                  for i, d in enumerate(self.dims)))
+    set_field(self, "param_bytes", check_int("TeacherMemory", "param_bytes", self.param_bytes,
+                                             min_value=0))
+    set_field(self, "cache_bytes", check_int("TeacherMemory", "cache_bytes", self.cache_bytes,
+                                             min_value=1))
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutMemory:
+  """The rollout sampler's KV cache.
+
+  Attributes:
+    batch: its rows (global; split over data × fsdp like the training batch).
+    cache_len: S, its KV slots per row.
+  """
+  batch: int
+  cache_len: int
+
+  def __post_init__(self):
+    for name in ("batch", "cache_len"):
+      set_field(self, name, check_int("RolloutMemory", name, getattr(self, name), min_value=1))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAMemory:
+  """A LoRA student (``opd.training.lora_state``): the base is stored in
+  ``base_bytes`` per parameter and gets a (zero) gradient of that size; the
+  adapters are fp32 and alone have Adam moments.
+
+  Attributes:
+    config: the adapters (rank, targets).
+    base_bytes: bytes of a frozen base parameter (2: bf16).
+  """
+  config: LoRAConfig
+  base_bytes: int = 2
+
+  def __post_init__(self):
+    if not isinstance(self.config, LoRAConfig):
+      raise ValueError(f"LoRAMemory.config must be a LoRAConfig, got "
+                       f"{type(self.config).__name__}")
+    set_field(self, "base_bytes", check_int("LoRAMemory", "base_bytes", self.base_bytes,
+                                            min_value=1))
+
+
 def estimate_memory(cfg: ModelConfig, mesh_shape, batch: int, seq: int, *,
                     remat: bool | None = None, master_bytes: int = 4, fused_loss: bool = False,
-                    num_teachers: int = 0, teacher_dims: Sequence[int] = (),
-                    teacher_param_bytes: int = 0, hidden_cache_bytes: int = 2,
-                    rollout_batch: int = 0, cache_len: int = 0, lora: LoRAConfig | None = None,
-                    base_bytes: int = 2) -> MemoryEstimate:
+                    teachers: TeacherMemory | None = None, rollout: RolloutMemory | None = None,
+                    lora: LoRAMemory | None = None) -> MemoryEstimate:
   """Per-device bytes of a training step of ``cfg`` on a mesh (module docstring).
 
   Args:
@@ -152,27 +217,25 @@ def estimate_memory(cfg: ModelConfig, mesh_shape, batch: int, seq: int, *,
     remat: rematerialise blocks; None takes ``cfg.remat``.
     master_bytes: bytes of a master parameter and of each Adam moment (4: fp32).
     fused_loss: the loss head is the fused kernel (its ``2·C·V·4`` buffers
-      with ``C = min(default_block_t(max(num_teachers, 1), V), N)``) instead
+      with ``C = min(default_block_t(max(K, 1), V), N)``, K teachers) instead
       of materialised logits.
-    num_teachers, teacher_dims: the OPD teachers and their widths D_k; their
-      hidden states take ``Σ_k D_k · hidden_cache_bytes`` per token.
-    teacher_param_bytes: total bytes of the frozen teachers resident with the
-      student (e.g. ``num_params · 2`` for bf16, ``opd.models.quant`` for int8),
-      split like the student's weights.
-    rollout_batch, cache_len: the sampler's rows and KV slots (0: no rollout term).
-    lora: a LoRA student (``opd.training.lora_state``): the base is stored in
-      ``base_bytes`` per parameter and gets a (zero) gradient of that size,
-      the adapters are fp32 and alone have Adam moments.
+    teachers: the OPD teachers' hidden-state cache and resident weights
+      (None: no teachers).
+    rollout: the sampler's KV cache (None: no rollout term).
+    lora: a LoRA student's storage (None: a fully trained student).
 
   Raises:
-    ValueError: naming a non-positive batch / seq or a bad mesh shape.
+    ValueError: naming a non-positive batch / seq, a bad mesh shape, or an
+      argument of the wrong type.
   """
   for name, value in (("batch", batch), ("seq", seq)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"{name}={value!r} must be a positive int")
-  if len(teacher_dims) != num_teachers:
-    raise ValueError(f"teacher_dims has {len(teacher_dims)} entries but num_teachers="
-                     f"{num_teachers}")
+  for name, value, kind in (("teachers", teachers, TeacherMemory),
+                            ("rollout", rollout, RolloutMemory), ("lora", lora, LoRAMemory)):
+    if value is not None and not isinstance(value, kind):
+      raise ValueError(f"{name} must be a {kind.__name__} or None, got {type(value).__name__}")
+  teachers = teachers if teachers is not None else TeacherMemory()
   shards = _mesh(mesh_shape)
   model_shards = shards["fsdp"] * shards["tensor"]
   tensor = shards["tensor"]
@@ -185,8 +248,8 @@ def estimate_memory(cfg: ModelConfig, mesh_shape, batch: int, seq: int, *,
     grads = _ceil_div(n_params * 4, model_shards)
     optimizer = 2 * params
   else:
-    n_lora = lora_param_count(cfg, lora)
-    params = _ceil_div(n_params * base_bytes + n_lora * 4, model_shards)
+    n_lora = lora_param_count(cfg, lora.config)
+    params = _ceil_div(n_params * lora.base_bytes + n_lora * 4, model_shards)
     grads = params
     optimizer = _ceil_div(2 * n_lora * 4, model_shards)
   per_layer = layer_activation_bytes(cfg, seq, tensor)
@@ -197,22 +260,22 @@ def estimate_memory(cfg: ModelConfig, mesh_shape, batch: int, seq: int, *,
     activations = tokens * cfg.n_layers * per_layer
   vocab = _ceil_div(cfg.vocab_size, tensor)
   if fused_loss:
-    chunk = min(default_block_t(max(num_teachers, 1), cfg.vocab_size), tokens)
+    chunk = min(default_block_t(max(len(teachers.dims), 1), cfg.vocab_size), tokens)
     loss_head = 2 * chunk * vocab * 4 + tokens * 4 * 6 * cfg.d_model
   else:
     loss_head = tokens * 4 * (4 * vocab + 6 * cfg.d_model)
   kv_cache = 0
-  if rollout_batch:
-    kv_rows = _ceil_div(rollout_batch, shards["data"] * shards["fsdp"])
+  if rollout is not None:
+    kv_rows = _ceil_div(rollout.batch, shards["data"] * shards["fsdp"])
     if cfg.mla is not None:
       per_slot = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
     else:
       per_slot = 2 * _ceil_div(cfg.n_kv_heads, tensor) * cfg.resolved_head_dim
-    kv_cache = cfg.n_layers * kv_rows * cache_len * per_slot * b
-  teacher_cache = tokens * sum(teacher_dims) * hidden_cache_bytes
+    kv_cache = cfg.n_layers * kv_rows * rollout.cache_len * per_slot * b
+  teacher_cache = tokens * sum(teachers.dims) * teachers.cache_bytes
   return MemoryEstimate(params=params, grads=grads, optimizer=optimizer, activations=activations,
                         loss_head=loss_head, kv_cache=kv_cache, teacher_cache=teacher_cache,
-                        teacher_params=_ceil_div(teacher_param_bytes, model_shards),
+                        teacher_params=_ceil_div(teachers.param_bytes, model_shards),
                         shards=shards)
 
 
@@ -257,5 +320,6 @@ def step_seconds(cfg: ModelConfig, batch: int, seq: int, chips: int, peak_flops:
   return step_flops(cfg, batch, seq) / (chips * peak_flops * mfu)
 
 
-__all__ = ["DoesNotFitError", "MemoryEstimate", "check_fits", "estimate_memory",
-           "hidden_vs_logit_cache", "layer_activation_bytes", "step_flops", "step_seconds"]
+__all__ = ["DoesNotFitError", "LoRAMemory", "MemoryEstimate", "RolloutMemory", "TeacherMemory",
+           "check_fits", "estimate_memory", "hidden_vs_logit_cache", "layer_activation_bytes",
+           "step_flops", "step_seconds"]

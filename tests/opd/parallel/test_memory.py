@@ -95,8 +95,9 @@ def test_remat_keeps_one_block_input_per_layer(remat, capsys):
 
 
 def test_sharding_divides_the_terms():
-  one = memory.estimate_memory(TINY, (1, 1, 1), 8, 64, rollout_batch=8, cache_len=96)
-  split = memory.estimate_memory(TINY, (2, 2, 2), 8, 64, rollout_batch=8, cache_len=96)
+  rollout = memory.RolloutMemory(batch=8, cache_len=96)
+  one = memory.estimate_memory(TINY, (1, 1, 1), 8, 64, rollout=rollout)
+  split = memory.estimate_memory(TINY, (2, 2, 2), 8, 64, rollout=rollout)
   assert split.params == one.params // 4 and split.optimizer == one.optimizer // 4
   # KV cache: 2 (k, v) x L x rows x slots x K x Dh x 4 bytes, rows over data*fsdp, K over tensor.
   assert one.kv_cache == 2 * 2 * 8 * 96 * 2 * 32 * 4
@@ -114,10 +115,40 @@ def test_lora_terms_match_the_lora_train_state():
   state, _, _ = init_lora_train_state(TINY, lora, make_optimizer(OptimConfig()), mesh,
                                       base_params=init_params(TINY, jax.random.key(0)),
                                       check_min_size=None)
-  est = memory.estimate_memory(TINY, (1, 1, 1), 4, 32, lora=lora)
+  est = memory.estimate_memory(TINY, (1, 1, 1), 4, 32, lora=memory.LoRAMemory(lora))
   assert est.params == _bytes(state.params)  # bf16 base + fp32 adapters
   moments = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state) if x.ndim)
   assert est.optimizer == moments
+
+
+def test_teacher_terms_follow_their_widths_and_the_weight_split():
+  # Hand count: 8 rows x 64 tokens on (data 2, fsdp 2, tensor 2) -> 2 rows, 128
+  # tokens per device; hidden cache 128 x (96 + 160) x 2 bytes (bf16); the
+  # teachers' 1,000,003 resident bytes split over fsdp x tensor = 4, rounded up.
+  teachers = memory.TeacherMemory(dims=(96, 160), param_bytes=1_000_003)
+  est = memory.estimate_memory(TINY, (2, 2, 2), 8, 64, teachers=teachers)
+  assert est.teacher_cache == 128 * (96 + 160) * 2
+  assert est.teacher_params == 250_001
+  none = memory.estimate_memory(TINY, (2, 2, 2), 8, 64)
+  assert none.teacher_cache == none.teacher_params == none.kv_cache == 0
+  fp32 = memory.estimate_memory(TINY, (2, 2, 2), 8, 64,
+                                teachers=memory.TeacherMemory(dims=(96, 160), cache_bytes=4))
+  assert fp32.teacher_cache == 2 * est.teacher_cache
+
+
+@pytest.mark.parametrize("build, pattern", [
+    (lambda: memory.TeacherMemory(dims=(64, 0)), r"TeacherMemory.dims\[1\]"),
+    (lambda: memory.TeacherMemory(dims=64), r"TeacherMemory.dims=64"),
+    (lambda: memory.TeacherMemory(param_bytes=-1), r"TeacherMemory.param_bytes"),
+    (lambda: memory.RolloutMemory(batch=8, cache_len=0), r"RolloutMemory.cache_len"),
+    (lambda: memory.LoRAMemory(LoRAConfig(), base_bytes=0), r"LoRAMemory.base_bytes"),
+    (lambda: memory.LoRAMemory(config=4), r"LoRAMemory.config must be a LoRAConfig"),
+    (lambda: memory.estimate_memory(TINY, (1, 1, 1), 8, 64, rollout=(8, 96)),
+     r"rollout must be a RolloutMemory or None, got tuple"),
+])
+def test_bad_memory_parts_are_refused_naming_the_field(build, pattern):
+  with pytest.raises(ValueError, match=pattern):
+    build()
 
 
 def test_hidden_cache_vs_logit_cache():
