@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from opd.models import KVCache, ModelConfig, forward, init_cache
+from opd.models.v4.cache import V4Cache
+from opd.models.v4.model import grow_v4_cache
 
 Array = jax.Array
 
@@ -95,7 +97,8 @@ def prefill(cfg: ModelConfig, params, tokens: Array, positions: Array, mask: Arr
   state of ``rows.source[b]``. The cache holds the P prompt slots while the
   prompt attends (P keys rather than P + N), then ``decode_slots`` empty
   slots are appended. Returns the cache ``[B, K, P + decode_slots, Dh]`` per
-  layer and the hidden state ``[B, D]`` the first token is sampled from.
+  layer (a DeepSeek-V4 ``V4Cache`` gains room for ``decode_slots`` positions
+  instead) and the hidden state ``[B, D]`` the first token is sampled from.
   """
   B, P = tokens.shape
   if rows is not None:
@@ -103,8 +106,12 @@ def prefill(cfg: ModelConfig, params, tokens: Array, positions: Array, mask: Arr
   out = forward(cfg, params, tokens, positions, mask, init_cache(cfg, tokens.shape[0], P),
                 return_logits=False, return_hidden=True)
   cache, hidden = out.cache, out.hidden[:, -1]  # hidden [U, D]
+  take = lambda x: jnp.take(x, rows.source, axis=0)  # [U, ...] -> [B, ...]
+  if isinstance(cache, V4Cache):  # DeepSeek-V4: every leaf is per row (rings, entries)
+    if rows is not None:
+      cache, hidden = jax.tree.map(take, cache), take(hidden)
+    return grow_v4_cache(cfg, cache, decode_slots), hidden
   if rows is not None:
-    take = lambda x: jnp.take(x, rows.source, axis=0)  # [U, ...] -> [B, ...]
     cache = cache._replace(k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v)),
                            mask=take(cache.mask))
     hidden = take(hidden)
