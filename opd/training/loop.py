@@ -47,6 +47,10 @@ Crash safety (docs/DESIGN.md, "Failure model"):
 * SIGTERM: the step in progress finishes, a checkpoint of it is saved, the
   logs synced, and ``Terminated`` (a ``SystemExit`` with status 143 =
   128 + SIGTERM) is raised with a message naming the step.
+* Early stop (``LoopConfig.early_stop_metric``, ``opd.training.early_stop``):
+  after the eval that exhausts the patience the loop saves a checkpoint of
+  that step (with the rule's state), logs why and returns; a relaunch with
+  the same rule restores that state and trains no further.
 * A checkpoint that fails its checksums raises ``CheckpointCorruptError``
   naming the step, the array and the previous checkpoint; with
   ``LoopConfig.fall_back_on_corrupt`` the corrupt step is moved aside
@@ -65,6 +69,7 @@ import numpy as np
 
 from opd.config.fields import check_int
 from opd.training.checkpoints import CheckpointManager
+from opd.training.early_stop import EarlyStop
 from opd.training.loop_config import LoopConfig, RunIO, Runtime
 from opd.training.metrics_writer import MetricWriter
 from opd.training.resume import (TERMINATED_STATUS, SigtermFlag, Terminated,
@@ -233,6 +238,8 @@ def _run(state, step_fn, data_iterator, loop: LoopConfig, *, manager, config, fi
                      f"{updates}: the checkpoint was written with another updates_per_batch")
   start = step = done_updates // updates
   firsts = first_metrics if first_metrics is not None else {}
+  stopper = (EarlyStop(loop.early_stop_metric, loop.early_stop_mode, loop.early_stop_patience,
+                       loop.early_stop_min_delta) if loop.early_stop_metric else None)
   if restored is not None:
     saved_first = restored.extra.get("first_metrics") or {}
     if saved_first:
@@ -240,6 +247,12 @@ def _run(state, step_fn, data_iterator, loop: LoopConfig, *, manager, config, fi
       firsts.update({int(k): dict(v) for k, v in saved_first.items()})
     if start < num_steps:  # rows after the checkpoint are redone: cut them
       rewind_logs(writer, restored.extra.get("logs") or {})
+    if stopper is not None:
+      stopper.restore(restored.extra.get("early_stop"))
+      if stopper.stopped_at is not None:
+        log.warning("%s; a relaunch with the same rule trains no further (turn "
+                    "LoopConfig.early_stop_metric off to continue)", stopper.reason())
+        return state
   position = (lambda: data_iterator.get_state()) if hasattr(data_iterator, "get_state") \
       else (lambda: None)
   bar = None
@@ -256,7 +269,8 @@ def _run(state, step_fn, data_iterator, loop: LoopConfig, *, manager, config, fi
       if length is not None and path is not None:
         logs[str(path)] = length
     manager.save(step, state, data_state=position(), config=config, metrics=metrics,
-                 extra={"first_metrics": {str(k): v for k, v in firsts.items()}, "logs": logs})
+                 extra={"first_metrics": {str(k): v for k, v in firsts.items()}, "logs": logs,
+                        "early_stop": stopper.to_json() if stopper is not None else None})
 
   sigterm = SigtermFlag()
   try:
@@ -290,8 +304,10 @@ def _run(state, step_fn, data_iterator, loop: LoopConfig, *, manager, config, fi
         metrics = data_iterator.step_metrics(host_metrics, metrics, batch_time_s=t1 - t0,
                                              train_time_s=time.perf_counter() - t1)
       step += 1
+      stop = False
       if eval_fn is not None and ((eval_every and step % eval_every == 0) or step == num_steps):
         metrics.update({f"eval/{k}": v for k, v in _host_scalars(eval_fn(state)).items()})
+        stop = stopper is not None and stopper.update(step, metrics)
       if step == 1:
         firsts[1] = dict(metrics)
       if writer is not None:
@@ -305,9 +321,13 @@ def _run(state, step_fn, data_iterator, loop: LoopConfig, *, manager, config, fi
         bar.update(1)
         if progress_key in metrics:
           bar.set_postfix({progress_key: f"{metrics[progress_key]:.4f}"})
-      if manager is not None and ((save_every and step % save_every == 0) or step == num_steps):
+      if manager is not None and ((save_every and step % save_every == 0) or step == num_steps
+                                  or stop):
         save(metrics)
         last_saved = step
+      if stop:
+        log.warning("%s", stopper.reason())
+        break
     if manager is not None:
       if last_saved != step and step > start:  # SIGTERM, or the source ran out
         save()

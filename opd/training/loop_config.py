@@ -7,7 +7,8 @@ objects here are the arguments every trainer shares, so no trainer repeats
 the loop's dozen keywords:
 
 * ``LoopConfig``: how long and how often (plain data: steps, eval /
-  checkpoint / text cadence, checkpoints kept, resume rules, progress bar).
+  checkpoint / text cadence, checkpoints kept, resume rules, progress bar,
+  early-stop rule).
 * ``RunIO``: what the run reads and writes (work directory or an open
   writer, checkpoint directory or an open manager, the JSON config saved with
   each checkpoint and compared on resume, first-step figures) and the hooks
@@ -20,8 +21,9 @@ import dataclasses
 import pathlib
 from typing import Any, Callable, Mapping, Sequence
 
-from opd.config.fields import check_bool, check_int, set_field
+from opd.config.fields import check_bool, check_choice, check_float, check_int, set_field
 from opd.parallel import sharding as sharding_lib
+from opd.training.early_stop import MODES
 
 __all__ = ["LoopConfig", "RunIO", "Runtime"]
 
@@ -45,6 +47,14 @@ class LoopConfig:
     fall_back_on_corrupt: resume from the previous checkpoint when the latest
       fails its checksums (it is moved aside); else raise.
     progress: a tqdm bar on process 0.
+    early_stop_metric: stop early on this eval metric, named as the loop
+      reports it (``"eval/loss"``); None: never. Needs ``eval_every`` > 0
+      (``opd.training.early_stop``).
+    early_stop_mode: "min" (lower is better) or "max".
+    early_stop_patience: evals in a row without an improvement that stop
+      the run; the loop then saves a checkpoint of that step and returns.
+    early_stop_min_delta: an eval improves on the best when it is better by
+      more than 0 and by at least this much.
   """
   steps: int
   save_every: int | None = 0
@@ -54,6 +64,10 @@ class LoopConfig:
   allow_config_change: Sequence[str] = ()
   fall_back_on_corrupt: bool = False
   progress: bool = True
+  early_stop_metric: str | None = None
+  early_stop_mode: str = "min"
+  early_stop_patience: int = 1
+  early_stop_min_delta: float = 0.0
 
   def __post_init__(self):
     owner = type(self).__name__
@@ -70,6 +84,19 @@ class LoopConfig:
     set_field(self, "allow_config_change", tuple(str(f) for f in self.allow_config_change))
     for name in ("fall_back_on_corrupt", "progress"):
       set_field(self, name, check_bool(owner, name, getattr(self, name)))
+    metric = self.early_stop_metric
+    if metric is not None and (not isinstance(metric, str) or not metric.startswith("eval/")
+                               or metric == "eval/"):
+      raise ValueError(f"{owner}.early_stop_metric={metric!r}: expected an eval metric as the "
+                       "loop reports it, e.g. 'eval/loss' (or None)")
+    if metric is not None and not self.eval_every:
+      raise ValueError(f"{owner}.early_stop_metric={metric!r} needs eval_every > 0 (evals are "
+                       f"its only input), got eval_every={self.eval_every}")
+    check_choice(owner, "early_stop_mode", self.early_stop_mode, MODES)
+    set_field(self, "early_stop_patience",
+              check_int(owner, "early_stop_patience", self.early_stop_patience, min_value=1))
+    set_field(self, "early_stop_min_delta",
+              check_float(owner, "early_stop_min_delta", self.early_stop_min_delta, min_value=0))
 
   def replace(self, **changes) -> "LoopConfig":
     return dataclasses.replace(self, **changes)
