@@ -1,5 +1,5 @@
-"""Hugging Face interop: Llama / Qwen2 / Qwen3 / DeepSeek-V3 ``safetensors`` checkpoints
-(docs/DESIGN.md §2).
+"""Hugging Face interop: Llama / Qwen2 / Qwen3 / DeepSeek-V3 / DeepSeek-V4 ``safetensors``
+checkpoints (docs/DESIGN.md §2).
 
 ``load_hf`` reads a checkpoint directory (``config.json`` plus either
 ``model.safetensors`` or shards listed in ``model.safetensors.index.json``)
@@ -12,7 +12,8 @@ The ``config.json`` mapping (and its refusals of anything the decoder does
 not implement, naming the HF field and value) is ``opd.models.hf_config``;
 its functions are re-exported here. DeepSeek-V3's multi-head latent
 attention tensors and multi-token-prediction layers are
-``opd.models.hf_deepseek``'s.
+``opd.models.hf_deepseek``'s; DeepSeek-V4 (``ModelConfig.v4``) has its own
+config schema and tensor table in ``opd.models.hf_v4``.
 
 Weight layout: HF ``nn.Linear`` stores ``[out, in]``, we store ``[in, out]``
 with heads split out, e.g. ``self_attn.q_proj.weight [H*Dh, D]`` ↔
@@ -41,7 +42,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from opd.models import hf_deepseek, hf_moe
+from opd.models import hf_deepseek, hf_moe, hf_v4
 from opd.models.config import ModelConfig
 from opd.models.hf_config import (  # noqa: F401 - re-exported: opd.models.hf is the entry
     ARCHS, HF_CLASS, check_config_matches, config_from_hf, config_to_hf, infer_arch)
@@ -132,6 +133,8 @@ def params_to_hf(cfg: ModelConfig, params, dtype=None) -> dict[str, np.ndarray]:
   Raises:
     ValueError: a param is missing or has the wrong shape (naming it).
   """
+  if cfg.v4 is not None:  # DeepSeek-V4's own table (opd.models.hf_v4)
+    return hf_v4.params_to_hf(cfg, params, dtype)
   specs = _tensor_specs(cfg)
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   have = {tuple(str(getattr(k, "key", k)) for k in path) for path, _ in flat}
@@ -171,6 +174,8 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, Any], dtype=None):
     ValueError: naming missing / unexpected tensors or a shape mismatch.
   """
   dtype = jnp.dtype(dtype or cfg.storage_dtype)
+  if cfg.v4 is not None:  # DeepSeek-V4's own table (opd.models.hf_v4)
+    return hf_v4.params_from_hf(cfg, tensors, dtype)
   specs = _tensor_specs(cfg)
   expected = {s.hf_name for s in specs}
   names = set(tensors.keys())
@@ -328,7 +333,7 @@ def read_hf_config(path: str) -> dict[str, Any]:
 
 def load_hf(path: str, *, dtype: str = "float32", compute_dtype: str | None = None,
             config: ModelConfig | None = None):
-  """Loads a HF Llama / Qwen2 / Qwen3 / DeepSeek-V3 checkpoint directory.
+  """Loads a HF Llama / Qwen2 / Qwen3 / DeepSeek-V3 / DeepSeek-V4 checkpoint directory.
 
   Args:
     path: directory with ``config.json`` and ``model.safetensors`` or a
@@ -348,7 +353,7 @@ def load_hf(path: str, *, dtype: str = "float32", compute_dtype: str | None = No
   except ValueError as e:
     raise ValueError(f"{os.path.join(path, 'config.json')}: {e}") from e
   ckpt = _open_checkpoint(path)
-  if cfg.mla is not None:
+  if cfg.mla is not None or cfg.v4 is not None:
     ckpt.drop(hf_deepseek.mtp_tensors(hf, cfg.n_layers, ckpt.keys()))
   if config is not None:
     check_config_matches(config, cfg, path)
@@ -425,7 +430,8 @@ def save_hf(path: str, cfg: ModelConfig, params, *, arch: str | None = None,
       ``overwrite``; a directory holding an Orbax checkpoint is always
       refused (ValueError naming the path and what it holds).
     cfg, params: the model.
-    arch: "llama", "qwen2", "qwen3" or "deepseek_v3"; ``None`` → ``infer_arch(cfg)``.
+    arch: "llama", "qwen2", "qwen3", "deepseek_v3" or "deepseek_v4"; ``None`` →
+      ``infer_arch(cfg)``.
     max_shard_size: bytes per file (int or "5GB"-style string). One file
       → ``model.safetensors``; more → ``model-0000i-of-0000n.safetensors``
       plus ``model.safetensors.index.json``. A tensor larger than the limit

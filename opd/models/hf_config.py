@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from opd.models import hf_deepseek, hf_moe
+from opd.models import hf_deepseek, hf_moe, hf_v4
 from opd.models.config import ModelConfig
 
-ARCHS = ("llama", "qwen2", "qwen3", hf_deepseek.MODEL_TYPE, hf_moe.QWEN3_MOE)
+ARCHS = ("llama", "qwen2", "qwen3", hf_deepseek.MODEL_TYPE, hf_moe.QWEN3_MOE, hf_v4.MODEL_TYPE)
 HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", hf_deepseek.MODEL_TYPE: hf_deepseek.HF_CLASS,
             hf_moe.QWEN3_MOE: hf_moe.QWEN3_MOE_CLASS}
@@ -95,6 +95,8 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32",
     raise ValueError(f"HF config must be a JSON object (field: value), got a "
                      f"{type(hf).__name__}: {str(hf)[:80]}")
   arch = _arch_of(hf)
+  if arch == hf_v4.MODEL_TYPE:  # its own schema (opd.models.hf_v4)
+    return hf_v4.config_from_hf(hf, dtype=dtype, param_dtype=param_dtype or dtype)
   for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                "intermediate_size"):
     if name not in hf:
@@ -147,6 +149,8 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32",
 def infer_arch(cfg: ModelConfig) -> str:
   """The HF architecture that can express ``cfg`` (mla → deepseek_v3, qk_norm → qwen3,
   q/k/v-only bias → qwen2)."""
+  if cfg.v4 is not None:
+    return hf_v4.MODEL_TYPE
   if cfg.mla is not None:
     return hf_deepseek.MODEL_TYPE
   if cfg.qk_norm:
@@ -159,6 +163,11 @@ def infer_arch(cfg: ModelConfig) -> str:
 def _check_arch_fits(cfg: ModelConfig, arch: str) -> None:
   if arch not in ARCHS:
     raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
+  if (arch == hf_v4.MODEL_TYPE) != (cfg.v4 is not None):
+    raise ValueError(f"arch={arch!r} does not fit cfg.v4={cfg.v4!r}: the DeepSeek-V4 decoder "
+                     f"is arch={hf_v4.MODEL_TYPE!r} and only it")
+  if arch == hf_v4.MODEL_TYPE:
+    return
   if (arch == hf_deepseek.MODEL_TYPE) != (cfg.mla is not None):
     raise ValueError(f"arch={arch!r} does not fit cfg.mla={cfg.mla!r}: multi-head latent "
                      f"attention is arch={hf_deepseek.MODEL_TYPE!r} and only it")
@@ -199,6 +208,8 @@ def config_to_hf(cfg: ModelConfig, arch: str | None = None, **overrides) -> dict
   """
   arch = arch or infer_arch(cfg)
   _check_arch_fits(cfg, arch)
+  if arch == hf_v4.MODEL_TYPE:
+    return {**hf_v4.config_to_hf(cfg), **overrides}
   hf: dict[str, Any] = {
       "architectures": [HF_CLASS[arch]],
       "model_type": arch,

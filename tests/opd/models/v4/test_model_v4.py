@@ -8,16 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 from opd.models import ModelConfig, forward, head_matrix, init_params
 from opd.models.moe import MoEConfig
 from opd.models.v4.config import V4Config
 from opd.models.v4.model import layer_configs
-from v4_torch import (RATES, attention_params, moe_params, np_, randomize, rel_err,
-                      tiny_config)
+from v4_torch import (LAYERS, RATES, attention_params, mixed_model, moe_params, np_, rel_err)
 
-LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 MLPS = ["hash_moe", "moe", "moe"]
 B, T = 2, 20  # > sliding_window = 8, 5 CSA windows, 2 HCA windows
 
@@ -42,7 +39,7 @@ def family_config(c) -> ModelConfig:
                 sinkhorn_iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps, swiglu_limit=c.swiglu_limit)
   return ModelConfig(vocab_size=c.vocab_size, d_model=c.hidden_size,
                      n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads, n_kv_heads=1,
-                     head_dim=c.head_dim, rope_theta=c.rope_parameters["main"]["rope_theta"],
+                     head_dim=c.head_dim, d_ff=c.moe_intermediate_size, rope_theta=c.rope_parameters["main"]["rope_theta"],
                      norm_eps=c.rms_norm_eps, moe=moe, v4=v4)
 
 
@@ -64,21 +61,6 @@ def family_params(model, cfg: ModelConfig):
                 final_norm={"scale": np_(model.model.norm.weight)},
                 lm_head=np_(model.lm_head.weight).T)
   return jax.tree.map(jnp.asarray, params)
-
-
-def mixed_model(seed=21):
-  """A random tiny transformers V4 of the three layer types, with a random hash table."""
-  c = tiny_config(num_hidden_layers=3, layer_types=LAYERS, mlp_layer_types=MLPS,
-                  compress_rates=RATES, index_n_heads=4, index_head_dim=12, index_topk=2)
-  c._attn_implementation = "eager"
-  model = hf.DeepseekV4ForCausalLM(c).eval()
-  randomize(model, seed=seed, std=0.3)
-  rng = np.random.default_rng(4)
-  with torch.no_grad():
-    model.model.layers[0].mlp.gate.tid2eid.copy_(torch.from_numpy(np.stack(
-        [rng.permutation(c.n_routed_experts)[:c.num_experts_per_tok]
-         for _ in range(c.vocab_size)])))
-  return c, model
 
 
 def test_mixed_stack_logits_match_transformers():

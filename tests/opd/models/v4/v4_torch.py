@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
 
 from opd.models.moe import MoEConfig
@@ -13,6 +14,7 @@ from opd.models.v4.compressor import CompressorConfig, IndexerConfig
 from opd.models.v4.moe import V4MoEConfig
 
 RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}
+LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 
 
 def tiny_config(**overrides) -> DeepseekV4Config:
@@ -119,3 +121,18 @@ def moe_params(block, cfg):
   else:
     p["selection_bias"] = np_(block.gate.e_score_correction_bias)
   return {"params": jax.tree.map(jnp.asarray, p)}
+
+
+def mixed_model(seed=21):
+  """A random tiny transformers V4 of the three layer types, with a random hash table."""
+  c = tiny_config(num_hidden_layers=3, layer_types=LAYERS,
+                  mlp_layer_types=["hash_moe", "moe", "moe"], compress_rates=RATES, index_n_heads=4, index_head_dim=12, index_topk=2)
+  c._attn_implementation = "eager"
+  model = hf.DeepseekV4ForCausalLM(c).eval()
+  randomize(model, seed=seed, std=0.3)
+  rng = np.random.default_rng(4)
+  with torch.no_grad():
+    model.model.layers[0].mlp.gate.tid2eid.copy_(torch.from_numpy(np.stack(
+        [rng.permutation(c.n_routed_experts)[:c.num_experts_per_tok]
+         for _ in range(c.vocab_size)])))
+  return c, model
