@@ -25,7 +25,9 @@ MODEL = dict(vocab_size=270, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, h
              param_dtype="float32", remat=False,
              # Added since f16cbda with defaults that keep the dense GQA model: the
              # mixture-of-experts and multi-head latent attention sub-configs (DESIGN §2).
-             moe=None, mla=None)
+             moe=None, mla=None,
+             # Added with DeepSeek-V4 in the family (#29): None keeps the other decoders.
+             v4=None)
 MODEL_TINY = dict(MODEL, d_model=32, n_layers=2, d_ff=64)
 PRETRAIN_OPTIM = dict(lr=3e-3, warmup_steps=10, decay_steps=90, schedule="cosine",
                       end_lr_ratio=0.1, weight_decay=0.01, b1=0.9, b2=0.95, eps=1e-8,
