@@ -17,8 +17,8 @@ import sys
 import time
 from typing import Any, Callable
 
-from experiments.benchmarks import (common, kl_loss, kl_loss_gpu, kl_train, moe, opd_step,
-                                    rollout, sampler, tokenizer, train_step)
+from experiments.benchmarks import (common, kl_loss, kl_loss_gpu, kl_train, moe, opd_forms,
+                                    opd_step, rollout, sampler, tokenizer, train_step)
 
 
 def _sampler_headline(p: dict) -> str:
@@ -74,6 +74,12 @@ def _opd_step_headline(p: dict) -> str:
   return "; ".join(parts)
 
 
+def _opd_forms_headline(p: dict) -> str:
+  return "; ".join(f"V={r['V']} K={r['K']}: advantage/exact time "
+                   f"{r['advantage_vs_exact']['time_ratio']:.2f}, peak memory "
+                   f"{r['advantage_vs_exact']['peak_mem_ratio']:.2f}" for r in p["ratios"])
+
+
 def _rollout_headline(p: dict) -> str:
   agg = p["grpo_total"]
   text = (f"GRPO largest stage {agg['largest_stage']} "
@@ -93,6 +99,7 @@ BENCHMARKS: dict[str, tuple[Callable[..., dict], list[str], list[str],
     "kl_train": (kl_train.main, [], ["--quick"], _kl_train_headline),
     "kl_loss_gpu": (kl_loss_gpu.main, ["--cpu-smoke"], [], _kl_gpu_headline),
     "opd_step": (opd_step.main, [], ["--quick"], _opd_step_headline),
+    "opd_forms": (opd_forms.main, [], ["--quick"], _opd_forms_headline),
     "rollout": (rollout.main, [], ["--quick"], _rollout_headline),
     "moe": (moe.main, [], ["--quick"], _moe_headline),
     "tokenizer": (tokenizer.main, [], ["--quick"], _tokenizer_headline),

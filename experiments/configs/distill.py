@@ -14,6 +14,12 @@
   # (measured, 8 OPD steps: reverse KL math 0.22 -> 0.15, instruct 0.41 -> 0.36, 0 skips)
   python -m experiments.launch --config=experiments/configs/distill.py:tiny,moe \
       --workdir=workdirs/distill_tiny_moe
+  # the advantage form (docs/DESIGN.md §3, "Loss form") plus 0.5 x GRPO's outcome
+  # advantage; every OPDConfig field is in config.opd (loss_form, adv_gamma,
+  # adv_beta, adv_alpha, is_cap; defaults: the exact form)
+  python -m experiments.launch --config=experiments/configs/distill.py:tiny \
+      --config.opd.loss_form=advantage --config.opd.adv_alpha=0.5 \
+      --workdir=workdirs/distill_tiny_advantage
 
 The variant argument: ``job=opd|cold_start``, ``tiny``, ``steps=N`` (OPD steps),
 ``ablation=estimator|cold_start|weighting`` (below), ``demo=DIR``,

@@ -5,8 +5,10 @@ batching), ``faults`` (deadlines, skips, counters), ``teacher_weighting`` (weigh
 ``[B, T, K]``: routing, confidence, uniform, annealing, renormalisation after
 skips), ``cache`` (the per-rollout-batch hidden-state cache), ``loss`` (the
 OPD loss on ``pallas_kernels.fused_reverse_kl``, docs/DESIGN.md §4, and its
-top-k / token estimators), ``diagnostics`` and ``server`` (out-of-process
-teachers over a Unix socket, used through ``RemoteTeacher``).
+top-k / token estimators), ``advantage`` (the advantage form: the teachers'
+sampled-token log-ratio inside GRPO's policy gradient), ``diagnostics`` and
+``server`` (out-of-process teachers over a Unix socket, used through
+``RemoteTeacher``).
 
 ``source`` (``OPDSource``, ``OPDConfig``) and ``trainer`` (``train_opd``)
 compose them into the trainer on ``opd.training.loop``, roughly as below;
@@ -26,8 +28,8 @@ compose them into the trainer on ``opd.training.loop``, roughly as below;
       state, metrics = step(state, opd_batch)
   metrics |= asked.counter.metrics(pool.names) | weight_metrics(w, mask, pool.names)
 """
-from opd.distill import (cache, cold_start, diagnostics, faults, loss, server, source,
-                         teacher_weighting, teachers, trainer)
+from opd.distill import (advantage, cache, cold_start, diagnostics, faults, loss, server,
+                         source, teacher_weighting, teachers, trainer)
 from opd.distill.cold_start import AnswerSampling, ColdStartData, teacher_sft_pairs
 from opd.distill.cache import CachedBatch, HiddenStateCache, loss_batch
 from opd.distill.diagnostics import (logit_diagnostics, sample_response_positions,
@@ -53,7 +55,8 @@ __all__ = [
     "task_arithmetic", "task_vectors", "OffPolicyConfig", "train_offpolicy_kd",
     "PLACEMENTS", "REASONS", "RemoteTeacher", "SkipCounter", "Teacher", "TeacherAnswers",
     "TeacherFaultError",
-    "TeacherPool", "anneal", "apply_availability", "cache", "call_with_deadline",
+    "TeacherPool", "advantage", "anneal", "apply_availability", "cache",
+    "call_with_deadline",
     "check_teachers", "confidence_scores", "confidence_weights", "diagnostics", "faults",
     "logit_diagnostics", "loss", "loss_batch", "make_opd_loss", "normalize", "routing_weights",
     "row_groups", "sample_response_positions", "server", "teacher_diagnostics",

@@ -7,10 +7,9 @@ On the student's sampled token ``y_t``, with renormalised teacher weights
 ``ŵ_{t,k}`` and every log-prob at the sampling temperature T (the teachers'
 further divided by τ_T)::
 
-    a_t     = Σ_k ŵ_{t,k} log π_k(y_t | y_<t) − log π_S(y_t | y_<t)      (stop-gradient)
-    Â_OPD_t = Σ_{t' >= t} γ^(n(t') − n(t)) a_t'                          (discounted future sum)
-    Â_t     = β Â_OPD_t + α Â_ORM                                        (Â_ORM: GRPO's group-
-                                                                          normalised outcome)
+    a_t     = Σ_k ŵ_{t,k} log π_k(y_t | y_<t) − log π_S(y_t | y_<t)   (stop-gradient)
+    Â_OPD_t = Σ_{t' >= t} γ^(n(t') − n(t)) a_t'                       (discounted future sum)
+    Â_t     = β Â_OPD_t + α Â_ORM             (Â_ORM: GRPO's group-normalised outcome)
 
 ``n(t)`` counts the trained tokens of the row up to t, so a gap (a tool
 reply, padding) is not a step of the discount. γ = 0 is the immediate,
@@ -26,9 +25,8 @@ The per-token objective, aggregated like the exact form (``token_mean`` or
 ``sequence_mean``), with ``r_t = π_S(y_t) / π_b(y_t)`` against the behaviour
 policy that sampled (the sampler's ``old_logprobs``)::
 
-    is_cap = 0    −min(r_t Â_t, clip(r_t, 1 − ε_low, 1 + ε_high) Â_t)   GRPO's clipped surrogate
-    is_cap = c    −sg[min(r_t, c) / r_t] · r_t · Â_t                      truncated importance
-                                                                          weight min(r_t, c)
+    is_cap = 0    −min(r_t Â_t, clip(r_t, 1 − ε_low, 1 + ε_high) Â_t)   (GRPO's surrogate)
+    is_cap = c    −sg[min(r_t, c) / r_t] · r_t · Â_t           (truncated weight min(r_t, c))
 
 The second is the truncated-IS policy gradient (value ``−min(r_t, c) Â_t``,
 gradient ``−min(r_t, c) Â_t ∇log π_S(y_t)``; c >= 1 so that on-policy
@@ -41,12 +39,16 @@ teacher's head per token, plus the teacher's log-normaliser
 ``lse_t = log Σ_v exp(h_k,t · W_k[:, v] / T)``. The normaliser still needs a
 pass over the whole vocabulary: ``pallas_kernels.fused_cross_entropy`` takes
 it tile by tile (the fused kernel's logsumexp path, no ``[B, T, V]`` array),
-forward only (the teacher is never differentiated). What the form saves
-against the exact one is the student's and teachers' full-vocabulary
-*divergence*: the student side is a cross-entropy (``lse`` and one gathered
-logit, the backward a softmax), not a KL whose backward needs every
-teacher's probabilities (``experiments/benchmarks/opd_forms.py`` measures
-both).
+forward only (the teacher is never differentiated). Per update the form
+thus replaces the fused reverse-KL training pass over the student's and the
+teachers' vocabularies (docs/DESIGN.md §4) by the student's cross-entropy
+at the sampled token (a logsumexp pass and its softmax backward) and one
+forward logsumexp pass per teacher. That normaliser does not depend on the
+student, so it could be taken once per rollout batch, when the teacher
+runs, and kept as ``[B, T]`` floats; that is not built (the hidden-state
+cache is what the pool, the fault layer and both forms share).
+``experiments/benchmarks/opd_forms.py`` measures the step against the exact
+form and against reading cached teacher logits.
 """
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ from opd.rl.loss import policy_loss
 from pallas_kernels.inputs import normalized_weights
 
 __all__ = ["FORMS", "FORM_DEFAULTS", "advantage_loss", "check_form_fields",
-           "discounted_future_sum", "teacher_token_logprobs"]
+           "discounted_future_sum", "policy_gradient_loss", "teacher_token_logprobs"]
 
 FORMS = ("exact", "advantage")
 # The advantage form's fields and their defaults (OPDLossConfig and OPDConfig
@@ -163,7 +165,7 @@ def teacher_token_logprobs(teacher_hidden: Sequence[jax.Array], heads: Sequence[
 
 def advantage_loss(config: Any, h_s: jax.Array, w_s: jax.Array, teacher_hidden, heads,
                    batch, keep: jax.Array, coef: jax.Array) -> tuple[jax.Array, dict]:
-  """The advantage form's loss (module docstring): ``(scalar, metrics)``.
+  """The advantage form's loss from hidden states (module docstring): ``(scalar, metrics)``.
 
   Args:
     config: the ``opd.distill.loss.OPDLossConfig`` (``adv_gamma``,
@@ -173,12 +175,37 @@ def advantage_loss(config: Any, h_s: jax.Array, w_s: jax.Array, teacher_hidden, 
     w_s: [D, V] the student's head.
     teacher_hidden: K arrays [B·T, D_k] (divided by τ_T already).
     heads: K arrays [D_k, V].
-    batch: the loss batch: ``targets``, ``teacher_weights`` [B, T, K],
-      ``old_logprobs`` [B, T] (the behaviour policy's, at T) and, with
-      ``adv_alpha > 0``, ``advantages`` [B] (GRPO's outcome advantage).
+    batch: the loss batch (:func:`policy_gradient_loss`'s keys, plus
+      ``targets`` and ``teacher_weights`` [B, T, K]).
     keep: [B, T] bool trained tokens.
     coef: [B, T] the aggregation's per-token coefficients
-      (``opd.distill.loss.token_coefficients``; used by the truncated-IS path).
+      (``opd.distill.loss.token_coefficients``).
+  """
+  b, t = keep.shape
+  tau, impl = float(config.grpo_temperature), config.impl
+  targets = batch["targets"].reshape(b * t)
+  logp = -pallas_kernels.fused_cross_entropy(
+      h_s, w_s, targets, mask=keep.reshape(b * t), temperature=tau, impl=impl).reshape(b, t)
+  teacher_logp = None
+  if config.adv_beta:
+    w_hat = normalized_weights(batch["teacher_weights"].reshape(b * t, -1), keep.reshape(b * t))
+    teacher_logp = teacher_token_logprobs(teacher_hidden, heads, w_hat, targets,
+                                          temperature=tau, impl=impl).reshape(b, t)
+  return policy_gradient_loss(config, logp, teacher_logp, batch, keep, coef)
+
+
+def policy_gradient_loss(config: Any, logp: jax.Array, teacher_logp: jax.Array | None, batch,
+                         keep: jax.Array, coef: jax.Array) -> tuple[jax.Array, dict]:
+  """``Â`` and the policy-gradient objective from sampled-token log-probs.
+
+  Args:
+    config: as :func:`advantage_loss`.
+    logp: [B, T] ``log π_S(y_t)`` at T (differentiated).
+    teacher_logp: [B, T] ``Σ_k ŵ_k log π_k(y_t)`` (None only with ``adv_beta = 0``).
+    batch: ``old_logprobs`` [B, T] (the behaviour policy's, at T) and, with
+      ``adv_alpha > 0``, ``advantages`` [B] (GRPO's outcome advantage).
+    keep, coef: as :func:`advantage_loss` (``coef`` weighs the truncated-IS
+      path's tokens; the clipped path aggregates as GRPO does).
 
   Metrics: ``adv/opd_abs_mean`` (mean |Â_OPD| over trained tokens),
   ``adv/kl_estimate`` (mean of −a_t: the sampled reverse-KL estimate),
@@ -186,19 +213,12 @@ def advantage_loss(config: Any, h_s: jax.Array, w_s: jax.Array, teacher_hidden, 
   (``is_cap > 0``) or ``clip_frac_low`` / ``clip_frac_high`` (``is_cap = 0``).
   """
   b, t = keep.shape
-  tau, impl = float(config.grpo_temperature), config.impl
-  targets = batch["targets"].reshape(b * t)
-  logp = -pallas_kernels.fused_cross_entropy(
-      h_s, w_s, targets, mask=keep.reshape(b * t), temperature=tau, impl=impl).reshape(b, t)
   keep_f = keep.astype(jnp.float32)
   n = jnp.maximum(jnp.sum(keep_f), 1.0)
   adv = jnp.zeros((b, t), jnp.float32)
   metrics = {}
   if config.adv_beta:
-    w_hat = normalized_weights(batch["teacher_weights"].reshape(b * t, -1), keep.reshape(b * t))
-    lq = teacher_token_logprobs(teacher_hidden, heads, w_hat, targets, temperature=tau,
-                                impl=impl).reshape(b, t)
-    a = jnp.where(keep, lq - jax.lax.stop_gradient(logp), 0.0)
+    a = jnp.where(keep, jax.lax.stop_gradient(teacher_logp - logp), 0.0)
     opd_adv = discounted_future_sum(a, keep, config.adv_gamma)
     adv = adv + config.adv_beta * opd_adv
     metrics["adv/opd_abs_mean"] = jnp.sum(jnp.abs(opd_adv)) / n

@@ -43,9 +43,9 @@ Host metrics per step: ``skips/<teacher>/<reason>`` (cumulative),
 ``skips/steps``, ``weight/<teacher>`` (mean weight over response tokens),
 ``cache/bytes_per_token/<teacher>`` vs ``cache/bytes_per_token/logits``,
 ``response/length_mean``, ``opd/masked_rows``, ``opd/skipped_step``,
-``reward/mean`` (verified), ``advantage/abs_mean`` (GRPO term), and every ``diag_every`` steps
-``diag/<teacher>/...`` (``opd.distill.diagnostics``) on a sample of the
-response tokens that teacher answered.
+``reward/mean`` (verified), ``advantage/abs_mean`` (outcome advantages), and
+every ``diag_every`` steps ``diag/<teacher>/...`` (``opd.distill.diagnostics``)
+on a sample of the response tokens that teacher answered.
 """
 from __future__ import annotations
 
