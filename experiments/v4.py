@@ -11,6 +11,10 @@ config (``experiments.common.run_stage``):
       cold start: SFT on the specialists' verified answers   WORKDIR/student/seed<s>/cold_start
       OPD: routing by domain, reverse KL to the specialists  WORKDIR/student/seed<s>/opd
       annealing: teacher weights → uniform, lr → 0           WORKDIR/student/seed<s>/anneal
+  → positive control (``config.positive_control.steps`` > 0): OPD from the
+    first seed's cold start to one specialist on its own domain, per domain,
+    scored at every checkpoint (``experiments.positive_control``)
+                                                         WORKDIR/positive_control/<domain>
   → baselines (``config.baselines.baselines``)                WORKDIR/baselines/<job>
   → evaluation of each model on every test set               WORKDIR/eval/<model>
   → the report (tables, heatmap, diagnostics; rewritten on every run)  WORKDIR/v4/
@@ -39,6 +43,7 @@ from experiments import baselines as baselines_job
 from experiments import common
 from experiments import diagnostics_plot
 from experiments import distill as distill_job
+from experiments import positive_control
 from experiments import pretrain as pretrain_job
 from experiments import specialists as specialists_job
 from experiments import v4_report
@@ -60,7 +65,7 @@ def _teachers(config, grpo_dirs) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict({
       d: ml_collections.ConfigDict(dict(init=str(pathlib.Path(grpo_dirs[d]) / "checkpoints"),
                                         domain=d, model=_copy(model)))
-      for d in config.specialists.domains})
+      for d in config.specialists.domains if d in grpo_dirs})
 
 
 def student_stage_config(config, stage: str, grpo_dirs, student_init: str,
@@ -235,6 +240,7 @@ def evaluate_models(config, stages: common.Stages, models: dict[str, pathlib.Pat
 
 def run(config, workdir: str) -> dict:
   timer = common.Timer()
+  positive_control.check(config)  # before any work (the other checks: experiments.job_checks)
   root = pathlib.Path(workdir)
   stages = _stages(config, root)
   spec = specialists_job.run(config.specialists, str(root), reuse=stages.reuse)
@@ -243,6 +249,8 @@ def run(config, workdir: str) -> dict:
   student_base = run_student_base(config, stages, base_dir)
   students = run_students(config, stages, grpo_dirs, student_base)
   first = students[config.student_seeds[0]]
+  control = positive_control.run(config, stages, grpo_dirs, first["cold_start"],
+                                 student_stage_config)
   base_rows = run_baselines(config, stages, grpo_dirs, base_dir, first["cold_start"],
                             student_base)
   models = {"base": base_dir}
@@ -262,7 +270,8 @@ def run(config, workdir: str) -> dict:
   common.write_json(out_dir / "models.json", {k: str(v) for k, v in models.items()})
   summary = v4_report.summarize(results, tuple(config.specialists.domains),
                                 config.report_metric, f"mean@{config.eval.num_samples}")
-  report = v4_report.render(summary, timer_s=timer.seconds)
+  report = v4_report.render(summary, timer_s=timer.seconds) + positive_control.render(control)
+  common.write_json(out_dir / "positive_control.json", control)
   (out_dir / "report.md").write_text(report)
   common.write_json(out_dir / "summary.json", summary)
   heat = v4_report.heatmap(summary, out_dir / "heatmap.png", config.report_metric)

@@ -90,6 +90,7 @@ def get_config(arg=None):
   c.baselines = bl
   c.baselines.baselines = ALL_BASELINES if arg["all_baselines"] else DEFAULT_BASELINES
   c.baselines.domains = spec.domains
+  c.baselines.model = ml_collections.ConfigDict(spec.model.to_dict())  # e.g. the strong world's
   c.baselines.teachers = ml_collections.ConfigDict({
       d: ml_collections.ConfigDict(dict(init="", domain=d, model=ml_collections.ConfigDict(
           spec.model.to_dict()))) for d in spec.domains})  # inits: the specialists, at run time

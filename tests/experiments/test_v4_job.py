@@ -111,3 +111,32 @@ def test_v4_tiny_runs_every_stage_and_reports_every_row(tmp_path):
   for name, r in results.items():  # every other row is the first run's result
     if name not in changed:
       assert again[name].to_dict() == r.to_dict(), name
+
+
+def test_v4_tiny_strong_world_runs_with_bpe_shared_sft_and_the_positive_control(tmp_path):
+  """``v4.py:tiny,strong``: every stage holds the same BPE tokenizer (byte-identical
+  copies), the specialists start from the shared SFT, and the positive control's
+  curve is the evaluation its stage saved, step 0 being the cold start."""
+  workdir = tmp_path / "v4s"
+  cmd = [sys.executable, "-m", "experiments.launch",
+         "--config=experiments/configs/v4.py:tiny,strong", f"--workdir={workdir}"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=one_device_env(),
+                        timeout=1200, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  files = sorted(workdir.glob("**/tokenizer/bpe_1024/tokenizer.json"))
+  assert len(files) >= 10 and len({f.read_bytes() for f in files}) == 1
+  assert not list(workdir.glob("**/tokenizer/byte*"))
+  assert (workdir / "shared_sft" / "final_metrics.json").exists()
+  for d in ("math", "instruct"):
+    sft = json.loads((workdir / d / "sft" / "config.json").read_text())
+    assert sft["init"] == str(workdir / "shared_sft" / "checkpoints")
+    assert sft["model"]["tokenizer"] == "bpe:1024" and sft["model"]["vocab_size"] == 1024
+  control = json.loads((workdir / "v4" / "positive_control.json").read_text())
+  assert sorted(control) == ["instruct", "math"]
+  for d, s in control.items():
+    assert s["steps"] == [0, 1, 2]
+    results = load_results(str(workdir / "positive_control" / d / "eval" / "results.json"))
+    assert [r.name for r in results] == ["teacher", "cold_start", "step1", "step2"]
+    assert s["student_greedy"] == [r.score(d, "reward@1").value for r in results[1:]]
+    assert s["teacher_sampled"] == results[0].score(d, "mean@2").value
+  assert "## Positive control" in (workdir / "v4" / "report.md").read_text()
