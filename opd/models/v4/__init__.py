@@ -1,6 +1,6 @@
-"""DeepSeek-V4 components (docs/DESIGN.md §2, "DeepSeek-V4 components (in progress)").
+"""DeepSeek-V4 as a member of the model family (docs/DESIGN.md §2, "DeepSeek-V4").
 
-Pure functions and small linen modules, each driven by its own frozen config
-and checked against ``transformers``' DeepSeek-V4 modules; the decoder that
-stacks them is not built yet.
+``ModelConfig.v4`` (``opd.models.v4.config.V4Config``) selects it; the
+components are pure functions and small linen modules, each driven by its own
+frozen config and checked against ``transformers``' DeepSeek-V4 modules.
 """

@@ -1,6 +1,6 @@
 """DeepSeek-V4 attention: sliding-window attention with attention sinks and the grouped
 low-rank output projection, plus the compressed entries of CSA / HCA layers
-(docs/DESIGN.md §2, "DeepSeek-V4 components").
+(docs/DESIGN.md §2, "DeepSeek-V4").
 
 Shared-KV multi-query attention: per token ``x [D]``, with H heads of width
 Dh, RoPE on the last Dr dims of each head (interleaved pairs), Cq =

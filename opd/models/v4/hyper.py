@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections, mHC (docs/DESIGN.md §2, "DeepSeek-V4 components").
+"""Manifold-constrained hyper-connections, mHC (docs/DESIGN.md §2, "DeepSeek-V4").
 
 DeepSeek-V4 keeps N = ``n_streams`` residual streams per token, ``h [B, T, N, D]``.
 Around each block (attention or MLP) one ``HyperConnection`` reads the streams

@@ -1,4 +1,4 @@
-"""One DeepSeek-V4 decoder layer (docs/DESIGN.md §2, "DeepSeek-V4 components").
+"""One DeepSeek-V4 decoder layer (docs/DESIGN.md §2, "DeepSeek-V4").
 
 The residual is N streams ``h [B, T, N, D]``; each of the two blocks reads
 them through its own ``HyperConnection`` and writes back with ``expand``:

@@ -1,5 +1,5 @@
 """DeepSeek-V4's MoE layers: hash-routed and top-k routed, with a clipped SwiGLU
-(docs/DESIGN.md §2, "DeepSeek-V4 components").
+(docs/DESIGN.md §2, "DeepSeek-V4").
 
 Per token ``x [D]`` with E routed experts of width Fe, top-k:
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's interleaved partial RoPE (docs/DESIGN.md §2, "DeepSeek-V4 components")."""
+"""DeepSeek-V4's interleaved partial RoPE (docs/DESIGN.md §2, "DeepSeek-V4")."""
 from __future__ import annotations
 
 import jax

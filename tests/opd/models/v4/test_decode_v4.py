@@ -105,6 +105,26 @@ def test_greedy_sampler_equals_full_recompute_argmax(setup, rows):
   assert len(set(tokens[0].tolist())) > 3  # not one repeated token
 
 
+def test_sampled_logprobs_equal_the_training_forward(setup):
+  # GRPO and OPD score the sampler's tokens with a full forward over prompt + completion
+  # (left-padded) and take ratios against the sampler's log-probs: at the sampled tokens
+  # the two must agree (the ratio is 1 before any update). Tolerance as RTOL, in nats:
+  # log-softmax of logits within 1e-5·max|logit| (~6e-5 here) moves by at most twice that.
+  from opd.models import token_logprobs
+  params, seq, mask = setup
+  prompts, pmask = seq[:, :P], mask[:, :P]
+  out = generate(CFG, params, jnp.asarray(prompts), jnp.asarray(pmask), jax.random.key(3),
+                 SamplingConfig(max_new_tokens=N, temperature=1.0))
+  tokens = np.asarray(out.tokens)
+  ctx = np.concatenate([prompts, tokens], 1)
+  cmask = np.concatenate([pmask, np.ones(tokens.shape, bool)], 1)
+  logits = forward(CFG, params, jnp.asarray(ctx), mask=jnp.asarray(cmask)).logits
+  logp = np.asarray(token_logprobs(logits[:, P - 1:-1], jnp.asarray(tokens)))
+  bound = 2 * RTOL * float(np.abs(np.asarray(logits)).max())
+  np.testing.assert_allclose(np.asarray(out.logprobs), logp, rtol=0, atol=bound)
+  assert np.std(logp) > 0.1  # sampled, not all argmax
+
+
 def test_cache_bytes_per_token_at_deepseek_v4_shape():
   """The cache's growth per token at transformers' default DeepseekV4Config shape (43
   layers, Dh 512, CSA m = 4 with c^I = 128, HCA m = 128; bf16, shapes only) against the
