@@ -22,13 +22,10 @@ parameter counts), ``compare.md`` and ``compare.png``.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
 import pathlib
 import sys
 
-import ml_collections
 import numpy as np
 from absl import app, flags
 
@@ -42,22 +39,6 @@ flags.DEFINE_integer("bootstrap_samples", 1000, "bootstrap resamples for the SEs
 FLAGS = flags.FLAGS
 
 ARMS = ("shared", "separate")
-
-
-def _context(run_dir: pathlib.Path, ks: tuple[int, ...]):
-  """The run's saved config (voting at ``ks``) and its job context (GRM model)."""
-  from experiments import grm as grm_job  # noqa: PLC0415
-  from opd.models import to_model_config  # noqa: PLC0415
-  path = run_dir / "config.json"
-  if not path.exists():
-    raise FileNotFoundError(f"{path} is missing: {run_dir} is not a grm run directory")
-  config = ml_collections.ConfigDict(json.loads(path.read_text()))
-  if config.get("job") != "grm":
-    raise ValueError(f"{path}: job={config.get('job')!r}, expected 'grm'")
-  config.benchmark.ks = tuple(ks)
-  config.benchmark.ks_by_stage = ml_collections.ConfigDict()
-  ctx = common.JobContext.for_run(config, run_dir)
-  return dataclasses.replace(ctx, model_cfg=to_model_config(grm_job.grm_model(config)))
 
 
 def _need(run_dir: pathlib.Path, stages) -> None:
@@ -174,7 +155,9 @@ def compare(shared_dir, separate_dir, out_dir, ks=(1, 2, 4, 8),
   if _data_digest(shared_dir) != _data_digest(separate_dir):
     raise ValueError(f"{shared_dir}/data and {separate_dir}/data hold different groups: both "
                      "arms must be scored on the same test set (copy one run's data stage)")
-  ctxs = {"shared": _context(shared_dir, ks), "separate": _context(separate_dir, ks)}
+  from experiments.grm_common import saved_run_context  # noqa: PLC0415
+  ctxs = {"shared": saved_run_context(shared_dir, ks),
+          "separate": saved_run_context(separate_dir, ks)}
   subsets = load_test_subsets(ctxs["shared"])
   out.mkdir(parents=True, exist_ok=True)
   parts = {arm: common.cached_json(out / _cache_name(arm, ctxs[arm].root, ks),

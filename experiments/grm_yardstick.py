@@ -18,12 +18,9 @@ apart, chance, the most-common-rating baseline, the control) and
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import pathlib
 import sys
 
-import ml_collections
 from absl import app, flags
 
 from experiments import common
@@ -33,23 +30,6 @@ flags.DEFINE_string("stages", "cold_start,rft,rule_rl", "comma-separated GRM sta
 flags.DEFINE_string("ks", "1,4", "comma-separated k of voting@k")
 flags.DEFINE_string("out", None, "where the results go (default <workdir>/yardstick)")
 FLAGS = flags.FLAGS
-
-
-def _context(run_dir: pathlib.Path, ks: tuple[int, ...]):
-  """The run's saved config (voting at ``ks``, the control on) and its job context."""
-  from experiments import grm as grm_job  # noqa: PLC0415
-  from opd.models import to_model_config  # noqa: PLC0415
-  path = run_dir / "config.json"
-  if not path.exists():
-    raise FileNotFoundError(f"{path} is missing: {run_dir} is not a grm run directory")
-  config = ml_collections.ConfigDict(json.loads(path.read_text()))
-  if config.get("job") != "grm":
-    raise ValueError(f"{path}: job={config.get('job')!r}, expected 'grm'")
-  config.benchmark.ks = tuple(ks)
-  config.benchmark.ks_by_stage = ml_collections.ConfigDict()
-  config.benchmark.content_blind = True
-  ctx = common.JobContext.for_run(config, run_dir)
-  return dataclasses.replace(ctx, model_cfg=to_model_config(grm_job.grm_model(config)))
 
 
 def parse_ks(text: str) -> tuple[int, ...]:
@@ -66,7 +46,8 @@ def parse_ks(text: str) -> tuple[int, ...]:
 def measure(run_dir, stages, ks, out) -> dict:
   """The yardstick table of ``stages`` of ``run_dir`` (module docstring); writes ``out``."""
   from experiments.grm_benchmark import grm_results, yardstick_table  # noqa: PLC0415
-  from experiments.grm_common import GRM_STAGES, load_groups, load_test_subsets  # noqa: PLC0415
+  from experiments.grm_common import (GRM_STAGES, load_groups, load_test_subsets,  # noqa: PLC0415
+                                      saved_run_context)
   from experiments.grm_report import render_yardstick  # noqa: PLC0415
   run_dir, out = pathlib.Path(run_dir), pathlib.Path(out)
   bad = sorted(set(stages) - set(GRM_STAGES))
@@ -77,7 +58,7 @@ def measure(run_dir, stages, ks, out) -> dict:
   if missing:
     raise FileNotFoundError(f"{run_dir}: stages {missing} have not finished (no "
                             f"{common.FINAL})")
-  ctx = _context(run_dir, ks)
+  ctx = saved_run_context(run_dir, ks, content_blind=True)  # the control on
   subsets = load_test_subsets(ctx)
   out.mkdir(parents=True, exist_ok=True)
   tag = "-".join(map(str, ks))
