@@ -224,6 +224,13 @@ def _exact_loss(config: OPDLossConfig, args, batch, keep, coef, names, shared: b
     fkl = pallas_kernels.fused_forward_kl(*args, mask=m_flat, temperature=tau,
                                           impl="reference" if impl == "reference" else "auto")
     per_tok = per_tok + config.forward_kl_coef * fkl
+  # Per-teacher (with routing: per-domain) mean of the per-token loss, for
+  # every estimator: a fluctuation measure the domain mix does not dominate.
+  uses = ((w_flat > 0) & m_flat[:, None]).astype(jnp.float32)  # [BT, K]
+  per_k = aux["kl"] if config.estimator == "full" else per_tok  # full: teacher k's own KL
+  per_k = per_k[:, None] if per_k.ndim == 1 else per_k
+  loss_k = jnp.sum(per_k * uses, axis=0) / jnp.maximum(jnp.sum(uses, axis=0), 1)
+  metrics.update({f"loss/{n}": loss_k[i] for i, n in enumerate(names)})
   loss = loss + jnp.sum(coef * per_tok)
   if config.grpo_coef > 0:
     pg, pg_metrics = _grpo_term(config, h_s, w_s, batch, keep, impl)
@@ -249,7 +256,10 @@ def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
   Returns:
     ``loss_fn``. Metrics: ``opd_tokens`` (trained tokens), ``opd_rows``
     (rows with a teacher), ``kl/<name>`` (mean reverse KL over the tokens
-    teacher k weighs; ``full`` only) and ``student_entropy`` (``full``);
+    teacher k weighs; ``full`` only), ``loss/<name>`` (mean per-token loss
+    over the tokens teacher k weighs, every estimator, ``full``: teacher k's
+    own reverse KL; with routing by domain a per-domain curve) and
+    ``student_entropy`` (``full``);
     with ``grpo_coef > 0`` also ``kl_loss`` (the distillation part),
     ``grpo_loss`` (the policy term before ``grpo_coef``) and
     ``grpo_clip_frac_low`` / ``grpo_clip_frac_high`` / ``grpo_ratio_mean``.

@@ -136,6 +136,7 @@ def test_full_loss_matches_numpy(setup, aggregation):
   for k, kl in enumerate(per_teacher):  # over the tokens teacher k weighs
     uses = keep & (weights[..., k] > 0)
     assert abs(float(metrics[f"kl/t{k}"]) - kl[uses].mean()) <= _tol(setup, 1.5)
+    assert abs(float(metrics[f"loss/t{k}"]) - kl[uses].mean()) <= _tol(setup, 1.5)
 
 
 @pytest.mark.parametrize("teacher_tau", [0.5, 2.0])
@@ -162,10 +163,19 @@ def test_topk_and_token_estimators_match_numpy(setup):
   weights = setup["weights"]
   keep = _keep(setup, weights)
   _, _, token, topk, _, _ = _reference(setup, weights, keep, 1.0, top_k=8)
-  for est, per_tok in (("top_k", topk), ("token", token)):
-    cfg = loss_lib.OPDLossConfig(estimator=est, top_k=8)
-    loss, _, _ = _run(setup["student"], _batch(setup, weights), tuple(setup["heads"]), cfg)
-    assert abs(float(loss) - per_tok[keep].mean()) <= _tol(setup), est
+  # Routing (one teacher per row) makes loss/<teacher> a per-domain curve.
+  routed = np.zeros_like(weights)
+  routed[np.arange(B), :, np.arange(B) % 3] = 1.0
+  for w in (weights, routed):
+    keep = _keep(setup, w)
+    _, _, token, topk, _, _ = _reference(setup, w, keep, 1.0, top_k=8)
+    for est, per_tok in (("top_k", topk), ("token", token)):
+      cfg = loss_lib.OPDLossConfig(estimator=est, top_k=8)
+      loss, metrics, _ = _run(setup["student"], _batch(setup, w), tuple(setup["heads"]), cfg)
+      assert abs(float(loss) - per_tok[keep].mean()) <= _tol(setup), est
+      for k in range(3):  # the mean per-token loss over the tokens teacher k weighs
+        uses = keep & (w[..., k] > 0)
+        assert abs(float(metrics[f"loss/t{k}"]) - per_tok[uses].mean()) <= _tol(setup), (est, k)
 
 
 def test_token_estimator_gradient_is_the_policy_gradient(setup):
