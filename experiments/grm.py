@@ -47,6 +47,7 @@ are in ``experiments/grm_common.py``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 import time
 import warnings
@@ -431,6 +432,26 @@ def grm_model(config) -> ml_collections.ConfigDict:
   """The GRM's model group: ``config.model`` (the source models') or, with
   ``config.grm_width``, that model at another width (``common.model_at_width``)."""
   return common.model_at_width(config.model, config.get("grm_width", 0), "config.grm_width")
+
+
+def saved_run_context(run_dir: pathlib.Path, ks: tuple[int, ...], *,
+                      content_blind: bool | None = None) -> common.JobContext:
+  """A finished grm run's saved config (voting at ``ks`` for every stage;
+  ``benchmark.content_blind`` set when not None) and its job context (GRM
+  model), for the tools that rescore a run (``experiments.grm_compare``,
+  ``experiments.grm_yardstick``)."""
+  path = pathlib.Path(run_dir) / "config.json"
+  if not path.exists():
+    raise FileNotFoundError(f"{path} is missing: {run_dir} is not a grm run directory")
+  config = ml_collections.ConfigDict(json.loads(path.read_text()))
+  if config.get("job") != "grm":
+    raise ValueError(f"{path}: job={config.get('job')!r}, expected 'grm'")
+  config.benchmark.ks = tuple(ks)
+  config.benchmark.ks_by_stage = ml_collections.ConfigDict()
+  if content_blind is not None:
+    config.benchmark.content_blind = content_blind
+  ctx = common.JobContext.for_run(config, run_dir)
+  return dataclasses.replace(ctx, model_cfg=to_model_config(grm_model(config)))
 
 
 def has_own_base(config) -> bool:

@@ -3,12 +3,9 @@
 stage directories' models and groups, and the batched GRM sampler."""
 from __future__ import annotations
 
-import dataclasses
 import json
-import pathlib
 
 import jax
-import ml_collections
 
 from experiments import common
 from grm import training as training_lib
@@ -21,27 +18,6 @@ from opd.training.checkpoints import load_params
 
 GRM_STAGES = ("cold_start", "rft", "rule_rl")
 GRM_BASE = "grm_base"  # the stage pre-training a GRM of its own width (config.grm_width)
-
-
-def saved_run_context(run_dir: pathlib.Path, ks: tuple[int, ...], *,
-                      content_blind: bool | None = None) -> common.JobContext:
-  """A finished grm run's saved config (voting at ``ks`` for every stage;
-  ``benchmark.content_blind`` set when not None) and its job context (GRM
-  model), for the tools that rescore a run (``experiments.grm_compare``,
-  ``experiments.grm_yardstick``)."""
-  from experiments import grm as grm_job  # noqa: PLC0415 (experiments.grm imports this module)
-  path = pathlib.Path(run_dir) / "config.json"
-  if not path.exists():
-    raise FileNotFoundError(f"{path} is missing: {run_dir} is not a grm run directory")
-  config = ml_collections.ConfigDict(json.loads(path.read_text()))
-  if config.get("job") != "grm":
-    raise ValueError(f"{path}: job={config.get('job')!r}, expected 'grm'")
-  config.benchmark.ks = tuple(ks)
-  config.benchmark.ks_by_stage = ml_collections.ConfigDict()
-  if content_blind is not None:
-    config.benchmark.content_blind = content_blind
-  ctx = common.JobContext.for_run(config, run_dir)
-  return dataclasses.replace(ctx, model_cfg=to_model_config(grm_job.grm_model(config)))
 
 
 def source_cfg(ctx: common.JobContext):

@@ -155,9 +155,9 @@ def compare(shared_dir, separate_dir, out_dir, ks=(1, 2, 4, 8),
   if _data_digest(shared_dir) != _data_digest(separate_dir):
     raise ValueError(f"{shared_dir}/data and {separate_dir}/data hold different groups: both "
                      "arms must be scored on the same test set (copy one run's data stage)")
-  from experiments.grm_common import saved_run_context  # noqa: PLC0415
-  ctxs = {"shared": saved_run_context(shared_dir, ks),
-          "separate": saved_run_context(separate_dir, ks)}
+  from experiments import grm as grm_job  # noqa: PLC0415
+  ctxs = {"shared": grm_job.saved_run_context(shared_dir, ks),
+          "separate": grm_job.saved_run_context(separate_dir, ks)}
   subsets = load_test_subsets(ctxs["shared"])
   out.mkdir(parents=True, exist_ok=True)
   parts = {arm: common.cached_json(out / _cache_name(arm, ctxs[arm].root, ks),

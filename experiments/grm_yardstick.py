@@ -46,8 +46,8 @@ def parse_ks(text: str) -> tuple[int, ...]:
 def measure(run_dir, stages, ks, out) -> dict:
   """The yardstick table of ``stages`` of ``run_dir`` (module docstring); writes ``out``."""
   from experiments.grm_benchmark import grm_results, yardstick_table  # noqa: PLC0415
-  from experiments.grm_common import (GRM_STAGES, load_groups, load_test_subsets,  # noqa: PLC0415
-                                      saved_run_context)
+  from experiments import grm as grm_job  # noqa: PLC0415
+  from experiments.grm_common import GRM_STAGES, load_groups, load_test_subsets  # noqa: PLC0415
   from experiments.grm_report import render_yardstick  # noqa: PLC0415
   run_dir, out = pathlib.Path(run_dir), pathlib.Path(out)
   bad = sorted(set(stages) - set(GRM_STAGES))
@@ -58,7 +58,7 @@ def measure(run_dir, stages, ks, out) -> dict:
   if missing:
     raise FileNotFoundError(f"{run_dir}: stages {missing} have not finished (no "
                             f"{common.FINAL})")
-  ctx = saved_run_context(run_dir, ks, content_blind=True)  # the control on
+  ctx = grm_job.saved_run_context(run_dir, ks, content_blind=True)  # the control on
   subsets = load_test_subsets(ctx)
   out.mkdir(parents=True, exist_ok=True)
   tag = "-".join(map(str, ks))
