@@ -230,6 +230,19 @@ RECORD = "stage.json"  # a stage's record: its config's digest and its inputs' r
 # that reproduces what those stages did: a saved ``config.json`` without the
 # field matches a stage config holding exactly that value (and no other).
 ADDED_FIELDS = {"opd.teacher_temperature": 1.0, "generator.refine_fraction": 0.0}
+# The same for ModelConfig fields added later, under any model group
+# (``model``, ``student.model``, ``teachers.<name>.model``, ...): the values
+# that mean the feature is off, which is what a model saved before it ran.
+ADDED_MODEL_FIELDS = {"moe": None, "mla": None, "v4": None, "tokenizer": "byte"}
+
+
+def _added(key: str, want) -> bool:
+  """A field missing from a saved config that was added later at ``want``."""
+  parts = key.split(".")
+  if key in ADDED_FIELDS:
+    return ADDED_FIELDS[key] == want
+  return (len(parts) >= 2 and parts[-2] == "model" and parts[-1] in ADDED_MODEL_FIELDS
+          and ADDED_MODEL_FIELDS[parts[-1]] == want)
 
 # ``--rerun_downstream`` (experiments.launch): a stage whose inputs changed is
 # moved aside and rerun instead of refused.
@@ -252,12 +265,13 @@ class StaleStageError(ValueError):
 
 def stage_mismatches(saved, cfg) -> list[tuple[str, Any, Any]]:
   """``config_mismatches`` of a saved stage config against ``cfg``, except
-  :data:`ADDED_FIELDS` missing from the saved one at their reproducing value.
-  A field only the saved config holds is not a mismatch (a stage config that
-  stops holding a field it never read still matches its old runs)."""
+  :data:`ADDED_FIELDS` and :data:`ADDED_MODEL_FIELDS` missing from the saved
+  one at their reproducing value. A field only the saved config holds is not a
+  mismatch (a stage config that stops holding a field it never read still
+  matches its old runs)."""
   bad = config_mismatches(saved, config_to_dict(cfg))
   return [(k, have, want) for k, have, want in bad
-          if not (have == "<missing>" and k in ADDED_FIELDS and ADDED_FIELDS[k] == want)]
+          if not (have == "<missing>" and _added(k, want))]
 
 
 def cached_json(path: pathlib.Path, make) -> dict:

@@ -247,10 +247,16 @@ def run(config, workdir: str) -> dict:
   base_dir = pathlib.Path(spec["dirs"]["base"])
   grpo_dirs = {d: pathlib.Path(spec["dirs"][f"{d}/grpo"]) for d in config.specialists.domains}
   student_base = run_student_base(config, stages, base_dir)
+  # The positive control first (it needs only the first seed's cold start,
+  # which run_students then finds finished): it sizes OPD's budget.
+  seed0 = config.student_seeds[0]
+  _, cold0 = stages.run(f"student seed {seed0}: cold_start", distill_job.run_cold_start,
+                        student_stage_config(config, "cold_start", grpo_dirs,
+                                             _ckpt(student_base), seed0),
+                        f"student/seed{seed0}/cold_start", [student_base, *grpo_dirs.values()])
+  control = positive_control.run(config, stages, grpo_dirs, cold0, student_stage_config)
   students = run_students(config, stages, grpo_dirs, student_base)
   first = students[config.student_seeds[0]]
-  control = positive_control.run(config, stages, grpo_dirs, first["cold_start"],
-                                 student_stage_config)
   base_rows = run_baselines(config, stages, grpo_dirs, base_dir, first["cold_start"],
                             student_base)
   models = {"base": base_dir}

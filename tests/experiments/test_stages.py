@@ -97,6 +97,31 @@ def test_a_field_added_later_matches_only_at_its_reproducing_value(tmp_path):
   assert len(calls) == 1
 
 
+def test_a_model_field_added_later_matches_under_any_model_group_only_when_off(tmp_path):
+  """A stage saved before ``ModelConfig.v4`` / ``tokenizer`` existed ran a model
+  without them: ``v4: None`` and ``tokenizer: 'byte'`` match under ``model``,
+  ``student.model`` and ``teachers.<name>.model``; any other value does not."""
+  src, calls = tmp_path / "src", []
+  model = {"d_model": 8}
+  old = {"job": "x", "model": dict(model), "student": {"model": dict(model)},
+         "teachers": {"math": {"model": dict(model)}}}
+  common.Stages.of(src).run("s", _counting_fn(calls), _cfg(**old), "a")
+  new = _cfg(**old)
+  for group in (new.model, new.student.model, new.teachers.math.model):
+    group.v4, group.tokenizer = None, "byte"
+  assert common.Stages.of(tmp_path / "dst", [src]).find(new, "a") == src / "a"
+  new.teachers.math.model.tokenizer = "bpe:1024"
+  assert common.Stages.of(tmp_path / "dst", [src]).find(new, "a") is None
+  with pytest.raises(ValueError, match=r"teachers.math.model.tokenizer: was '<missing>', "
+                                       r"now 'bpe:1024'"):
+    common.run_stage("s", _counting_fn(calls), new, src / "a")
+  new.teachers.math.model.tokenizer = "byte"
+  new.v4 = None  # not under a model group: a mismatch when missing
+  with pytest.raises(ValueError, match=r"v4: was '<missing>', now None"):
+    common.run_stage("s", _counting_fn(calls), new, src / "a")
+  assert len(calls) == 1
+
+
 def test_a_field_left_out_of_the_new_stage_config_still_matches(tmp_path):
   """What the grm job relies on when RFT's stage config stops holding the
   benchmark's voting k's: a saved config may hold more fields; every field
