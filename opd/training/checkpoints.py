@@ -450,7 +450,12 @@ def load_params(directory: str | os.PathLike, model_cfg, *, step: int | None = N
     if saved is None:
       raise ValueError(f"checkpoint {path} has no 'model' entry in its config; cannot check "
                        "that it matches the requested ModelConfig")
-    bad = config_mismatches(saved, model_cfg.to_dict())
+    # A field the model config gained after this checkpoint was written takes
+    # its default, the value meaning "off" (e.g. moe/mla/v4 None, tokenizer
+    # "byte"): what the checkpoint's model was.
+    added = {f.name: f.default for f in dataclasses.fields(model_cfg)
+             if f.name not in saved and f.default is not dataclasses.MISSING}
+    bad = config_mismatches({**added, **saved}, model_cfg.to_dict())
     if bad:
       detail = "; ".join(f"model.{name}: checkpoint has {have!r}, expected {want!r}"
                          for name, have, want in bad)

@@ -366,3 +366,20 @@ def test_load_params_verifies_the_checksums_of_the_params(tmp_path):
   meta_file.write_text(json.dumps(meta))
   with pytest.raises(CheckpointCorruptError, match=r"\(step 1\) is corrupt: array params\.embedding"):
     load_params(tmp_path, CFG)
+
+
+def test_load_params_of_a_checkpoint_older_than_a_model_field(tmp_path):
+  """A checkpoint written before ModelConfig gained ``v4`` / ``tokenizer`` loads
+  into a config holding them at their defaults ("off": what it was), and is
+  refused, naming the field, when the config sets them otherwise."""
+  from opd.training.checkpoints import load_params
+  mesh = sharding.make_mesh((2, 2, 2))
+  old = {k: v for k, v in CFG.to_dict().items() if k not in ("v4", "tokenizer")}
+  state = _random_state(CFG, mesh)
+  CheckpointManager(tmp_path).save(1, state, config={"model": old})
+  got = load_params(tmp_path, CFG)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(_host(state.params))):
+    np.testing.assert_array_equal(np.asarray(a), b)
+  with pytest.raises(ValueError, match=r"model\.tokenizer: checkpoint has 'byte', expected "
+                                       r"'bpe:300'"):
+    load_params(tmp_path, CFG.replace(tokenizer="bpe:300", vocab_size=max(300, CFG.vocab_size)))
