@@ -232,8 +232,10 @@ def test_importance_weights_change_nothing_on_policy_and_truncate_stale_tokens(r
   passes may reorder their reductions (relative ρ <= (2L + 2)·n·eps, n =
   max(D, F, V, T)), so an element moves by at most (4·eps + ρ)·max_t|c_t|·
   Σ_t|J_t,i| (J the per-token jacobian, computed here).
-  Stale samples: the loss is Σ_t coef_t·(−min(r_t, c)·Â_t) (numpy), and the
-  truncated share is the count of r_t > c; the gradient then differs."""
+  Stale samples: the loss is Σ_t coef_t·(−min(r_t, c)·Â_t) (numpy), its
+  gradient Σ_t coef_t·(−min(r_t, c)·Â_t)·J_t (a truncated token keeps the
+  weight c, it is not dropped), the truncated share is the count of r_t > c,
+  and the gradient differs from the clipped surrogate's."""
   batch, student, heads, z, logp = rl_batch
   on = {**batch, "old_logprobs": logp.astype(np.float32)}
   base = dict(form="advantage", adv_alpha=0.5, adv_gamma=0.5, grpo_temperature=TAU)
@@ -276,6 +278,18 @@ def test_importance_weights_change_nothing_on_policy_and_truncate_stale_tokens(r
   # <= max|Â|·r·δ1 (r <= e^0.5 < 2) + c·|δÂ|, |δÂ| <= 2·T·δ1 (two log-probs
   # per term, at most T terms).
   assert float(l2) == pytest.approx(want, abs=(2 * np.abs(adv).max() + 1.2 * 2 * T) * d1)
+  # Its gradient: Σ_t c_t J_t with c_t = coef_t·(−min(r_t, c)·Â_t) (the weight
+  # held fixed, also where it truncates). Per element: the cotangents' error
+  # |δc_t| <= coef·(c·2·T·d1 + |Â_t|·r_t·2·d1) plus ρ·|c_t| from the backward.
+  coef = keep / keep.sum()
+  c_t = coef * -np.minimum(r, 1.2) * adv
+  dc_t = coef * (1.2 * 2 * T * d1 + np.abs(adv) * r * 2 * d1) + rho * np.abs(c_t)
+  for got, j in zip(jax.tree.leaves(g2), jax.tree.leaves(jac)):
+    j = np.asarray(j, np.float64)
+    ex = (...,) + (None,) * (j.ndim - 2)
+    want_g = (c_t[ex] * j).sum((0, 1))
+    np.testing.assert_array_less(np.abs(np.asarray(got) - want_g),
+                                 (dc_t[ex] * np.abs(j)).sum((0, 1)) + 1e-30)
   assert _diff(g2, g3) > 0.01 * _tree_norm(g3)
 
 
