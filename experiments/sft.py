@@ -32,7 +32,9 @@ def run(config, workdir: str) -> dict:
   data = SFTData(domains=tuple(config.data.domains), num_train=config.data.num_train,
                  num_eval=config.data.num_eval, difficulties=tuple(config.data.difficulties),
                  seq_len=config.train.seq_len, batch_size=config.train.batch_size,
-                 mode=config.data.mode)
+                 mode=config.data.mode,
+                 replay_domains=tuple(config.data.get("replay_domains", ())),
+                 replay_fraction=config.data.get("replay_fraction", 0.0))
   first: dict = {}  # step 1's metrics, restored from the checkpoint on a resume
   state, history = train_sft(model_cfg, params, data, workdir,
                              optim=common.optim_config(config.optim), loop=loop,

@@ -54,6 +54,16 @@ def _steps(train, optim, config, domain: str, field: str):
   return train, optim
 
 
+def _sft_data(config, domain: str):
+  """``config.sft.data`` for one domain; with ``sft.replay_fraction`` > 0 the
+  other domains are replayed in that share of the train examples."""
+  f = config.sft.get("replay_fraction", 0.0)
+  if not f:
+    return _copy(config.sft.data, domains=(domain,))
+  others = tuple(o for o in config.domains if o != domain)
+  return _copy(config.sft.data, domains=(domain,), replay_domains=others, replay_fraction=f)
+
+
 PER_DOMAIN_FIELDS = ("sft_steps", "grpo_steps", "grpo_lr")  # 0 means the shared value
 
 
@@ -104,7 +114,7 @@ def run(config, workdir: str, reuse=()) -> dict:
     stage_metrics[f"sft_{d}"], sft_dir = stages.run(
         f"{d}: SFT", sft_job.run,
         common.stage_config(config, "sft", init=str(base_dir / "checkpoints"), optim=sft_optim,
-                            train=sft_train, data=_copy(config.sft.data, domains=(d,))),
+                            train=sft_train, data=_sft_data(config, d)),
         f"{d}/sft",
         [base_dir])
     grpo_train, _ = _steps(config.grpo_train, None, config, d, "grpo_steps")

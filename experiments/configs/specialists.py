@@ -8,6 +8,9 @@ See docs/DESIGN.md §3 and §9.
       --workdir=workdirs/specialists_tiny   # CI smoke test
   python -m experiments.launch --config=experiments/configs/specialists.py:strong \
       --workdir=workdirs/specialists_strong # BPE, longer pre-training, shared SFT
+  # the same with half of each domain's SFT examples replayed from the others:
+  python -m experiments.launch --config=experiments/configs/specialists.py:strong,replay=0.5 \
+      --workdir=workdirs/specialists_replay --config.reuse_from=workdirs/specialists_strong
 
 Reference machine (2 CPU cores): default ≈ 15 min; tiny ≈ 3 min (compiles).
 Expected result (default): see the results section of the README and
@@ -46,7 +49,7 @@ def strengthen(c, tiny: bool = False) -> None:
 
 
 def get_config(arg=None):
-  arg = config_utils.parse_arg(arg, tiny=False, strong=False)
+  arg = config_utils.parse_arg(arg, tiny=False, strong=False, replay=0.0)
   variant = "tiny" if arg["tiny"] else None
   pre = pretrain_config.get_config(variant)
   sft = sft_config.get_config(variant)
@@ -82,6 +85,9 @@ def get_config(arg=None):
   # One SFT on every domain at once between pre-training and the per-domain
   # SFT (0 steps: none); num_train is per domain.
   c.shared_sft = ml_collections.ConfigDict(dict(steps=0, num_train=4000))
+  # The share of each domain's SFT examples drawn from the other domains
+  # (experience replay against forgetting off the domain); 0: none.
+  c.sft.replay_fraction = arg["replay"]
   if arg["strong"]:
     strengthen(c, tiny=arg["tiny"])
   if arg["tiny"]:

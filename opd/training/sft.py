@@ -56,6 +56,11 @@ class SFTData:
     seq_len: tokens per row (longer conversations are truncated).
     batch_size: global rows per step (divisible by the process count).
     mode: "pack" or "pad" (``opd.training.data.sft_dataset``).
+    replay_domains: other domains whose examples are mixed into the train set
+      (experience replay against forgetting; docs/RESULTS.md, "A stronger toy
+      world"); held-out examples stay those of ``domains``.
+    replay_fraction: the share of the train examples drawn from
+      ``replay_domains`` (evenly), in [0, 1); 0 trains ``domains`` only.
   """
   domains: tuple[str, ...]
   num_train: int
@@ -64,6 +69,18 @@ class SFTData:
   seq_len: int
   batch_size: int
   mode: str = "pack"
+  replay_domains: tuple[str, ...] = ()
+  replay_fraction: float = 0.0
+
+  @property
+  def num_replay(self) -> int:
+    """Train examples per replay domain: ``f / (1 − f)`` of the trained
+    domains' examples, split evenly over ``replay_domains``."""
+    if not self.replay_domains or not self.replay_fraction:
+      return 0
+    own = self.num_train * len(self.domains)
+    total = own * self.replay_fraction / (1.0 - self.replay_fraction)
+    return max(1, round(total / len(self.replay_domains)))
 
   def __post_init__(self):
     set_field(self, "domains", tuple(self.domains))
@@ -73,6 +90,17 @@ class SFTData:
                        "must be non-empty")
     for name in ("num_train", "num_eval", "seq_len", "batch_size"):
       set_field(self, name, check_int("SFTData", name, getattr(self, name), min_value=1))
+    set_field(self, "replay_domains", tuple(self.replay_domains))
+    f = self.replay_fraction
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f < 1.0:
+      raise ValueError(f"SFTData.replay_fraction={f!r}: expected a float in [0, 1)")
+    if f and not self.replay_domains:
+      raise ValueError(f"SFTData.replay_fraction={f} needs replay_domains (the domains to "
+                       "replay)")
+    overlap = set(self.replay_domains) & set(self.domains)
+    if overlap:
+      raise ValueError(f"SFTData.replay_domains={self.replay_domains} repeats the trained "
+                       f"domains {sorted(overlap)}")
     if self.mode not in ("pack", "pad"):
       raise ValueError(f"SFTData.mode={self.mode!r}: expected 'pack' or 'pad'")
     if self.batch_size % jax.process_count():
@@ -98,8 +126,11 @@ def train_sft(model_cfg: ModelConfig, params, data: SFTData, workdir: str | path
   tok = runtime.tokenizer if runtime.tokenizer is not None else ByteTokenizer()
   check_vocab(tok, model_cfg)
   d, seed = data, runtime.seed
-  train = sft_pairs(tasks_lib.domain_examples(d.domains, "train", d.num_train, seed,
-                                              d.difficulties), tok)
+  examples = tasks_lib.domain_examples(d.domains, "train", d.num_train, seed, d.difficulties)
+  if d.num_replay:  # shuffled in with the trained domains by sft_batches
+    examples += tasks_lib.domain_examples(d.replay_domains, "train", d.num_replay, seed + 2,
+                                          d.difficulties)
+  train = sft_pairs(examples, tok)
   held = sft_pairs(tasks_lib.domain_examples(d.domains, "test", d.num_eval, seed + 1,
                                              d.difficulties, unique=True), tok)
   train_iter = iter(sft_batches(train, tok, model_cfg, seq_len=d.seq_len, mode=d.mode,
