@@ -83,6 +83,8 @@ def run(config, workdir: str, reuse=()) -> dict:
   """Runs (or resumes) every stage; ``reuse``: finished workdirs whose
   matching stages are read instead of rerun (``experiments.common.Stages``)."""
   timer = common.Timer()
+  if not reuse:  # launched alone: the config's own reuse roots
+    reuse = [r.strip() for r in str(config.get("reuse_from", "") or "").split(",") if r.strip()]
   stages = common.Stages.of(workdir, reuse)
   domains = tuple(config.domains)
   check_per_domain(config)

@@ -58,6 +58,9 @@ def get_config(arg=None):
   c.job = "specialists"
   c.seed = 0
   c.domains = ALL_DOMAINS
+  # Finished workdirs (comma-separated) whose stages are read, not rerun,
+  # when their stage config matches (experiments.common.Stages).
+  c.reuse_from = ""
   c.model = pre.model
   c.mesh = pre.mesh
   c.sharding_rules = pre.sharding_rules
