@@ -21,7 +21,7 @@ from opd.config.overrides import config_to_dict
 from opd.models import to_model_config
 from opd.rl import GRPOConfig
 from opd.training.loop_config import LoopConfig, RunIO, Runtime
-from opd.training.metrics_writer import MetricWriter
+from opd.training.metrics_writer import MetricWriter, read_metrics
 from opd.tasks import AgentRewardConfig
 
 from opd.tasks import domain_examples
@@ -60,7 +60,12 @@ def run(config, workdir: str) -> dict:
               config={"experiment": config_to_dict(config)}),
         runtime=Runtime(mesh, rules, seed=config.seed, tokenizer=tok),
         extras=grpo_lib.GRPOExtras(agent_config=agent_reward_config(config.agent_reward)))
-  rewards = [m["reward/mean"] for m in out.history if "reward/mean" in m]
+  # The whole run's rewards from its metrics.jsonl: on a resume the loop cuts
+  # the log back to the checkpoint and continues it, so it holds each step once,
+  # as an uninterrupted run's does; out.history holds only this launch's steps
+  # (it is the fallback on a process that writes no log).
+  log_rows = read_metrics(writer.jsonl_path) if writer.jsonl_path.exists() else out.history
+  rewards = [m["reward/mean"] for m in log_rows if "reward/mean" in m]
   k = max(1, min(5, len(rewards) // 3))
   plot = common.plot_curves(workdir, keys=("reward/mean",), title="GRPO reward",
                             filename="reward.png")
