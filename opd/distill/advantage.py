@@ -195,17 +195,22 @@ def advantage_loss(config: Any, h_s: jax.Array, w_s: jax.Array, teacher_hidden, 
 
 
 def policy_gradient_loss(config: Any, logp: jax.Array, teacher_logp: jax.Array | None, batch,
-                         keep: jax.Array, coef: jax.Array) -> tuple[jax.Array, dict]:
+                         keep: jax.Array, coef: jax.Array, *, signal: jax.Array | None = None
+                         ) -> tuple[jax.Array, dict]:
   """``Â`` and the policy-gradient objective from sampled-token log-probs.
 
   Args:
     config: as :func:`advantage_loss`.
     logp: [B, T] ``log π_S(y_t)`` at T (differentiated).
-    teacher_logp: [B, T] ``Σ_k ŵ_k log π_k(y_t)`` (None only with ``adv_beta = 0``).
+    teacher_logp: [B, T] ``Σ_k ŵ_k log π_k(y_t)`` (None with ``adv_beta = 0`` or
+      ``signal``).
     batch: ``old_logprobs`` [B, T] (the behaviour policy's, at T) and, with
       ``adv_alpha > 0``, ``advantages`` [B] (GRPO's outcome advantage).
     keep, coef: as :func:`advantage_loss` (``coef`` weighs the truncated-IS
       path's tokens; the clipped path aggregates as GRPO does).
+    signal: [B, T] the log-ratio ``a_t`` itself, replacing
+      ``teacher_logp − logp`` (teachers with another tokenizer:
+      ``opd.distill.crosstok``, span log-ratios on each span's last token).
 
   Metrics: ``adv/opd_abs_mean`` (mean |Â_OPD| over trained tokens),
   ``adv/kl_estimate`` (mean of −a_t: the sampled reverse-KL estimate),
@@ -218,7 +223,8 @@ def policy_gradient_loss(config: Any, logp: jax.Array, teacher_logp: jax.Array |
   adv = jnp.zeros((b, t), jnp.float32)
   metrics = {}
   if config.adv_beta:
-    a = jnp.where(keep, jax.lax.stop_gradient(teacher_logp - logp), 0.0)
+    a = jnp.where(keep, jax.lax.stop_gradient(teacher_logp - logp if signal is None else signal),
+                  0.0)
     opd_adv = discounted_future_sum(a, keep, config.adv_gamma)
     adv = adv + config.adv_beta * opd_adv
     metrics["adv/opd_abs_mean"] = jnp.sum(jnp.abs(opd_adv)) / n

@@ -23,6 +23,9 @@ is then to the sharpened teacher (docs/DESIGN.md §3).
 (``opd.distill.advantage``): the teachers' sampled-token log-ratio as a
 per-token advantage, plus ``adv_alpha`` times GRPO's outcome advantage, in
 GRPO's policy gradient; ``form = "exact"`` (default) is everything else here.
+A teacher with another tokenizer (``make_opd_loss(cross_tokenizer=...)``)
+feeds the advantage form span log-ratios on its own rows
+(``opd.distill.crosstok``); the exact form refuses it, naming it.
 
 With ``grpo_coef > 0`` the GRPO verifier-reward term (docs/DESIGN.md §5) is
 added to the aggregated loss: ``grpo_coef · opd.rl.loss.policy_loss(log p_s(y),
@@ -65,6 +68,7 @@ import pallas_kernels
 from pallas_kernels.api import IMPLS
 from opd.config import fields
 from opd.distill import advantage as advantage_lib
+from opd.distill import crosstok
 from opd.models import ModelConfig, forward, head_matrix, moe_balance
 from opd.rl.config import GRPOConfig
 from opd.rl.loss import policy_loss
@@ -142,7 +146,8 @@ class OPDLossConfig:
     return GRPO_KEYS if self.grpo_coef > 0 else ()
 
 
-def _check_batch(batch, k: int, widths: Sequence[int], extra: tuple[str, ...]):
+def _check_batch(batch, k: int, widths: Sequence[int], extra: tuple[str, ...],
+                 cross: Sequence[int] = ()):
   missing = [key for key in BATCH_KEYS + extra if key not in batch]
   if missing:
     raise ValueError(f"batch is missing {missing}; it has {sorted(batch)}")
@@ -154,9 +159,10 @@ def _check_batch(batch, k: int, widths: Sequence[int], extra: tuple[str, ...]):
   if len(hidden) != k:
     raise ValueError(f"batch['teacher_hidden'] has {len(hidden)} arrays for K={k} teacher heads")
   for i, (h, d) in enumerate(zip(hidden, widths)):
-    if tuple(h.shape) != bt + (d,):
+    if i not in cross and tuple(h.shape) != bt + (d,):
       raise ValueError(f"batch['teacher_hidden'][{i}].shape={tuple(h.shape)}: expected "
                        f"[B, T, D_k]={bt + (d,)}")
+  crosstok.check_batch(batch, cross, widths)
   if "advantages" in extra and tuple(batch["advantages"].shape) != bt[:1]:
     raise ValueError(f"batch['advantages'].shape={tuple(batch['advantages'].shape)}: expected "
                      f"[B]={bt[:1]}")
@@ -243,7 +249,8 @@ def _exact_loss(config: OPDLossConfig, args, batch, keep, coef, names, shared: b
 
 def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
                   config: OPDLossConfig = OPDLossConfig(),
-                  teacher_names: Sequence[str] | None = None):
+                  teacher_names: Sequence[str] | None = None,
+                  cross_tokenizer: Sequence[bool] | None = None):
   """``loss_fn(params, batch, rng) -> (loss, metrics)`` for ``make_train_step``.
 
   Args:
@@ -252,6 +259,10 @@ def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
       the closure, never differentiated.
     config: :class:`OPDLossConfig`.
     teacher_names: K names for the per-teacher metrics (default ``t0..``).
+    cross_tokenizer: K flags, True for a teacher whose tokenizer is not the
+      student's (``opd.distill.crosstok``: its head ``[D_k, V_k]`` has its
+      own vocabulary, and the batch holds its own rows and span keys); only
+      the advantage form takes one.
 
   Returns:
     ``loss_fn``. Metrics: ``opd_tokens`` (trained tokens), ``opd_rows``
@@ -269,17 +280,26 @@ def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
   heads = tuple(teacher_heads)
   if not heads:
     raise ValueError("teacher_heads=(): distillation needs at least one teacher")
-  v = student_cfg.vocab_size
-  for i, w in enumerate(heads):
-    if w.ndim != 2 or w.shape[1] != v:
-      raise ValueError(f"teacher_heads[{i}].shape={w.shape}: expected [D_k, V={v}] (the student's "
-                       "vocabulary)")
-  if config.estimator == "top_k" and config.top_k > v:
-    raise ValueError(f"OPDLossConfig.top_k={config.top_k} exceeds the vocabulary V={v}")
   names = tuple(teacher_names) if teacher_names is not None else tuple(
       f"t{i}" for i in range(len(heads)))
   if len(names) != len(heads):
     raise ValueError(f"teacher_names has {len(names)} names for {len(heads)} teacher_heads")
+  flags = tuple(cross_tokenizer) if cross_tokenizer is not None else (False,) * len(heads)
+  if len(flags) != len(heads) or not all(isinstance(f, bool) for f in flags):
+    raise ValueError(f"cross_tokenizer={cross_tokenizer!r}: expected {len(heads)} bools, one "
+                     "per teacher")
+  cross = tuple(i for i, f in enumerate(flags) if f)
+  if cross and config.form != "advantage":
+    raise ValueError(f"teacher {names[cross[0]]!r} has another tokenizer than the student: "
+                     f"form={config.form!r} needs the student's vocabulary (a full-vocabulary "
+                     "KL); use form='advantage' (span log-ratios, opd.distill.crosstok)")
+  v = student_cfg.vocab_size
+  for i, w in enumerate(heads):
+    if w.ndim != 2 or (w.shape[1] != v and i not in cross):
+      raise ValueError(f"teacher_heads[{i}].shape={w.shape}: expected [D_k, V={v}] (the student's "
+                       "vocabulary)")
+  if config.estimator == "top_k" and config.top_k > v:
+    raise ValueError(f"OPDLossConfig.top_k={config.top_k} exceeds the vocabulary V={v}")
   widths = [w.shape[0] for w in heads]
   # One head array for every teacher (e.g. specialists keeping the base's
   # head): the training loss loads each head tile once for all K.
@@ -289,13 +309,13 @@ def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
 
   def loss_fn(params, batch, rng):
     del rng
-    _check_batch(batch, len(heads), widths, extra)
+    _check_batch(batch, len(heads), widths, extra, cross)
     b, t = batch["tokens"].shape
     out = forward(student_cfg, params, batch["tokens"], batch.get("positions"), batch["mask"],
                   return_logits=False, return_hidden=True)
     h_s = out.hidden.reshape(b * t, -1)
     w_s = head_matrix(student_cfg, params)
-    h_k = [h.reshape(b * t, h.shape[-1]) for h in batch["teacher_hidden"]]
+    h_k = [h.reshape(-1, h.shape[-1]) for h in batch["teacher_hidden"]]
     if inv_teacher_tau != 1.0:  # x_k / τ_T = (h_k / τ_T) W_k
       h_k = [h.astype(jnp.float32) * inv_teacher_tau for h in h_k]
     weights = batch["teacher_weights"].astype(jnp.float32)
@@ -303,7 +323,10 @@ def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
             & (jnp.sum(weights, axis=-1) > 0))  # [B, T]
     w_flat = weights.reshape(b * t, -1)
     coef = token_coefficients(keep, config.aggregation).reshape(b * t)
-    if config.form == "advantage":
+    if cross:
+      loss, metrics = crosstok.advantage_loss(config, h_s, w_s, h_k, heads, batch, keep,
+                                              coef.reshape(b, t), cross)
+    elif config.form == "advantage":
       loss, metrics = advantage_lib.advantage_loss(config, h_s, w_s, h_k, heads, batch, keep,
                                                    coef.reshape(b, t))
     else:
