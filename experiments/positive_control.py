@@ -16,7 +16,8 @@ Stages (``experiments.common.Stages``, resumable, reused by config):
   WORKDIR/positive_control/<domain>/opd    OPD, one teacher, one domain
   WORKDIR/positive_control/<domain>/eval   every checkpoint and the teacher
 
-``config.positive_control``: ``steps`` (0: no control), ``eval_every``.
+``config.positive_control``: ``steps`` (0: no control), ``eval_every``,
+``domains`` (empty: every specialist's).
 """
 from __future__ import annotations
 
@@ -66,6 +67,10 @@ def check(config) -> None:
     value = pc.get(name)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
       raise ValueError(f"config.positive_control.{name}={value!r}: expected an int >= 0")
+  unknown = set(pc.get("domains") or ()) - set(config.specialists.domains)
+  if unknown:
+    raise ValueError(f"config.positive_control.domains names {sorted(unknown)}, not among the "
+                     f"specialists' domains {tuple(config.specialists.domains)}")
   if pc.steps and (pc.eval_every < 1 or pc.steps % pc.eval_every):
     raise ValueError(f"config.positive_control.eval_every={pc.eval_every}: must be >= 1 and "
                      f"divide steps={pc.steps}")
@@ -125,7 +130,7 @@ def run(config, stages: common.Stages, grpo_dirs, cold_start: pathlib.Path,
   if pc is None or not pc.steps:
     return {}
   out = {}
-  for d in config.specialists.domains:
+  for d in tuple(pc.get("domains") or ()) or tuple(config.specialists.domains):
     teacher = pathlib.Path(grpo_dirs[d])
     _, opd_dir = stages.run(f"positive control {d}: OPD", distill_job.run_opd,
                             stage_config(config, d, teacher, cold_start, stage_config_fn),

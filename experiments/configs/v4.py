@@ -79,7 +79,7 @@ def get_config(arg=None):
     setattr(c, name, group)
   # Single-teacher OPD per domain from the first seed's cold start, scored at
   # every checkpoint (experiments/positive_control.py); 0 steps: none.
-  c.positive_control = ml_collections.ConfigDict(dict(steps=0, eval_every=40))
+  c.positive_control = ml_collections.ConfigDict(dict(steps=0, eval_every=40, domains=()))
   if arg["strong"] and arg["tiny"]:
     c.positive_control.update(steps=2, eval_every=1)
   elif arg["strong"]:

@@ -74,7 +74,13 @@ def test_a_teacher_scoring_zero_gives_no_ratio_and_no_crossing():
     (dict(steps=80, eval_every=True), "eval_every=True"),
 ])
 def test_bad_fields_are_refused_naming_them(group, match):
-  config = ml_collections.ConfigDict(dict(positive_control=group))
+  config = ml_collections.ConfigDict(dict(positive_control=group,
+                                          specialists=dict(domains=("math", "code"))))
   with pytest.raises(ValueError, match=match):
     pc.check(config)
-  pc.check(ml_collections.ConfigDict(dict(positive_control=dict(steps=0, eval_every=40))))
+  ok = ml_collections.ConfigDict(dict(positive_control=dict(steps=0, eval_every=40, domains=()),
+                                      specialists=dict(domains=("math", "code"))))
+  pc.check(ok)
+  ok.positive_control.domains = ("writing",)
+  with pytest.raises(ValueError, match=r"positive_control.domains names \['writing'\]"):
+    pc.check(ok)

@@ -27,7 +27,9 @@ MODEL = dict(vocab_size=270, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, h
              # mixture-of-experts and multi-head latent attention sub-configs (DESIGN §2).
              moe=None, mla=None,
              # Added with DeepSeek-V4 in the family (#29): None keeps the other decoders.
-             v4=None)
+             v4=None,
+             # Added with the task tokenizer in the model config (#26): the byte world.
+             tokenizer="byte")
 MODEL_TINY = dict(MODEL, d_model=32, n_layers=2, d_ff=64)
 PRETRAIN_OPTIM = dict(lr=3e-3, warmup_steps=10, decay_steps=90, schedule="cosine",
                       end_lr_ratio=0.1, weight_decay=0.01, b1=0.9, b2=0.95, eps=1e-8,
