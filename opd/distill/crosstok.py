@@ -76,8 +76,8 @@ from opd.text.tokenizers import ByteTokenizer
 from pallas_kernels.inputs import normalized_weights
 
 __all__ = ["CrossTokenizerRows", "advantage_loss", "align_spans", "batch_entries", "check_batch",
-           "cross_tokenizer_rows", "same_tokenizer", "span_log_ratio", "token_bytes",
-           "transcode"]
+           "check_tokenizer", "cross_tokenizer_rows", "same_tokenizer", "span_log_ratio",
+           "token_bytes", "transcode"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -106,7 +106,8 @@ def same_tokenizer(a, b) -> bool:
   return a is b or (spec_a is not None and spec_a == spec_b)
 
 
-def _check_tokenizer(tokenizer, who: str) -> None:
+def check_tokenizer(tokenizer, who: str) -> None:
+  """Raises ValueError naming ``who`` unless ``tokenizer``'s tokens have byte spans."""
   if not (isinstance(tokenizer, ByteTokenizer) or _is_byte_level(tokenizer)):
     raise ValueError(f"{who}: tokenizer {type(tokenizer).__name__} is neither the byte tokenizer "
                      "nor a byte-level BPE: its tokens have no byte spans to align")
@@ -120,7 +121,7 @@ def token_bytes(tokenizer, ids: Sequence[int]) -> list[bytes]:
       ``HFTokenizer`` with a ``ByteLevel`` decoder).
     ids: token ids.
   """
-  _check_tokenizer(tokenizer, "token_bytes")
+  check_tokenizer(tokenizer, "token_bytes")
   decoder, out = _byte_decoder(), []
   for i in ids:
     i = int(i)
@@ -280,7 +281,7 @@ def cross_tokenizer_rows(student_tok, teacher_tok, host, *, teacher: str,
       the teacher and the example; raised before anything is returned.
   """
   for who, tok in (("the student", student_tok), (f"teacher {teacher!r}", teacher_tok)):
-    _check_tokenizer(tok, who)
+    check_tokenizer(tok, who)
   tokens, targets = np.asarray(host["tokens"]), np.asarray(host["targets"])
   mask, resp = np.asarray(host["mask"], bool), np.asarray(host["loss_mask"]) > 0
   b, t = tokens.shape
