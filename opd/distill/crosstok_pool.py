@@ -17,10 +17,12 @@ the student's own tokenizer, in two phases:
 (``opd.distill.loss.make_opd_loss(cross_tokenizer=...)``): teacher k's
 hidden states in ``teacher_hidden[k]``, its span keys, ``loss_mask`` cut to
 the trained spans, and teacher k's weight zeroed on the rows it did not
-answer (the others' renormalised by the loss, as for a skip). Not built
-yet: the wiring into ``opd.distill.source.OPDSource`` and ``train_opd``
-(the confidence schedule and the diagnostics read teachers' log-probs of the
-student's tokens and would need the span form too).
+answer (the others' renormalised by the loss, as for a skip).
+``opd.distill.source.OPDSource(cross=...)`` does both for each rollout
+batch (the confidence schedule and the diagnostics read teachers' log-probs
+of the student's tokens: not with these teachers). Not built yet:
+``train_opd`` building the pool from its teachers and passing
+``cross_tokenizer`` to the loss.
 """
 from __future__ import annotations
 
@@ -29,7 +31,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+import jax
+
 from opd.distill import crosstok
+from opd.distill.cache import CachedBatch
 from opd.distill.faults import DEFAULT_WINDOW, FaultTolerantTeachers, SkipCounter, TeacherFn
 
 __all__ = ["CrossTokenizerAnswers", "CrossTokenizerPool", "CrossTokenizerTeacher"]
@@ -64,6 +69,17 @@ class CrossTokenizerAnswers:
   rows: dict[str, crosstok.CrossTokenizerRows]
   hidden: dict[str, Any]
   available: dict[str, np.ndarray]
+
+  def extend(self, cached: CachedBatch, sharding=None) -> CachedBatch:
+    """``cached`` (the same-tokenizer teachers' batch) with these teachers'
+    hidden states and rows answered after its own; ``sharding`` places them."""
+    names = tuple(self.rows)
+    hidden = tuple(self.hidden[n] if sharding is None else jax.device_put(self.hidden[n], sharding)
+                   for n in names)
+    available = np.stack([self.available[n] for n in names], axis=1)
+    return CachedBatch(cached.key, cached.names + names, cached.hidden + hidden,
+                       np.concatenate([cached.available, available], axis=1),
+                       dict(cached.skipped), dict(cached.messages))
 
   def loss_entries(self, batch: Mapping[str, Any], names: Sequence[str]) -> dict:
     """``batch`` (an OPD loss batch over the K teachers ``names``) with these
@@ -129,14 +145,22 @@ class CrossTokenizerPool:
       host: the student batch's ``tokens, targets, mask, loss_mask`` [B, T].
       example_ids: B example ids, named in errors.
     """
-    rows = {t.name: crosstok.cross_tokenizer_rows(
+    return self.ask(self.rows(host, example_ids=example_ids))
+
+  def rows(self, host, *, example_ids: Sequence[str] | None = None
+           ) -> dict[str, crosstok.CrossTokenizerRows]:
+    """Phase 1: every teacher's rows (raises before any teacher is called)."""
+    return {t.name: crosstok.cross_tokenizer_rows(
         self.student_tokenizer, t.tokenizer, host, teacher=t.name, example_ids=example_ids,
         length_bucket=self.length_bucket) for t in self.teachers}
+
+  def ask(self, rows: Mapping[str, crosstok.CrossTokenizerRows]) -> CrossTokenizerAnswers:
+    """Phase 2: each teacher on its own ``rows`` through its fault layer."""
     hidden, available = {}, {}
     for name, r in rows.items():
       answers = self._asked[name](r.tokens, r.mask)
       hidden[name], available[name] = answers.hidden[name], answers.available[:, 0]
-    return CrossTokenizerAnswers(rows, hidden, available)
+    return CrossTokenizerAnswers(dict(rows), hidden, available)
 
   def metrics(self) -> dict[str, int]:
     """``skips/<name>/<reason>`` of every cross-tokenizer teacher."""

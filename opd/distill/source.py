@@ -26,6 +26,12 @@
 5. drops skipped teachers and renormalises per token; rows no teacher
    answered get ``loss_mask`` 0.
 
+Teachers with another tokenizer (``cross``, ``opd.distill.crosstok_pool``):
+before step 4 every row is transcoded for each of them (a row one cannot
+read stops the run naming the teacher and the example, before any teacher
+runs); after it each runs on its own rows, and the batch gets their hidden
+states and span keys (``opd.distill.crosstok``).
+
 Several jax processes (docs/DESIGN.md §3, "Several processes"): every
 process runs steps 1-5 on the same prompts with the same key, on its own
 devices (``mesh`` is then a process-local mesh, e.g.
@@ -62,6 +68,7 @@ from opd.config import fields
 from opd.distill import advantage as advantage_lib
 from opd.distill import diagnostics, teacher_weighting
 from opd.distill.cache import HiddenStateCache, loss_batch
+from opd.distill.crosstok_pool import CrossTokenizerPool
 from opd.distill.faults import FaultTolerantTeachers
 from opd.distill.loss import AGGREGATIONS, ESTIMATORS, OPDLossConfig
 from opd.models import ModelConfig, forward, head_matrix
@@ -263,15 +270,29 @@ class OPDSource(PromptPosition):
       with several processes ``mesh`` must hold only this process's devices.
     train_mesh: the mesh of the training step (default ``mesh``); batches
       are placed on it.
+    cross: teachers with another tokenizer (``opd.distill.crosstok_pool``),
+      after ``teachers`` in the K order of ``heads`` and ``domains``; the
+      advantage form only, not with the confidence schedule; every teacher
+      is then asked about every row (no routed groups), and the batch holds
+      their rows and span keys (``opd.distill.crosstok``).
   """
 
   def __init__(self, student_cfg: ModelConfig, cfg: OPDConfig, prompts: Iterator, *,
                teachers: FaultTolerantTeachers, heads: Sequence[jax.Array],
                domains: Sequence[str | None], total_steps: int, tokenizer, mesh,
-               rules=sharding_lib.DEFAULT_RULES, seed: int = 0, train_mesh=None):
+               rules=sharding_lib.DEFAULT_RULES, seed: int = 0, train_mesh=None,
+               cross: CrossTokenizerPool | None = None):
     self.student_cfg, self.cfg, self.prompts, self.tokenizer = student_cfg, cfg, prompts, tokenizer
     self.teachers, self.heads, self.domains = teachers, tuple(heads), list(domains)
-    self.names = teachers.names
+    self.cross = cross
+    self.names = teachers.names + (cross.names if cross is not None else ())
+    if cross is not None:
+      if set(cross.names) & set(teachers.names) or cfg.loss_form != "advantage" or (
+          cfg.schedule == "confidence"):
+        raise ValueError(f"cross-tokenizer teachers {list(cross.names)} need distinct names "
+                         f"(teachers {list(teachers.names)}), OPDConfig.loss_form='advantage' "
+                         f"(got {cfg.loss_form!r}) and a schedule other than 'confidence' (got "
+                         f"{cfg.schedule!r}: it scores the student's tokens)")
     if not (len(self.names) == len(self.heads) == len(self.domains)):
       raise ValueError(f"teachers ({len(self.names)}), heads ({len(self.heads)}) and domains "
                        f"({len(self.domains)}) must have one entry per teacher")
@@ -318,7 +339,7 @@ class OPDSource(PromptPosition):
   def _routed_rows(self, examples, t: int, step: int) -> np.ndarray | None:
     """[B] teacher index when this step's weights are one-hot per row (routing,
     not annealing yet): each teacher then runs over its own rows only."""
-    if self.cfg.schedule != "routing":
+    if self.cfg.schedule != "routing" or self.cross is not None:
       return None
     w = np.asarray(self._weights(examples, None, None, 1, step))[:, 0, :]
     if not np.all((w > 0).sum(axis=1) == 1):
@@ -342,13 +363,22 @@ class OPDSource(PromptPosition):
     host, _ = training_arrays(episodes, seq_len=cfg.seq_len, length_bucket=cfg.length_bucket,
                               pad_id=self.tokenizer.pad_id)
     t = host["tokens"].shape[1]
+    # Rows a cross-tokenizer teacher cannot read are refused before any teacher runs.
+    xrows = (self.cross.rows(host, example_ids=[ex.id for ex in examples])
+             if self.cross is not None else None)
     routed = self._routed_rows(examples, t, step)
     cached = self.cache.get(step, host["tokens"], host["mask"], routed)
+    xans = None
+    if self.cross is not None:
+      xans = self.cross.ask(xrows)
+      cached = xans.extend(cached, self.cache.sharding)
     t2 = time.perf_counter()
     w = self._weights(examples, cached, host, t, step)
     opd, row_ok = loss_batch(host, cached, w)
     skipped = not cached.batch_ok
     opd["loss_mask"] = host["loss_mask"] * row_ok[:, None] * (not skipped)
+    if xans is not None:
+      opd = xans.loss_entries(opd, self.names)
     if cfg.outcome_advantages:
       # Row p * G + g is sample g of prompt p: [P, G] groups are same-prompt.
       rewards = np.asarray([sc.reward for sc in score_episodes(episodes)])
@@ -390,6 +420,8 @@ class OPDSource(PromptPosition):
                "opd/masked_rows": float((~row_ok).sum()),
                "cache/computes": float(self.cache.computes)}
     metrics.update(self.teachers.counter.metrics(self.names))
+    if self.cross is not None:
+      metrics.update(self.cross.metrics())
     metrics.update(teacher_weighting.weight_metrics(weights, host["loss_mask"], self.names))
     for k, v in self.cache.bytes_per_token(self.student_cfg.vocab_size).items():
       metrics[f"cache/bytes_per_token/{k.removeprefix('cache/')}"] = float(v)
@@ -405,7 +437,7 @@ class OPDSource(PromptPosition):
     w_s = head_matrix(self.student_cfg, params)
     loss_mask = np.asarray(batch["loss_mask"])
     out = {}
-    for k, name in enumerate(self.names):
+    for k, name in enumerate(self.teachers.names):  # the student's tokens: same tokenizer
       mask_k = loss_mask * cached.available[:, k][:, None]
       if mask_k.sum() == 0:
         continue
