@@ -39,8 +39,9 @@ from opd.parallel import sharding as sharding_lib
 from opd.rollout.batches import prompt_stream, training_length
 from opd.tasks import Example
 from opd.training import loop as train_loop
+from opd.training.lora_state import init_student
 from opd.training.loop_config import LoopConfig, RunIO, Runtime
-from opd.training.train_step import OptimConfig, init_train_state, make_optimizer, make_train_step
+from opd.training.train_step import OptimConfig, make_train_step
 
 __all__ = ["OPDConfig", "OPDRun", "make_heldout_eval", "train_opd"]
 
@@ -55,7 +56,9 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
   """Distils ``teachers`` into the student for ``loop.steps`` rollout batches (module docstring).
 
   Args:
-    params: the student's initial params (None: random init from ``runtime.seed``).
+    params: the student's initial params (None: random init from ``runtime.seed``);
+      a ``opd.training.lora_state.LoRAStudent`` trains adapters on its frozen
+      base (rollouts, diagnostics and ``io.eval_fn`` see the merged params).
     teachers: ``Teacher``s (placed colocated on ``runtime.mesh``) or a ``TeacherPool``.
     prompts: ``Example``s, drawn through ``prompt_stream(prompts, cfg.rollout,
       seed=runtime.seed)`` (a ``DomainBalancedStream`` with ``cfg.domain_balance``).
@@ -101,18 +104,20 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
                      teachers=asked, heads=safe_heads, domains=[t.domain for t in pool.teachers],
                      total_steps=loop.steps, tokenizer=runtime.tokenizer, mesh=pool.mesh,
                      rules=rules, seed=seed, train_mesh=mesh)
-  optimizer = make_optimizer(optim)
-  state, shardings = init_train_state(student_cfg, optimizer, mesh, rules, rng=seed,
-                                      params=params)
+  student = init_student(student_cfg, optim, runtime, params)
   # With several processes the heads live on this process's devices: the
   # step (on every process's devices) takes them as host constants.
   heads = [np.asarray(h) for h in safe_heads] if multi else safe_heads
   loss_fn = make_opd_loss(student_cfg, heads, cfg.loss_config(), teacher_names=pool.names)
-  step_fn = make_train_step(loss_fn, optimizer, mesh, shardings, rules=rules,
-                            after_update=moe_balance.bias_update_hook(student_cfg))
-  io = (io if io is not None else RunIO()).with_config(
-      {"model": student_cfg.to_dict(), "opd": cfg.to_dict(), "teachers": list(pool.names)})
-  return train_loop.train(state, step_fn, source, loop, io, desc="opd", progress_key="loss")
+  hook = student.after_update(moe_balance.bias_update_hook(student_cfg))
+  step_fn = make_train_step(student.loss(loss_fn), student.optimizer, mesh, student.shardings,
+                            rules=rules, after_update=hook)
+  io = (io if io is not None else RunIO())
+  io = io.replace(eval_fn=student.eval_fn(io.eval_fn)).with_config(
+      {"model": student_cfg.to_dict(), "opd": cfg.to_dict(), "teachers": list(pool.names),
+       **student.config_entries})
+  return train_loop.train(student.state, step_fn, student.source(source), loop, io, desc="opd",
+                          progress_key="loss")
 
 
 def _fault_layer(pool: TeacherPool, cfg: OPDConfig, teacher_fns, counter: SkipCounter,

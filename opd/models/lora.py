@@ -116,8 +116,14 @@ def lora_delta(a, b, scale: float):
   return scale * jnp.tensordot(a, b, axes=1)
 
 
-def lora_apply(params: PyTree, adapters: PyTree, lora: LoRAConfig) -> PyTree:
-  """The effective params: each adapted ``W`` replaced by ``W + scale · a b`` in W's dtype."""
+def lora_apply(params: PyTree, adapters: PyTree, lora: LoRAConfig, *, dtype=None) -> PyTree:
+  """The effective params: each adapted ``W`` replaced by ``W + scale · a b``.
+
+  ``dtype``: the adapted weights' dtype (None: each base weight's own). The
+  trainers pass the model's compute dtype: the forward casts every weight to
+  it anyway, so the sum is rounded once, where a bf16 base's dtype would
+  round a small early ``a b`` away before an fp32 forward sees it.
+  """
   out = jax.tree.map(lambda x: x, params)  # a fresh container tree
   for layer, modules in adapters.items():
     for module, weights in modules.items():
@@ -130,7 +136,8 @@ def lora_apply(params: PyTree, adapters: PyTree, lora: LoRAConfig) -> PyTree:
         if delta.shape != w.shape:
           raise ValueError(f"adapter {layer}/{module}/{name} gives shape {delta.shape}, the "
                            f"base weight is {w.shape}")
-        out[layer][module][name] = (w.astype(jnp.float32) + delta).astype(w.dtype)
+        out[layer][module][name] = (w.astype(jnp.float32) + delta).astype(
+            w.dtype if dtype is None else dtype)
   return out
 
 
@@ -140,11 +147,12 @@ def lora_merge(params: PyTree, adapters: PyTree, lora: LoRAConfig) -> PyTree:
   return jax.device_get(jax.jit(lambda p, a: lora_apply(p, a, lora))(params, adapters))
 
 
-def lora_loss(loss_fn: Callable, lora: LoRAConfig) -> Callable:
-  """``loss_fn(params, batch, rng)`` as a loss over ``{"base", "lora"}`` with a frozen base."""
+def lora_loss(loss_fn: Callable, lora: LoRAConfig, *, dtype=None) -> Callable:
+  """``loss_fn(params, batch, rng)`` as a loss over ``{"base", "lora"}`` with a frozen base
+  (``dtype`` as in ``lora_apply``)."""
   def wrapped(tree, batch, rng):
     base = jax.lax.stop_gradient(tree["base"])
-    return loss_fn(lora_apply(base, tree["lora"], lora), batch, rng)
+    return loss_fn(lora_apply(base, tree["lora"], lora, dtype=dtype), batch, rng)
   return wrapped
 
 

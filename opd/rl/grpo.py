@@ -32,8 +32,9 @@ from opd.rl.scoring import RewardFn
 from opd.rollout.batches import prompt_stream
 from opd.tasks import AgentRewardConfig, Example
 from opd.training import loop as train_loop
+from opd.training.lora_state import init_student
 from opd.training.loop_config import LoopConfig, RunIO, Runtime
-from opd.training.train_step import OptimConfig, init_train_state, make_optimizer, make_train_step
+from opd.training.train_step import OptimConfig, make_train_step
 
 __all__ = ["GRPOExtras", "GRPORun", "train_grpo"]
 
@@ -74,7 +75,10 @@ def train_grpo(model_cfg: ModelConfig, params, ref_params, prompts: Sequence[Exa
   """Runs GRPO until ``loop.steps`` rollout batches have been trained on (module docstring).
 
   Args:
-    params: initial policy params (None: random init from ``runtime.seed``).
+    params: initial policy params (None: random init from ``runtime.seed``);
+      a ``opd.training.lora_state.LoRAStudent`` trains adapters on its frozen
+      base (rollouts, the reference's shardings and ``io.eval_fn`` see the
+      merged params).
     ref_params: the frozen reference's params (usually the initial policy);
       None only with ``cfg.kl_coef == 0`` (given with 0, the KL is logged).
     prompts: ``Example``s (wrapped in ``prompt_stream(prompts, cfg.rollout,
@@ -115,16 +119,17 @@ def train_grpo(model_cfg: ModelConfig, params, ref_params, prompts: Sequence[Exa
     raise ValueError(f"checkpointing needs a prompt iterator with get_state/set_state; "
                      f"{type(stream).__name__} has none (pass a list or a PromptStream)")
 
-  optimizer = make_optimizer(optim)
-  state, shardings = init_train_state(model_cfg, optimizer, mesh, rules, rng=seed, params=params)
+  student = init_student(model_cfg, optim, runtime, params)
   loss_fn = extras.loss_fn if extras.loss_fn is not None else make_grpo_loss(model_cfg, cfg)
-  step_fn = make_train_step(loss_fn, optimizer, mesh, shardings, rules=rules,
-                            after_update=moe_balance.bias_update_hook(model_cfg))
+  hook = student.after_update(moe_balance.bias_update_hook(model_cfg))
+  step_fn = make_train_step(student.loss(loss_fn), student.optimizer, mesh, student.shardings,
+                            rules=rules, after_update=hook)
   source = GRPOSource(model_cfg, cfg, stream, tokenizer=runtime.tokenizer, ref_params=ref_params,
-                      param_shardings=shardings.params, mesh=mesh, rules=rules, seed=seed,
+                      param_shardings=student.param_shardings, mesh=mesh, rules=rules, seed=seed,
                       reward_fn=extras.reward_fn, agent_config=extras.agent_config,
                       task_kwargs=extras.task_kwargs, text_every=loop.text_every,
                       batch_extras=extras.batch_extras)
-  return train_loop.train(state, step_fn, source, loop,
-                          io.with_config({"model": model_cfg.to_dict(), "grpo": cfg.to_dict()}),
+  io = io.replace(eval_fn=student.eval_fn(io.eval_fn)).with_config(
+      {"model": model_cfg.to_dict(), "grpo": cfg.to_dict(), **student.config_entries})
+  return train_loop.train(student.state, step_fn, student.source(source), loop, io,
                           desc="grpo", progress_key="reward/mean")

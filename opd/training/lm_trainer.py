@@ -21,10 +21,10 @@ from opd.config.fields import check_bool, set_field
 from opd.models import ModelConfig, moe_balance
 from opd.training import loop as train_loop
 from opd.training.checkpoints import CheckpointManager
+from opd.training.lora_state import LoRAStudent, init_student
 from opd.training.loop_config import LoopConfig, RunIO, Runtime
 from opd.training.objectives import lm_loss
-from opd.training.train_step import (OptimConfig, TrainState, init_train_state, make_optimizer,
-                                     make_train_step, shard_batch)
+from opd.training.train_step import OptimConfig, TrainState, make_train_step, shard_batch
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def evaluate_loss(loss_fn, params, batches: Sequence[Mapping[str, np.ndarray]], 
 
 def train_lm(model_cfg: ModelConfig, batches: Iterator[Mapping[str, np.ndarray]],
              optim: OptimConfig, loop: LMTrainConfig, io: RunIO | None = None, *,
-             runtime: Runtime, params: Any | None = None,
+             runtime: Runtime, params: Any | LoRAStudent | None = None,
              eval_batches: Sequence[Mapping[str, np.ndarray]] = ()) -> TrainState:
   """Trains ``model_cfg`` on ``batches`` for ``loop.steps`` updates.
 
@@ -93,7 +93,9 @@ def train_lm(model_cfg: ModelConfig, batches: Iterator[Mapping[str, np.ndarray]]
       a resume), as in ``opd.training.loop.train``.
     runtime: the mesh, rules and seed (init and per-step randomness).
     params: start from these parameters (SFT from a base, a specialist
-      from SFT) instead of a random init.
+      from SFT) instead of a random init; a ``LoRAStudent`` trains adapters on
+      its frozen base (``opd.training.lora_state``: the state's params are
+      ``{"base", "lora"}``, evaluation sees them merged).
     eval_batches: held-out batches for ``eval/loss``.
 
   Returns:
@@ -110,17 +112,16 @@ def train_lm(model_cfg: ModelConfig, batches: Iterator[Mapping[str, np.ndarray]]
   io = io if io is not None else RunIO()
   mesh, rules = runtime.mesh, runtime.rules
   loss_fn = lm_loss(model_cfg, fused=loop.fused_loss)
-  optimizer = make_optimizer(optim)
-  state, shardings = init_train_state(model_cfg, optimizer, mesh, rules, rng=runtime.seed,
-                                      params=params)
-  step_fn = make_train_step(loss_fn, optimizer, mesh, shardings, rules=rules,
-                            after_update=moe_balance.bias_update_hook(model_cfg))
+  student = init_student(model_cfg, optim, runtime, params)
+  hook = student.after_update(moe_balance.bias_update_hook(model_cfg))
+  step_fn = make_train_step(student.loss(loss_fn), student.optimizer, mesh, student.shardings,
+                            rules=rules, after_update=hook)
 
   jitted_eval = _jit_eval(loss_fn)  # one compile for every eval of this run
   io_eval = io.eval_fn
 
   def eval_fn(p) -> dict[str, float]:
-    out = {}
+    p, out = student.view(p), {}
     if eval_batches:
       out.update(evaluate_loss(loss_fn, p, eval_batches, mesh, rules, jitted=jitted_eval))
     if io_eval is not None:
@@ -133,13 +134,14 @@ def train_lm(model_cfg: ModelConfig, batches: Iterator[Mapping[str, np.ndarray]]
                                 keep_best=1 if eval_batches else 0, best_metric="eval/loss")
   config = dict(io.config or {})
   config.setdefault("model", model_cfg.to_dict())
+  config.update(student.config_entries)
   has_eval = bool(eval_batches) or io_eval is not None
   loop = loop.replace(save_every=loop.save_every if manager is not None or
                       io.checkpoint_manager is not None else 0,
                       eval_every=loop.eval_every if has_eval else 0)
   try:
     state = train_loop.train(
-        state, step_fn, batches, loop,
+        student.state, step_fn, batches, loop,
         io.replace(checkpoint_dir=None, checkpoint_manager=manager or io.checkpoint_manager,
                    config=config, eval_fn=eval_fn if has_eval else None),
         prepare_batch=functools.partial(shard_batch, mesh=mesh, rules=rules)).state

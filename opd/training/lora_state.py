@@ -7,17 +7,32 @@ fp32, the optimizer wrapped by ``opd.models.lora.lora_optimizer`` so only
 the adapters have moments. Any ``loss_fn(params, batch, rng)`` of the model
 trains it through ``opd.models.lora.lora_loss`` with ``make_train_step``
 unchanged; ``export_params`` merges the adapters for ``save_hf``.
+
+The trainers (``train_lm`` / ``train_sft``, ``train_grpo``, ``train_opd``)
+take a ``LoRAStudent(base, config)`` as their ``params`` and build through
+``init_student``: a ``Student`` holds the state, the optimizer to step with
+and the seams where the rest of a run sees the model: ``view`` (the merged
+params for rollouts and evaluation), ``loss`` (the adapter-only loss for
+``make_train_step``), ``source`` (a rollout source that samples from the
+merged params), ``eval_fn`` and ``config_entries`` (``lora`` in the run
+config, compared on resume).
 """
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping
 
+import flax.linen as nn
 import jax
 
 from opd.models.config import ModelConfig
 from opd.models.decoder import init_params
-from opd.models.lora import LoRAConfig, lora_init, lora_merge, lora_optimizer
+from opd.models.lora import (LoRAConfig, lora_apply, lora_init, lora_loss, lora_merge,
+                             lora_optimizer)
 from opd.parallel import sharding as sharding_lib
+from opd.training.loop_config import Runtime
+from opd.training.optim import OptimConfig, make_optimizer
 from opd.training.train_step import TrainState, init_train_state
 
 PyTree = Any
@@ -63,4 +78,150 @@ def export_params(state: TrainState, lora: LoRAConfig) -> PyTree:
   return lora_merge(state.params["base"], state.params["lora"], lora)
 
 
-__all__ = ["export_params", "init_lora_train_state"]
+@dataclasses.dataclass(frozen=True)
+class LoRAStudent:
+  """A trainer's ``params`` for a LoRA run: adapters trained on a frozen base.
+
+  Attributes:
+    base: the pretrained weights (unboxed), never updated.
+    config: rank, alpha and target projections (``LoRAConfig``).
+    base_dtype: the base's storage dtype in the train state ("bfloat16"
+      halves it; "float32" keeps it as given).
+  """
+  base: PyTree
+  config: LoRAConfig = LoRAConfig()
+  base_dtype: str = "bfloat16"
+
+  def __post_init__(self):
+    if not isinstance(self.config, LoRAConfig):
+      raise ValueError(f"LoRAStudent.config must be a LoRAConfig, got "
+                       f"{type(self.config).__name__}")
+    if self.base is None:
+      raise ValueError("LoRAStudent.base is None: LoRA adapts pretrained weights (give them)")
+    if self.base_dtype not in ("bfloat16", "float32", "float16"):
+      raise ValueError(f"LoRAStudent.base_dtype={self.base_dtype!r}: expected 'bfloat16', "
+                       "'float32' or 'float16'")
+
+  def to_dict(self) -> dict:
+    """The run-config entry ``lora`` (rank, alpha, targets, base dtype)."""
+    return {**dataclasses.asdict(self.config), "targets": list(self.config.targets),
+            "base_dtype": self.base_dtype}
+
+
+@dataclasses.dataclass(frozen=True)
+class Student:
+  """A trainer's student: its train state and how the rest of the run sees it.
+
+  Attributes:
+    model_cfg: the architecture.
+    state, shardings: the ``TrainState`` and its shardings; a LoRA state's
+      params are ``{"base", "lora"}``.
+    optimizer: the one to step with (adapter-only moments under LoRA).
+    runtime: mesh and rules.
+    lora: the ``LoRAStudent`` (None: full fine-tuning).
+  """
+  model_cfg: ModelConfig
+  state: TrainState
+  shardings: TrainState
+  optimizer: Any
+  runtime: Runtime
+  lora: LoRAStudent | None = None
+
+  @property
+  def param_shardings(self) -> PyTree:
+    """Shardings of the model's params tree (the base's under LoRA)."""
+    return self.shardings.params["base"] if self.lora else self.shardings.params
+
+  @property
+  def config_entries(self) -> dict:
+    """``{"lora": ...}`` for the run config under LoRA (a resume must match it), else {}."""
+    return {"lora": self.lora.to_dict()} if self.lora else {}
+
+  def loss(self, loss_fn: Callable) -> Callable:
+    """``loss_fn(params, batch, rng)`` over the state's params (adapters only under LoRA)."""
+    if not self.lora:
+      return loss_fn
+    return lora_loss(loss_fn, self.lora.config, dtype=self.model_cfg.compute_dtype)
+
+  @functools.cached_property
+  def view(self) -> Callable[[PyTree], PyTree]:
+    """``fn(state.params) -> params`` of the model: the identity, or under LoRA
+    the base with the adapters applied in the compute dtype (what the loss
+    sees), sharded like the base, for rollouts and evaluation."""
+    if not self.lora:
+      return lambda p: p
+    return jax.jit(lambda p: lora_apply(p["base"], p["lora"], self.lora.config,
+                                        dtype=self.model_cfg.compute_dtype),
+                   out_shardings=self.param_shardings)
+
+  def after_update(self, hook: Callable | None) -> Callable | None:
+    """``make_train_step``'s ``after_update`` hook for this student.
+
+    Raises:
+      ValueError: a hook (an MoE's selection-bias update) under LoRA, which
+        freezes the base the hook would change.
+    """
+    if self.lora and hook is not None:
+      raise ValueError("LoRA freezes the base, but ModelConfig.moe.bias_update_rate="
+                       f"{self.model_cfg.moe.bias_update_rate} updates its selection bias; "
+                       "set it to 0 for a LoRA student")
+    return hook
+
+  def source(self, source):
+    """A rollout source that builds its batches from ``view(state.params)``."""
+    return source if not self.lora else _ViewedSource(source, self.view)
+
+  def eval_fn(self, fn: Callable | None) -> Callable | None:
+    """``fn(params)`` of the model as a hook over the state's params."""
+    if fn is None or not self.lora:
+      return fn
+    view = self.view
+    return lambda p: fn(view(p))
+
+
+class _ViewedSource:
+  """``source`` with ``next_batch`` given the state whose params are ``view(params)``."""
+
+  def __init__(self, source, view):
+    self._source, self._view = source, view
+    self.updates_per_batch = source.updates_per_batch
+
+  def next_batch(self, state: TrainState, step: int):
+    return self._source.next_batch(state.replace(params=self._view(state.params)), step)
+
+  def step_metrics(self, host_metrics, train_metrics, *, batch_time_s, train_time_s):
+    return self._source.step_metrics(host_metrics, train_metrics, batch_time_s=batch_time_s,
+                                     train_time_s=train_time_s)
+
+  def texts(self, step: int) -> Mapping[str, str]:
+    return self._source.texts(step)
+
+  def get_state(self) -> Mapping[str, Any]:
+    return self._source.get_state()
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    self._source.set_state(state)
+
+
+def init_student(model_cfg: ModelConfig, optim: OptimConfig, runtime: Runtime,
+                 params: PyTree | LoRAStudent | None) -> Student:
+  """The trainers' student: a full state from ``params`` (None: random init
+  from ``runtime.seed``), or a LoRA state when ``params`` is a ``LoRAStudent``.
+
+  Raises:
+    ValueError: a ``LoRAStudent`` whose base does not match ``model_cfg``
+      (naming the weight), or whose targets the model lacks (MLA attention).
+  """
+  optimizer = make_optimizer(optim)
+  mesh, rules = runtime.mesh, runtime.rules
+  if not isinstance(params, LoRAStudent):
+    state, shardings = init_train_state(model_cfg, optimizer, mesh, rules, rng=runtime.seed,
+                                        params=params)
+    return Student(model_cfg, state, shardings, optimizer, runtime)
+  state, shardings, wrapped = init_lora_train_state(
+      model_cfg, params.config, optimizer, mesh, rules, base_params=nn.meta.unbox(params.base),
+      rng=runtime.seed, base_dtype=params.base_dtype)
+  return Student(model_cfg, state, shardings, wrapped, runtime, params)
+
+
+__all__ = ["LoRAStudent", "Student", "export_params", "init_lora_train_state", "init_student"]

@@ -114,7 +114,9 @@ def train_sft(model_cfg: ModelConfig, params, data: SFTData, workdir: str | path
               ) -> tuple[TrainState, list[tuple[int, dict[str, float]]]]:
   """SFT ``params`` on ``data``'s domains, checkpointed and logged under ``workdir``.
 
-  Text is encoded with ``runtime.tokenizer`` (None: the byte tokenizer).
+  ``params`` may be a ``opd.training.lora_state.LoRAStudent`` (adapters on a
+  frozen base, as in ``train_lm``). Text is encoded with ``runtime.tokenizer``
+  (None: the byte tokenizer).
   Train examples are drawn with ``runtime.seed``, held-out ones with ``seed + 1``;
   step metrics reach ``workdir``'s ``MetricWriter`` every ``loop.steps // 50``
   steps (eval metrics and step 1 always). ``first_metrics`` gets step 1's

@@ -1,5 +1,4 @@
 """opd.models.lora: the adapter transform, its gradient, a frozen-base train step, export."""
-import math
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +13,7 @@ from opd.models.hf import load_hf, save_hf
 from opd.models.lora import (TARGETS, LoRAConfig, lora_apply, lora_init, lora_merge,
                              lora_param_count)
 from opd.training.objectives import next_token_loss
+from lora_checks import matrix, projected_gradients  # tests/ (on sys.path via conftest.py)
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                   d_ff=48, qk_norm=True)
@@ -29,9 +29,7 @@ def _random_adapters(cfg, lora, seed):
                                       for x, k in zip(leaves, keys)])
 
 
-def _matrix(x, n_in):
-  x = np.asarray(x, np.float64)
-  return x.reshape(math.prod(x.shape[:n_in]), -1)
+_matrix = matrix
 
 
 def test_apply_is_w_plus_scaled_product_of_rank_r():
@@ -85,17 +83,15 @@ def test_adapter_gradient_is_the_full_gradient_projected(make):
   key = jax.random.key(4)
   g_ad = jax.grad(lambda ad: loss(lora_apply(params, ad, LORA), batch, key)[0])(adapters)
   g_full = jax.grad(lambda p: loss(p, batch, key)[0])(lora_apply(params, adapters, LORA))
-  for layer in ("layers_0", "layers_1"):
-    for name, (module, n_in, _) in TARGETS.items():
-      a = _matrix(adapters[layer][module][name]["a"], n_in)
-      b = _matrix(adapters[layer][module][name]["b"], 1)
-      g = _matrix(g_full[layer][module][name], n_in)
-      assert np.abs(g).max() > 1e-5  # a gradient that could disagree
-      # Chain rule on W = W0 + s a b: dL/da = s g b^T, dL/db = s a^T g.
-      np.testing.assert_allclose(_matrix(g_ad[layer][module][name]["a"], n_in),
-                                 LORA.scale * g @ b.T, rtol=1e-4, atol=1e-7)
-      np.testing.assert_allclose(_matrix(g_ad[layer][module][name]["b"], 1),
-                                 LORA.scale * a.T @ g, rtol=1e-4, atol=1e-7)
+  expected = projected_gradients(adapters, g_full, LORA.scale, ("layers_0", "layers_1"))
+  for (layer, name), (da, db, g) in expected.items():
+    module, n_in, _ = TARGETS[name]
+    assert np.abs(g).max() > 1e-5  # a gradient that could disagree
+    # Chain rule on W = W0 + s a b: dL/da = s g b^T, dL/db = s a^T g.
+    np.testing.assert_allclose(_matrix(g_ad[layer][module][name]["a"], n_in), da, rtol=1e-4,
+                               atol=1e-7)
+    np.testing.assert_allclose(_matrix(g_ad[layer][module][name]["b"], 1), db, rtol=1e-4,
+                               atol=1e-7)
 
 
 def test_merged_export_equals_the_adapted_forward(tmp_path):
