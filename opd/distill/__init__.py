@@ -6,7 +6,10 @@ batching), ``faults`` (deadlines, skips, counters), ``teacher_weighting`` (weigh
 skips), ``cache`` (the per-rollout-batch hidden-state cache), ``loss`` (the
 OPD loss on ``pallas_kernels.fused_reverse_kl``, docs/DESIGN.md §4, and its
 top-k / token estimators), ``advantage`` (the advantage form: the teachers'
-sampled-token log-ratio inside GRPO's policy gradient), ``diagnostics`` and
+sampled-token log-ratio inside GRPO's policy gradient), ``crosstok`` and
+``crosstok_pool`` (teachers with another tokenizer: span log-ratios at common
+byte boundaries for the advantage form), ``gold`` (a GOLD-style
+full-vocabulary surrogate across vocabularies), ``diagnostics`` and
 ``server`` (out-of-process teachers over a Unix socket, used through
 ``RemoteTeacher``).
 
@@ -28,8 +31,9 @@ compose them into the trainer on ``opd.training.loop``, roughly as below;
       state, metrics = step(state, opd_batch)
   metrics |= asked.counter.metrics(pool.names) | weight_metrics(w, mask, pool.names)
 """
-from opd.distill import (advantage, cache, cold_start, diagnostics, faults, loss, server,
-                         source, teacher_weighting, teachers, trainer)
+from opd.distill import (advantage, cache, cold_start, crosstok, crosstok_pool, diagnostics,
+                         faults, gold, loss, server, source, teacher_weighting, teachers, trainer)
+from opd.distill.crosstok_pool import CrossTokenizerPool, CrossTokenizerTeacher
 from opd.distill.cold_start import AnswerSampling, ColdStartData, teacher_sft_pairs
 from opd.distill.cache import CachedBatch, HiddenStateCache, loss_batch
 from opd.distill.diagnostics import (logit_diagnostics, sample_response_positions,
@@ -49,7 +53,8 @@ from opd.distill.teachers import PLACEMENTS, Teacher, TeacherPool, check_teacher
 from opd.distill.trainer import OPDRun, make_heldout_eval, train_opd
 
 __all__ = [
-    "CachedBatch", "ColdStartData", "ESTIMATORS", "FaultTolerantTeachers", "HiddenStateCache", "OPDConfig",
+    "CachedBatch", "ColdStartData", "CrossTokenizerPool", "CrossTokenizerTeacher", "crosstok",
+    "crosstok_pool", "gold", "ESTIMATORS", "FaultTolerantTeachers", "HiddenStateCache", "OPDConfig",
     "OPDLossConfig", "OPDRun", "OPDSource", "make_heldout_eval", "source", "train_opd", "trainer",
     "cold_start", "AnswerSampling", "teacher_sft_pairs", "merging", "offpolicy", "average_params",
     "task_arithmetic", "task_vectors", "OffPolicyConfig", "train_offpolicy_kd",

@@ -44,6 +44,8 @@ T_BYTE = ModelConfig(vocab_size=BYTE.vocab_size, d_model=24, n_layers=1, n_heads
                      n_kv_heads=1, d_ff=48)
 T_BPE = ModelConfig(vocab_size=400, d_model=40, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64,
                     tokenizer="bpe:400")
+S_BPE = ModelConfig(vocab_size=400, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64,
+                    tokenizer="bpe:400")
 TAU = 0.8
 PROMPTS = ["What is 12+7?", "Sort: b a c", "héllo wörld", "Count the ✓ marks"]
 RESPONSES = ["The answer is 19.", "a b c", "Ça va, 42 ünïcode ✓", "2 marks ✓✓"]
@@ -152,9 +154,9 @@ def _host(tok, pairs):
   return {"tokens": tokens, "targets": targets, "mask": mask, "loss_mask": loss_mask}
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "cross"))
-def _loss_grad(params, batch, heads, cfg, cross):
-  fn = loss_lib.make_opd_loss(STUDENT, heads, cfg, cross_tokenizer=cross)
+@functools.partial(jax.jit, static_argnames=("cfg", "cross", "student_cfg"))
+def _loss_grad(params, batch, heads, cfg, cross, student_cfg=STUDENT):
+  fn = loss_lib.make_opd_loss(student_cfg, heads, cfg, cross_tokenizer=cross)
   (loss, metrics), grads = jax.value_and_grad(fn, has_aux=True)(params, batch, None)
   return loss, metrics, grads
 
@@ -211,55 +213,67 @@ def _response_logprob(tok, cfg, params, prompt, response):
   return float(lp[0, len(p) - 1:].sum())
 
 
-@pytest.mark.parametrize("schedule", ["routing", "uniform"])
-def test_mixed_pool_span_log_ratios_sum_to_the_response_log_ratio(bpe, schedule):
+@pytest.mark.parametrize("student_kind, schedule",
+                         [("byte", "routing"), ("byte", "uniform"), ("bpe", "routing")])
+def test_mixed_pool_span_log_ratios_sum_to_the_response_log_ratio(bpe, student_kind, schedule):
+  """Byte student: the BPE teacher is the cross one (a span = one BPE token, several bytes);
+  BPE student: the byte teacher is (a span = one BPE token, several teacher bytes)."""
   pairs = list(zip(PROMPTS, RESPONSES))
-  host = _host(BYTE, pairs)
+  if student_kind == "byte":
+    s_tok, x_tok, s_cfg, x_cfg, o_cfg = BYTE, bpe, STUDENT, T_BPE, T_BYTE
+  else:
+    s_tok, x_tok, s_cfg, x_cfg, o_cfg = bpe, BYTE, S_BPE, T_BYTE, T_BPE
+  host = _host(s_tok, pairs)
   b, t = host["tokens"].shape
-  rows = crosstok.cross_tokenizer_rows(BYTE, bpe, host, teacher="bpe", length_bucket=8)
+  rows = crosstok.cross_tokenizer_rows(s_tok, x_tok, host, teacher="x", length_bucket=8)
   assert rows.tokens.shape[1] % 8 == 0 and rows.partial_tokens == 0
-  assert rows.spans < int(host["loss_mask"].sum())  # BPE merges: some spans hold several bytes
-  student, t_bpe, t_byte = _model(STUDENT, 0), _model(T_BPE, 1), _model(T_BYTE, 2)
-  hidden = (_hidden(T_BPE, t_bpe, rows.tokens, rows.mask),
-            _hidden(T_BYTE, t_byte, host["tokens"], host["mask"]))
-  heads = (head_matrix(T_BPE, t_bpe), head_matrix(T_BYTE, t_byte))
-  # routing: rows 0, 1 -> the BPE teacher, rows 2, 3 -> the byte teacher; uniform: 1/2 each.
+  # Some spans hold several student bytes (byte student) or several teacher bytes (BPE one).
+  side = rows.student_span if student_kind == "byte" else rows.span
+  assert np.bincount(side[side < b * t]).max() > 1
+  # A span's id is the flat index of its last student token (where its signal goes).
+  ids, where = rows.student_span[rows.trained], (np.arange(b)[:, None] * t + np.arange(t))
+  assert all(where[rows.trained][ids == i].max() == i for i in np.unique(ids))
+  student, t_x, t_o = _model(s_cfg, 0), _model(x_cfg, 1), _model(o_cfg, 2)
+  hidden = (_hidden(x_cfg, t_x, rows.tokens, rows.mask),
+            _hidden(o_cfg, t_o, host["tokens"], host["mask"]))
+  heads = (head_matrix(x_cfg, t_x), head_matrix(o_cfg, t_o))
+  # routing: rows 0, 1 -> the cross teacher, rows 2, 3 -> the other; uniform: 1/2 each.
   w_row = (np.asarray([[1, 0], [1, 0], [0, 1], [0, 1]], np.float32) if schedule == "routing"
            else np.full((b, 2), 0.5, np.float32))
-  lp_s = _logprobs64(STUDENT, student, host["tokens"], host["targets"], host["mask"])
+  lp_s = _logprobs64(s_cfg, student, host["tokens"], host["targets"], host["mask"])
   keep = host["loss_mask"] > 0
   batch = {**host, "teacher_hidden": hidden, **crosstok.batch_entries(0, rows),
            "teacher_weights": np.repeat(w_row[:, None, :], t, axis=1),
            "old_logprobs": np.where(keep, lp_s, 0.0).astype(np.float32)}
   cfg = _adv_cfg(adv_gamma=1.0, is_cap=1.0)
-  loss, metrics, _ = _loss_grad(student, batch, heads, cfg, (True, False))
+  loss, metrics, _ = _loss_grad(student, batch, heads, cfg, (True, False), s_cfg)
   # Reference: per row Σ_k ŵ_k log π_k(response) − log π_S(response), each model on its own
-  # tokenization of the text (the BPE's own encode: independent of the alignment code).
+  # tokenizer's encoding of the text (independent of the alignment code).
   ref_rows = []
   for i, (prompt, response) in enumerate(pairs):
     p, r = _chat(prompt, response)
-    lq = (w_row[i, 0] * _response_logprob(bpe, T_BPE, t_bpe, p, r)
-          + w_row[i, 1] * _response_logprob(BYTE, T_BYTE, t_byte, p, r))
-    ref_rows.append(lq - _response_logprob(BYTE, STUDENT, student, p, r))
+    lq = (w_row[i, 0] * _response_logprob(x_tok, x_cfg, t_x, p, r)
+          + w_row[i, 1] * _response_logprob(s_tok, o_cfg, t_o, p, r))
+    ref_rows.append(lq - _response_logprob(s_tok, s_cfg, student, p, r))
   n = keep.sum()
   # kl_estimate is −Σ_t a_t / n: the row sums of the span log-ratios, over n tokens.
   # float32 log-probs: each of ~n·(1 + K) terms off by ~|log p|·eps, summed: well under 1e-4.
   np.testing.assert_allclose(float(metrics["adv/kl_estimate"]), -np.sum(ref_rows) / n,
                              rtol=1e-4, atol=1e-4)
   # γ = 1 on-policy (r = 1, c = 1): loss = −Σ_t c_t Â_t, Â_t the future sum of the row's a.
-  # With token_mean c_t = 1/n; Σ_t Â_t needs each a at its position: from the BPE spans (rows
-  # routed to it) and per token (byte teacher); rebuilt here from the reference log-probs.
+  # With token_mean c_t = 1/n; Σ_t Â_t needs each a at its position: the cross teacher's on
+  # each span's last student token, the other's per token; from float64 log-probs.
   a = np.zeros((b, t))
-  lp_byte = _logprobs64(T_BYTE, t_byte, host["tokens"], host["targets"], host["mask"])
-  lp_bpe = _logprobs64(T_BPE, t_bpe, rows.tokens, rows.targets, rows.mask)
+  lp_o = _logprobs64(o_cfg, t_o, host["tokens"], host["targets"], host["mask"])
+  lp_x = _logprobs64(x_cfg, t_x, rows.tokens, rows.targets, rows.mask)
   for i in range(b):
-    a[i] += w_row[i, 1] * np.where(keep[i], lp_byte[i] - lp_s[i], 0.0)
+    a[i] += w_row[i, 1] * np.where(keep[i], lp_o[i] - lp_s[i], 0.0)
     for e in np.flatnonzero(keep[i]):
       flat = i * t + e
       if rows.student_span[i, e] == flat:  # a span's last student token
         span_s = rows.student_span[i] == flat
         span_t = rows.span[i] == flat
-        a[i, e] += w_row[i, 0] * (lp_bpe[i][span_t].sum() - lp_s[i][span_s].sum())
+        a[i, e] += w_row[i, 0] * (lp_x[i][span_t].sum() - lp_s[i][span_s].sum())
   np.testing.assert_allclose(a.sum(1), ref_rows, rtol=1e-4, atol=1e-4)
   adv = np.cumsum(a[:, ::-1], axis=1)[:, ::-1] * keep
   np.testing.assert_allclose(float(loss), -adv.sum() / n, rtol=1e-4, atol=1e-4)
