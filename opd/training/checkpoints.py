@@ -427,6 +427,9 @@ def load_params(directory: str | os.PathLike, model_cfg, *, step: int | None = N
                 mesh=None, rules=None) -> PyTree:
   """The model parameters of a training checkpoint (optimizer state skipped).
 
+  A LoRA run's checkpoint (a ``lora`` entry in its config) gives its base
+  with the adapters merged, in ``model_cfg``'s storage dtype.
+
   For starting one stage from another (SFT from the base, GRPO from SFT, a
   teacher in OPD). The checkpoint's saved ``config["model"]`` must equal
   ``model_cfg`` (a mismatch names the field and both values). Parameters are
@@ -441,6 +444,7 @@ def load_params(directory: str | os.PathLike, model_cfg, *, step: int | None = N
   """
   from opd.parallel import sharding
   from opd.models import init_params, param_logical_axes
+  from opd.training import lora_state
 
   mngr = CheckpointManager(directory, max_to_keep=None)
   try:
@@ -469,7 +473,9 @@ def load_params(directory: str | os.PathLike, model_cfg, *, step: int | None = N
       shardings = jax.tree.map(lambda _: dev, shapes)
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, shardings)
-    target = {"params": abstract}
+    lora = mngr.read_config(step).get("lora")  # a LoRA run: restore base + adapters, merge
+    target = {"params": abstract if lora is None else
+              lora_state.checkpoint_target(model_cfg, lora, abstract)}
     try:
       out = mngr._mngr.restore(step, args=ocp.args.Composite(
           state=ocp.args.PyTreeRestore(
@@ -480,6 +486,8 @@ def load_params(directory: str | os.PathLike, model_cfg, *, step: int | None = N
           f"cannot restore params from checkpoint {path}: {type(e).__name__}: {e}",
           step=step) from e
     mngr._verify(step, out.state, mngr._read_meta(step))
+    if lora is not None:
+      return lora_state.merged_checkpoint_params(model_cfg, lora, out.state["params"], shardings)
     return out.state["params"]
   finally:
     mngr.close()

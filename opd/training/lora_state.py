@@ -203,6 +203,38 @@ class _ViewedSource:
     self._source.set_state(state)
 
 
+def _student_from_entry(entry: Mapping[str, Any]) -> LoRAStudent:
+  """The ``LoRAStudent`` (without a base) a run config's ``lora`` entry describes."""
+  fields = {k: v for k, v in entry.items() if k != "base_dtype"}
+  return LoRAStudent(base={}, config=LoRAConfig(**fields),
+                     base_dtype=entry.get("base_dtype", "bfloat16"))
+
+
+def checkpoint_target(model_cfg: ModelConfig, entry: Mapping[str, Any],
+                      abstract: PyTree) -> PyTree:
+  """The ``{"base", "lora"}`` params a LoRA run's checkpoint holds, as the
+  restore target: ``abstract`` (the model's params, with shardings) in the
+  base's dtype, and the adapters replicated on the same devices."""
+  student = _student_from_entry(entry)
+  base = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, student.base_dtype,
+                                                     sharding=a.sharding), abstract)
+  one = jax.tree.leaves(abstract)[0].sharding
+  rep = (jax.sharding.NamedSharding(one.mesh, jax.sharding.PartitionSpec())
+         if isinstance(one, jax.sharding.NamedSharding) else one)
+  shapes = jax.eval_shape(lambda k: lora_init(model_cfg, student.config, k), jax.random.key(0))
+  lora = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), shapes)
+  return {"base": base, "lora": lora}
+
+
+def merged_checkpoint_params(model_cfg: ModelConfig, entry: Mapping[str, Any],
+                             params: PyTree, shardings: PyTree) -> PyTree:
+  """A restored ``{"base", "lora"}`` as the model's params: the adapters merged
+  in the model's storage dtype, placed on ``shardings``."""
+  lora = _student_from_entry(entry).config
+  return jax.jit(lambda p: lora_apply(p["base"], p["lora"], lora, dtype=model_cfg.storage_dtype),
+                 out_shardings=shardings)(params)
+
+
 def init_student(model_cfg: ModelConfig, optim: OptimConfig, runtime: Runtime,
                  params: PyTree | LoRAStudent | None) -> Student:
   """The trainers' student: a full state from ``params`` (None: random init
@@ -224,4 +256,5 @@ def init_student(model_cfg: ModelConfig, optim: OptimConfig, runtime: Runtime,
   return Student(model_cfg, state, shardings, wrapped, runtime, params)
 
 
-__all__ = ["LoRAStudent", "Student", "export_params", "init_lora_train_state", "init_student"]
+__all__ = ["LoRAStudent", "Student", "checkpoint_target", "export_params",
+           "init_lora_train_state", "init_student", "merged_checkpoint_params"]

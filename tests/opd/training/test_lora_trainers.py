@@ -28,7 +28,7 @@ from opd.tasks import Example
 from opd.text.tokenizers import ByteTokenizer
 from opd.training import data
 from opd.training import lora_state
-from opd.training.checkpoints import CheckpointManager
+from opd.training.checkpoints import CheckpointManager, load_params
 from opd.training.lm_trainer import LMTrainConfig, train_lm
 from opd.training.lora_state import LoRAStudent, export_params, init_student
 from opd.training.loop_config import LoopConfig, RunIO, Runtime
@@ -106,7 +106,7 @@ def _train_lm(mesh, base, steps, ckpt):
                   RunIO(checkpoint_dir=ckpt), runtime=Runtime(mesh, seed=3), params=student)
 
 
-def test_lora_resume_equals_a_straight_run_and_the_export_equals_the_adapted_forward(
+def test_lora_resume_equals_a_straight_run_and_exports_equal_the_adapted_forward(
     mesh, base, tmp_path):
   straight = _train_lm(mesh, base, 4, tmp_path / "straight")
   _train_lm(mesh, base, 2, tmp_path / "resumed")
@@ -116,6 +116,10 @@ def test_lora_resume_equals_a_straight_run_and_the_export_equals_the_adapted_for
   jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
                resumed, straight)
   _assert_base_unchanged(straight, base, jnp.float32)
+  # A later stage loading the run's params gets the merged model.
+  loaded_ckpt = load_params(tmp_path / "straight", CFG)
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+               loaded_ckpt, export_params(straight, LORA))
   save_hf(str(tmp_path / "hf"), CFG, export_params(straight, LORA), arch="qwen3")
   cfg2, loaded = load_hf(str(tmp_path / "hf"))
   tokens = jax.random.randint(jax.random.key(6), (2, 7), 0, CFG.vocab_size)
