@@ -229,7 +229,8 @@ RECORD = "stage.json"  # a stage's record: its config's digest and its inputs' r
 # Fields added to a stage config after stages were written, with the value
 # that reproduces what those stages did: a saved ``config.json`` without the
 # field matches a stage config holding exactly that value (and no other).
-ADDED_FIELDS = {"opd.teacher_temperature": 1.0, "generator.refine_fraction": 0.0}
+ADDED_FIELDS = {"opd.teacher_temperature": 1.0, "generator.refine_fraction": 0.0,
+                "eval.all_if_fewer": False}
 # The same for ModelConfig fields added later, under any model group
 # (``model``, ``student.model``, ``teachers.<name>.model``, ...): the values
 # that mean the feature is off, which is what a model saved before it ran.

@@ -17,7 +17,8 @@ Stages (``experiments.common.Stages``, resumable, reused by config):
   WORKDIR/positive_control/<domain>/eval   every checkpoint and the teacher
 
 ``config.positive_control``: ``steps`` (0: no control), ``eval_every``,
-``domains`` (empty: every specialist's).
+``domains`` (empty: every specialist's), ``prompts_per_step`` (0: the OPD
+stage's).
 """
 from __future__ import annotations
 
@@ -53,6 +54,10 @@ def stage_config(config, domain: str, teacher_dir: pathlib.Path, cold_start: pat
                       config.student_seeds[0])
   c.train.update(steps=pc.steps, save_every=pc.eval_every, eval_every=pc.eval_every,
                  keep_checkpoints=pc.steps // pc.eval_every + 1)
+  # One domain: no balancing; its own batch size when set (0: the OPD stage's).
+  c.opd.domain_balance = False
+  if pc.get("prompts_per_step"):
+    c.opd.prompts_per_step = pc.prompts_per_step
   if c.optim.schedule != "constant":
     c.optim.decay_steps = max(1, pc.steps - c.optim.warmup_steps)
   return c

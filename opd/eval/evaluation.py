@@ -48,9 +48,11 @@ _SOLVED_EPS = 1e-9  # agent rewards are weighted float sums: 1.0 may come out as
 
 
 def eval_examples(cfg: EvalConfig) -> dict[str, list[Example]]:
-  """``cfg.n_per_domain`` distinct test examples of each domain (deterministic)."""
+  """``cfg.n_per_domain`` distinct test examples of each domain (deterministic);
+  with ``cfg.all_if_fewer`` a domain holding fewer gets all it has."""
   return {d: tasks_lib.get_task(d).examples("test", cfg.n_per_domain, seed=cfg.seed,
-                                            difficulty=cfg.difficulty)
+                                            difficulty=cfg.difficulty,
+                                            at_most=cfg.all_if_fewer)
           for d in cfg.domains}
 
 

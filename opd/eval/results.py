@@ -50,6 +50,9 @@ class EvalConfig:
     solved_threshold: reward at or above which an example counts as solved,
       in (0, 1].
     num_transcripts: example transcripts kept per domain for the report.
+    all_if_fewer: a domain whose test split holds fewer than ``n_per_domain``
+      distinct problems at ``difficulty`` is scored on all of them (at level
+      1 writing holds 62, instruct 195) instead of refused.
   """
   domains: tuple[str, ...] = ALL_DOMAINS
   n_per_domain: int = 20
@@ -65,6 +68,7 @@ class EvalConfig:
   prompt_bucket: int = 64
   solved_threshold: float = 1.0
   num_transcripts: int = 2
+  all_if_fewer: bool = False
 
   def __post_init__(self):
     domains = self.domains
@@ -82,7 +86,7 @@ class EvalConfig:
                  ints={"n_per_domain": 1, "seed": 0, "num_samples": 0, "max_new_tokens": 1,
                        "bootstrap_samples": 2, "batch_size": 1, "prompt_bucket": 1,
                        "num_transcripts": 0},
-                 bools=("greedy",))
+                 bools=("greedy", "all_if_fewer"))
     set_field(self, "difficulty", check_int("EvalConfig", "difficulty", self.difficulty,
                                             min_value=DIFFICULTIES[0],
                                             max_value=DIFFICULTIES[-1]))

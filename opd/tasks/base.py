@@ -171,7 +171,7 @@ class Task(abc.ABC):
   multi_turn: bool = False
 
   def examples(self, split: str, n: int, *, seed: int = 0, difficulty: int = 1,
-               unique: bool = True) -> list[Example]:
+               unique: bool = True, at_most: bool = False) -> list[Example]:
     """``n`` examples of ``split`` at ``difficulty``.
 
     The same arguments always give byte-identical examples (``to_json``).
@@ -183,6 +183,9 @@ class Task(abc.ABC):
       difficulty: 1 to 3.
       unique: all distinct (for evaluation sets); False draws i.i.d. with
         repeats, for corpora larger than the problem space.
+      at_most: with ``unique``, return the distinct problems found when the
+        split holds fewer than ``n`` (after the same number of draws that
+        would raise), instead of raising.
 
     Raises:
       ValueError: bad arguments, or ``unique`` and fewer than ``n`` distinct
@@ -200,6 +203,8 @@ class Task(abc.ABC):
     attempts, max_attempts = 0, 50 * n + 500
     while len(out) + len(repeated) < n:
       if attempts >= max_attempts:
+        if unique and at_most:
+          break
         raise ValueError(f"{self.domain}: found only {len(out)} distinct {split} problems at "
                          f"difficulty {difficulty} in {attempts} draws; asked for n={n}")
       attempts += 1

@@ -47,7 +47,8 @@ GRPO_TINY = dict(GRPO, group_size=4, prompts_per_step=2, max_new_tokens=16, seq_
 AGENT_REWARD = dict(format=0.30, execution=0.25, step=0.20, final_answer=0.25, grm=0.0, user=0.0)
 EVAL = dict(n_per_domain=60, difficulty=1, seed=0, greedy=True, num_samples=4, temperature=1.0,
             top_p=1.0, max_new_tokens=80, bootstrap_samples=1000, batch_size=64,
-            prompt_bucket=64, solved_threshold=1.0, num_transcripts=2)
+            prompt_bucket=64, solved_threshold=1.0, num_transcripts=2,
+            all_if_fewer=False)  # added with the strong world (#26): refuse short splits
 EVAL_TINY = dict(EVAL, n_per_domain=4, num_samples=2, max_new_tokens=16, batch_size=8,
                  bootstrap_samples=50)
 
