@@ -78,6 +78,11 @@ def export_params(state: TrainState, lora: LoRAConfig) -> PyTree:
   return lora_merge(state.params["base"], state.params["lora"], lora)
 
 
+def _check_base_dtype(value, name: str) -> None:
+  if value not in ("bfloat16", "float32", "float16"):
+    raise ValueError(f"{name}={value!r}: expected 'bfloat16', 'float32' or 'float16'")
+
+
 @dataclasses.dataclass(frozen=True)
 class LoRAStudent:
   """A trainer's ``params`` for a LoRA run: adapters trained on a frozen base.
@@ -98,9 +103,7 @@ class LoRAStudent:
                        f"{type(self.config).__name__}")
     if self.base is None:
       raise ValueError("LoRAStudent.base is None: LoRA adapts pretrained weights (give them)")
-    if self.base_dtype not in ("bfloat16", "float32", "float16"):
-      raise ValueError(f"LoRAStudent.base_dtype={self.base_dtype!r}: expected 'bfloat16', "
-                       "'float32' or 'float16'")
+    _check_base_dtype(self.base_dtype, "LoRAStudent.base_dtype")
 
   def to_dict(self) -> dict:
     """The run-config entry ``lora`` (rank, alpha, targets, base dtype)."""
@@ -130,16 +133,16 @@ class Student:
   @property
   def param_shardings(self) -> PyTree:
     """Shardings of the model's params tree (the base's under LoRA)."""
-    return self.shardings.params["base"] if self.lora else self.shardings.params
+    return self.shardings.params["base"] if self.lora is not None else self.shardings.params
 
   @property
   def config_entries(self) -> dict:
     """``{"lora": ...}`` for the run config under LoRA (a resume must match it), else {}."""
-    return {"lora": self.lora.to_dict()} if self.lora else {}
+    return {"lora": self.lora.to_dict()} if self.lora is not None else {}
 
   def loss(self, loss_fn: Callable) -> Callable:
     """``loss_fn(params, batch, rng)`` over the state's params (adapters only under LoRA)."""
-    if not self.lora:
+    if self.lora is None:
       return loss_fn
     return lora_loss(loss_fn, self.lora.config, dtype=self.model_cfg.compute_dtype)
 
@@ -148,7 +151,7 @@ class Student:
     """``fn(state.params) -> params`` of the model: the identity, or under LoRA
     the base with the adapters applied in the compute dtype (what the loss
     sees), sharded like the base, for rollouts and evaluation."""
-    if not self.lora:
+    if self.lora is None:
       return lambda p: p
     return jax.jit(lambda p: lora_apply(p["base"], p["lora"], self.lora.config,
                                         dtype=self.model_cfg.compute_dtype),
@@ -161,7 +164,7 @@ class Student:
       ValueError: a hook (an MoE's selection-bias update) under LoRA, which
         freezes the base the hook would change.
     """
-    if self.lora and hook is not None:
+    if self.lora is not None and hook is not None:
       raise ValueError("LoRA freezes the base, but ModelConfig.moe.bias_update_rate="
                        f"{self.model_cfg.moe.bias_update_rate} updates its selection bias; "
                        "set it to 0 for a LoRA student")
@@ -169,11 +172,11 @@ class Student:
 
   def source(self, source):
     """A rollout source that builds its batches from ``view(state.params)``."""
-    return source if not self.lora else _ViewedSource(source, self.view)
+    return source if self.lora is None else _ViewedSource(source, self.view)
 
   def eval_fn(self, fn: Callable | None) -> Callable | None:
     """``fn(params)`` of the model as a hook over the state's params."""
-    if fn is None or not self.lora:
+    if fn is None or self.lora is None:
       return fn
     view = self.view
     return lambda p: fn(view(p))
@@ -203,11 +206,11 @@ class _ViewedSource:
     self._source.set_state(state)
 
 
-def _student_from_entry(entry: Mapping[str, Any]) -> LoRAStudent:
-  """The ``LoRAStudent`` (without a base) a run config's ``lora`` entry describes."""
-  fields = {k: v for k, v in entry.items() if k != "base_dtype"}
-  return LoRAStudent(base={}, config=LoRAConfig(**fields),
-                     base_dtype=entry.get("base_dtype", "bfloat16"))
+def _from_entry(entry: Mapping[str, Any]) -> tuple[LoRAConfig, str]:
+  """``(config, base_dtype)`` of a run config's ``lora`` entry (``LoRAStudent.to_dict``)."""
+  base_dtype = entry.get("base_dtype", "bfloat16")
+  _check_base_dtype(base_dtype, "checkpoint config lora.base_dtype")
+  return LoRAConfig(**{k: v for k, v in entry.items() if k != "base_dtype"}), base_dtype
 
 
 def checkpoint_target(model_cfg: ModelConfig, entry: Mapping[str, Any],
@@ -215,13 +218,13 @@ def checkpoint_target(model_cfg: ModelConfig, entry: Mapping[str, Any],
   """The ``{"base", "lora"}`` params a LoRA run's checkpoint holds, as the
   restore target: ``abstract`` (the model's params, with shardings) in the
   base's dtype, and the adapters replicated on the same devices."""
-  student = _student_from_entry(entry)
-  base = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, student.base_dtype,
-                                                     sharding=a.sharding), abstract)
+  lora, base_dtype = _from_entry(entry)
+  base = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, base_dtype, sharding=a.sharding),
+                      abstract)
   one = jax.tree.leaves(abstract)[0].sharding
   rep = (jax.sharding.NamedSharding(one.mesh, jax.sharding.PartitionSpec())
          if isinstance(one, jax.sharding.NamedSharding) else one)
-  shapes = jax.eval_shape(lambda k: lora_init(model_cfg, student.config, k), jax.random.key(0))
+  shapes = jax.eval_shape(lambda k: lora_init(model_cfg, lora, k), jax.random.key(0))
   lora = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), shapes)
   return {"base": base, "lora": lora}
 
@@ -230,7 +233,7 @@ def merged_checkpoint_params(model_cfg: ModelConfig, entry: Mapping[str, Any],
                              params: PyTree, shardings: PyTree) -> PyTree:
   """A restored ``{"base", "lora"}`` as the model's params: the adapters merged
   in the model's storage dtype, placed on ``shardings``."""
-  lora = _student_from_entry(entry).config
+  lora, _ = _from_entry(entry)
   return jax.jit(lambda p: lora_apply(p["base"], p["lora"], lora, dtype=model_cfg.storage_dtype),
                  out_shardings=shardings)(params)
 

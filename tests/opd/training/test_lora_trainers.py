@@ -1,4 +1,4 @@
-"""LoRA students inside the trainers (opd/training/lora_state.py: ``LoRAStudent``, ``init_student``).
+"""LoRA students inside the trainers (opd/training/lora_state.py: LoRAStudent, init_student).
 
 ``train_sft`` / ``train_lm``, ``train_grpo`` and ``train_opd`` take a
 ``LoRAStudent(base, LoRAConfig)`` as their ``params``: only the adapters are
@@ -40,7 +40,6 @@ CFG = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=2, n_heads=4, 
                   d_ff=64, qk_norm=True)
 LORA = LoRAConfig(rank=3, alpha=6.0)
 OPTIM = OptimConfig(lr=1e-2)
-EPS32 = float(np.finfo(np.float32).eps)
 
 
 @pytest.fixture(scope="module")
