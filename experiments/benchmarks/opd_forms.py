@@ -47,7 +47,6 @@ import numpy as np
 import pallas_kernels
 from experiments.benchmarks import common
 from experiments.benchmarks import opd_step
-from experiments.benchmarks import tunix_opd_step as tunix_bench
 from opd.distill import advantage as advantage_lib
 from opd.distill.loss import make_opd_loss, token_coefficients
 from opd.distill.source import OPDConfig
@@ -196,14 +195,7 @@ def _parse(argv):
   p.add_argument("--cache_dtype", default=OPDConfig.cache_dtype,
                  help="hidden-state cache dtype (OPDConfig.cache_dtype)")
   p.add_argument("--out", default="benchmark_results")
-  args = p.parse_args(argv)
-  args.sizes = dict(tunix_bench.QUICK if args.quick else tunix_bench.FULL)
-  if args.vocab:
-    args.sizes["vocab"] = list(args.vocab)
-  for k in args.teachers:
-    if k < 1:
-      raise ValueError(f"--teachers={args.teachers}: each K must be >= 1")
-  return args
+  return opd_step.sized_args(p.parse_args(argv))
 
 
 def main(argv=None) -> dict:

@@ -385,7 +385,12 @@ def _parse(argv):
                  help="one subprocess per row (auto: yes unless --quick)")
   p.add_argument("--out", default="benchmark_results")
   p.add_argument("--worker", nargs=3, metavar=("METHOD", "V", "K"), help=argparse.SUPPRESS)
-  args = p.parse_args(argv)
+  return sized_args(p.parse_args(argv))
+
+
+def sized_args(args):
+  """``args.sizes`` from ``--quick`` / ``--vocab``, and ``--teachers`` checked
+  (shared with the other OPD step benchmarks)."""
   args.sizes = dict(tunix_bench.QUICK if args.quick else tunix_bench.FULL)
   if args.vocab:
     args.sizes["vocab"] = list(args.vocab)
