@@ -35,9 +35,12 @@ import jax
 
 from opd.distill import crosstok
 from opd.distill.cache import CachedBatch
-from opd.distill.faults import DEFAULT_WINDOW, FaultTolerantTeachers, SkipCounter, TeacherFn
+from opd.distill.faults import (DEFAULT_WINDOW, FaultTolerantTeachers, SkipCounter,
+                                TeacherAnswers, TeacherFn)
+from opd.models import forward
 
-__all__ = ["CrossTokenizerAnswers", "CrossTokenizerPool", "CrossTokenizerTeacher"]
+__all__ = ["CrossTokenizerAnswers", "CrossTokenizerPool", "CrossTokenizerTeacher",
+           "EmptyTeachers", "from_teacher"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,31 @@ class CrossTokenizerTeacher:
   tokenizer: Any
   fn: TeacherFn
   width: int
+
+
+def from_teacher(teacher) -> CrossTokenizerTeacher:
+  """A ``opd.distill.teachers.Teacher`` with a ``tokenizer``, its forward jitted
+  on the default device (no placement, no int8)."""
+  cfg, params = teacher.cfg, teacher.params
+  if teacher.tokenizer is None or teacher.int8:
+    raise ValueError(f"teacher {teacher.name!r}: a cross-tokenizer teacher needs a tokenizer and "
+                     f"int8=False (got tokenizer={teacher.tokenizer!r}, int8={teacher.int8})")
+  run = jax.jit(lambda tokens, mask: forward(cfg, params, tokens, None, mask, return_logits=False,
+                                             return_hidden=True).hidden.astype(np.float32))
+  return CrossTokenizerTeacher(teacher.name, teacher.tokenizer, run, cfg.d_model)
+
+
+class EmptyTeachers:
+  """The same-tokenizer side of a pool whose teachers all have another
+  tokenizer: ``OPDSource``'s ``teachers`` asking nobody."""
+
+  names: tuple[str, ...] = ()
+
+  def __init__(self):
+    self.counter = SkipCounter("opd")
+
+  def __call__(self, tokens, mask, teacher_of_row=None) -> TeacherAnswers:
+    return TeacherAnswers({}, np.zeros((np.shape(tokens)[0], 0), bool), {}, {})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,6 +39,7 @@ from opd.models import ModelConfig, forward, head_matrix, init_params, param_log
 from opd.models import quant
 from opd.parallel import sharding as sharding_lib
 from opd.parallel.distributed import batch_shard_count
+from opd.text.tokenizers import check_vocab
 
 PLACEMENTS = ("colocated", "disaggregated")
 
@@ -50,18 +51,22 @@ class Teacher:
   Attributes:
     name: unique name (metrics are keyed by it).
     cfg: its ``ModelConfig`` (any width / depth; the vocabulary must be the
-      student's).
+      student's unless ``tokenizer`` is another one).
     params: its parameter tree (never differentiated).
     domain: the task domain it specialises in (prompt routing), or None.
     int8: the pool stores its matmul weights as int8 with per-channel
       scales and dequantises them inside the forward (``opd.models.quant``;
       docs/DESIGN.md §2, int8 teachers).
+    tokenizer: its tokenizer when it may differ from the student's (then
+      ``train_opd`` asks it through ``opd.distill.crosstok_pool``, for the
+      advantage form); None: the student's.
   """
   name: str
   cfg: ModelConfig
   params: Any
   domain: str | None = None
   int8: bool = False
+  tokenizer: Any = None
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
@@ -74,6 +79,11 @@ class Teacher:
     check_params(self.name, self.cfg, self.params)
     if not isinstance(self.int8, bool):
       raise ValueError(f"Teacher {self.name!r}: int8={self.int8!r} must be True or False")
+    if self.tokenizer is not None:
+      try:
+        check_vocab(self.tokenizer, self.cfg)
+      except ValueError as e:
+        raise ValueError(f"Teacher {self.name!r}: tokenizer: {e}") from None
 
   @property
   def head(self) -> jax.Array:

@@ -29,6 +29,7 @@ import numpy as np
 
 import pallas_kernels
 from opd import rollout as rollout_lib
+from opd.distill import crosstok, crosstok_pool
 from opd.distill.faults import FaultTolerantTeachers, SkipCounter, TeacherFn
 from opd.distill.loss import make_opd_loss
 from opd.distill.source import OPDConfig, OPDSource, make_hidden_fn
@@ -59,7 +60,10 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
     params: the student's initial params (None: random init from ``runtime.seed``);
       a ``opd.training.lora_state.LoRAStudent`` trains adapters on its frozen
       base (rollouts, diagnostics and ``io.eval_fn`` see the merged params).
-    teachers: ``Teacher``s (placed colocated on ``runtime.mesh``) or a ``TeacherPool``.
+    teachers: ``Teacher``s (placed colocated on ``runtime.mesh``) or a ``TeacherPool``;
+      a ``Teacher`` whose ``tokenizer`` is not the student's is asked through
+      ``opd.distill.crosstok_pool`` (its forward jitted on the default device;
+      the advantage form only), after the others in the K order.
     prompts: ``Example``s, drawn through ``prompt_stream(prompts, cfg.rollout,
       seed=runtime.seed)`` (a ``DomainBalancedStream`` with ``cfg.domain_balance``).
     loop: ``loop.steps`` rollout batches, each ``cfg.updates_per_batch``
@@ -95,29 +99,53 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
   mesh, rules, seed = runtime.mesh, runtime.rules, runtime.seed
   multi = jax.process_count() > 1
   host_mesh = distributed.host_work_mesh(mesh)
-  pool = teachers if isinstance(teachers, TeacherPool) else TeacherPool(
-      teachers, student_cfg.vocab_size, host_mesh, rules=rules)
-  asked = _fault_layer(pool, cfg, teacher_fns, SkipCounter("opd"), cfg.fault_window)
+  plain, cross = _split_by_tokenizer(teachers, runtime.tokenizer)
+  pool = teachers if isinstance(teachers, TeacherPool) else (TeacherPool(
+      plain, student_cfg.vocab_size, host_mesh, rules=rules) if plain or not cross else None)
+  if pool is None and teacher_fns:
+    raise ValueError(f"teacher_fns names {sorted(teacher_fns)}, but every teacher has another "
+                     "tokenizer than the student's (those take no teacher_fn)")
+  asked = (_fault_layer(pool, cfg, teacher_fns, SkipCounter("opd"), cfg.fault_window)
+           if pool is not None else crosstok_pool.EmptyTeachers())
   # A non-finite head is a fault of its teacher: the loss gets it zeroed (its weight is 0).
-  safe_heads = tuple(asked.heads[n] for n in pool.names)
+  safe_heads = tuple(asked.heads[n] for n in asked.names) + tuple(t.head for t in cross)
+  names = asked.names + tuple(t.name for t in cross)
+  xpool = crosstok_pool.CrossTokenizerPool(
+      [crosstok_pool.from_teacher(t) for t in cross], runtime.tokenizer,
+      deadline_s=cfg.deadline_s, window=cfg.fault_window,
+      length_bucket=cfg.length_bucket) if cross else None
   source = OPDSource(student_cfg, cfg, prompt_stream(prompts, cfg.rollout, seed=seed),
-                     teachers=asked, heads=safe_heads, domains=[t.domain for t in pool.teachers],
-                     total_steps=loop.steps, tokenizer=runtime.tokenizer, mesh=pool.mesh,
-                     rules=rules, seed=seed, train_mesh=mesh)
+                     teachers=asked, heads=safe_heads,
+                     domains=[t.domain for t in (*(pool.teachers if pool else ()), *cross)],
+                     total_steps=loop.steps, tokenizer=runtime.tokenizer,
+                     mesh=pool.mesh if pool else host_mesh, rules=rules, seed=seed,
+                     train_mesh=mesh, cross=xpool)
   student = init_student(student_cfg, optim, runtime, params)
   # With several processes the heads live on this process's devices: the
   # step (on every process's devices) takes them as host constants.
   heads = [np.asarray(h) for h in safe_heads] if multi else safe_heads
-  loss_fn = make_opd_loss(student_cfg, heads, cfg.loss_config(), teacher_names=pool.names)
+  loss_fn = make_opd_loss(student_cfg, heads, cfg.loss_config(), teacher_names=names,
+                          cross_tokenizer=[n in {t.name for t in cross} for n in names])
   hook = student.after_update(moe_balance.bias_update_hook(student_cfg))
   step_fn = make_train_step(student.loss(loss_fn), student.optimizer, mesh, student.shardings,
                             rules=rules, after_update=hook)
   io = (io if io is not None else RunIO())
   io = io.replace(eval_fn=student.eval_fn(io.eval_fn)).with_config(
-      {"model": student_cfg.to_dict(), "opd": cfg.to_dict(), "teachers": list(pool.names),
+      {"model": student_cfg.to_dict(), "opd": cfg.to_dict(), "teachers": list(names),
        **student.config_entries})
   return train_loop.train(student.state, step_fn, student.source(source), loop, io, desc="opd",
                           progress_key="loss")
+
+
+def _split_by_tokenizer(teachers, student_tokenizer) -> tuple[list, list]:
+  """``(plain, cross)``: the teachers of the student's tokenizer and the others
+  (``Teacher.tokenizer`` set and not the student's; ``opd.distill.crosstok``)."""
+  if isinstance(teachers, TeacherPool):
+    return list(teachers.teachers), []
+  teachers = list(teachers)
+  cross = [t for t in teachers if isinstance(t, Teacher) and t.tokenizer is not None
+           and not crosstok.same_tokenizer(t.tokenizer, student_tokenizer)]
+  return [t for t in teachers if t not in cross], cross
 
 
 def _fault_layer(pool: TeacherPool, cfg: OPDConfig, teacher_fns, counter: SkipCounter,

@@ -22,7 +22,10 @@ from opd.distill.faults import FaultTolerantTeachers
 from opd.distill.loss import make_opd_loss
 from opd.distill.source import OPDConfig, OPDSource
 from opd.distill.teachers import Teacher, TeacherPool
+from opd.distill.trainer import train_opd
 from opd.models import ModelConfig, head_matrix, init_params
+from opd.training.loop_config import LoopConfig, Runtime
+from opd.training.optim import OptimConfig
 
 from test_distill_crosstok import BYTE, T_BYTE, bpe  # noqa: F401
 from test_distill_loss import _hidden
@@ -102,3 +105,28 @@ def test_the_source_refuses_a_cross_teacher_with_the_exact_form(bpe, mesh):
               teachers=FaultTolerantTeachers.from_pool(pool, deadline_s=1.0),
               heads=pool.heads + (np.zeros((8, 270), np.float32),), domains=["alpha", "beta"],
               total_steps=1, tokenizer=bpe, mesh=mesh, cross=cross)
+
+
+@pytest.mark.parametrize("with_plain", [True, False])
+def test_train_opd_runs_a_pool_with_a_teacher_of_another_tokenizer(bpe, mesh, with_plain):
+  """``Teacher(tokenizer=...)`` of another tokenizer: train_opd asks it through the
+  cross-tokenizer pool, after the plain teacher (or alone), and the advantage form trains."""
+  plain = [Teacher.random("ta", BPE_TEACHER, 1, domain="alpha")] if with_plain else []
+  cross = Teacher("tb", T_BYTE, init_params(T_BYTE, jax.random.key(2)), domain="beta",
+                  tokenizer=BYTE)
+  cfg = OPD.replace(schedule="routing" if with_plain else "uniform")
+  run = train_opd(BPE_STUDENT, init_params(BPE_STUDENT, jax.random.key(0)), plain + [cross],
+                  prompts(4), cfg, OptimConfig(lr=1e-2), LoopConfig(2, progress=False),
+                  runtime=Runtime(mesh, tokenizer=bpe))
+  assert len(run.history) == 2
+  for m in run.history:
+    assert np.isfinite(m["train/loss"]) and m["skips/tb/error"] == 0
+    # Every row has its teacher: routed rows of both domains, or the lone cross teacher.
+    assert m["train/opd_rows"] == cfg.batch_size and m["opd/skipped_step"] == 0
+    assert m["weight/tb"] > 0 and (m.get("weight/ta", 0.0) > 0) == with_plain
+
+
+def test_teacher_tokenizer_must_fit_its_model():
+  with pytest.raises(ValueError, match="Teacher 'tb': tokenizer: .*exceeds the model's"):
+    Teacher("tb", T_BYTE, init_params(T_BYTE, jax.random.key(2)), tokenizer=types.SimpleNamespace(
+        vocab_size=400, spec=None))
