@@ -20,9 +20,11 @@ the trained spans, and teacher k's weight zeroed on the rows it did not
 answer (the others' renormalised by the loss, as for a skip).
 ``opd.distill.source.OPDSource(cross=...)`` does both for each rollout
 batch (the confidence schedule and the diagnostics read teachers' log-probs
-of the student's tokens: not with these teachers). Not built yet:
-``train_opd`` building the pool from its teachers and passing
-``cross_tokenizer`` to the loss.
+of the student's tokens: not with these teachers); ``train_opd`` builds
+the pool from the ``Teacher``s whose ``tokenizer`` is not the student's
+(:func:`from_teacher`) and passes ``cross_tokenizer`` to the loss. Not
+built: placement on a teacher mesh, int8, out-of-process cross-tokenizer
+teachers, and the held-out reverse-KL eval of such a teacher.
 """
 from __future__ import annotations
 
