@@ -84,6 +84,24 @@ def tokenizer_for(model_cfg: ModelConfig, workdir: str | pathlib.Path | None = N
   return tok
 
 
+LORA_FIELDS = ("rank", "alpha", "targets", "base_dtype")  # experiments.configs.common.lora_group
+
+
+def lora_student(params, group, field: str):
+  """``params``, or a ``LoRAStudent`` over them when ``group.rank`` > 0 (the
+  trainers then train only the adapters; ``field`` names the group in errors)."""
+  if group is None or not group.get("rank"):
+    return params
+  from opd.models.lora import LoRAConfig  # noqa: PLC0415
+  from opd.training.lora_state import LoRAStudent  # noqa: PLC0415
+  unknown = sorted(set(group) - set(LORA_FIELDS))
+  if unknown:
+    raise ValueError(f"{field} has unknown field(s) {unknown}; known: {LORA_FIELDS}")
+  cfg = LoRAConfig(rank=group.rank, alpha=group.get("alpha", LoRAConfig.alpha),
+                   targets=tuple(group.get("targets", LoRAConfig.targets)))
+  return LoRAStudent(params, cfg, base_dtype=group.get("base_dtype", "bfloat16"))
+
+
 def model_at_width(model, width, field: str):
   """``model`` (a config group) at residual width ``width`` D: F scaled by the
   same factor, heads kept (so the head dimension grows with D); ``width`` 0 or

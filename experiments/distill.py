@@ -124,7 +124,10 @@ def run_opd(config, workdir: str) -> dict:
       writer.write_scalars(0, first)
     # Saved with every checkpoint: a resumed run gets the original step-0 eval back.
     firsts = {0: first} if first else {}
-    out = train_opd(student_cfg, params, pool, prompts, cfg, common.optim_config(config.optim),
+    # A LoRA student (config.student.lora.rank > 0) starts with zero adapters:
+    # the step-0 eval above saw exactly its merged params.
+    student = common.lora_student(params, config.student.get("lora"), "config.student.lora")
+    out = train_opd(student_cfg, student, pool, prompts, cfg, common.optim_config(config.optim),
                     LoopConfig(config.train.steps, save_every=config.train.save_every,
                                eval_every=config.train.eval_every,
                                keep_checkpoints=config.train.keep_checkpoints),
@@ -186,7 +189,8 @@ def run_cold_start(config, workdir: str) -> dict:
         RunIO(checkpoint_dir=pathlib.Path(workdir) / "checkpoints", on_metrics=logger,
               config={"model": student_cfg.to_dict(), "experiment": config_to_dict(config)},
               first_metrics=first),
-        runtime=Runtime(mesh, rules, seed=config.seed), params=params)
+        runtime=Runtime(mesh, rules, seed=config.seed),
+        params=common.lora_student(params, config.student.get("lora"), "config.student.lora"))
   losses = [m["loss"] for _, m in logger.history if "loss" in m]
   return {"steps": int(state.step), **data.metrics,
           "train_loss_first": first[1]["loss"] if 1 in first else float("nan"),

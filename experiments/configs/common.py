@@ -77,3 +77,13 @@ def demo_student_stages(tiny: bool) -> ml_collections.ConfigDict:
     s.anneal.steps = 2
     s.anneal_optim.update(decay_steps=2)
   return s
+
+
+def lora_group(rank: int = 0) -> ml_collections.ConfigDict:
+  """A job's ``lora`` group: ``rank`` 0 is a full fine-tune; > 0 trains LoRA
+  adapters of that rank on the frozen starting weights, the base stored in
+  ``base_dtype`` (docs/DESIGN.md, LoRA; ``experiments.common.lora_student``)."""
+  from opd.models.lora import LoRAConfig  # noqa: PLC0415
+  d = LoRAConfig()
+  return ml_collections.ConfigDict(dict(rank=rank, alpha=d.alpha, targets=d.targets,
+                                        base_dtype="bfloat16"))

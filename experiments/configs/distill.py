@@ -182,7 +182,8 @@ def get_config(arg=None):
   c.mesh = base.mesh
   c.sharding_rules = base.sharding_rules
   c.student = ml_collections.ConfigDict(dict(init="workdirs/specialists/base/checkpoints",
-                                             model=base.model))
+                                             model=base.model,
+                                             lora=common_config.lora_group()))
   c.teachers = ml_collections.ConfigDict(
       {d: _teacher(ml_collections.ConfigDict(base.model.to_dict()),
                    f"workdirs/specialists/{d}/grpo/checkpoints", d) for d in DOMAINS})

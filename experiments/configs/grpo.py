@@ -12,6 +12,7 @@ rises over the run; ``reward.png`` plots it.
 """
 import ml_collections
 
+from experiments.configs import common as common_config
 from experiments.configs import pretrain
 from opd.config import overrides as config_utils
 from opd.config.fields import to_group
@@ -31,6 +32,7 @@ def get_config(arg=None):
   c.mesh = base.mesh
   c.sharding_rules = base.sharding_rules
   c.grpo = to_group(GRPOConfig, clip_eps_high=0.28, kl_coef=0.1, max_new_tokens=80)
+  c.lora = common_config.lora_group()  # rank > 0: LoRA adapters on the frozen init
   c.optim = to_group(OptimConfig, lr=2e-4, warmup_steps=2, end_lr_ratio=1.0, b2=0.99)
   c.train = ml_collections.ConfigDict(dict(steps=40, save_every=20, keep_checkpoints=1))
   c.data = ml_collections.ConfigDict(dict(domains=("math",), num_prompts=1000, difficulties=(1,)))

@@ -12,6 +12,7 @@ loss below 0.3 nats/byte; the specialists pipeline
 """
 import ml_collections
 
+from experiments.configs import common as common_config
 from experiments.configs import pretrain
 from opd.config import overrides as config_utils
 from opd.config.fields import to_group
@@ -28,6 +29,7 @@ def get_config(arg=None):
   c.model = base.model
   c.mesh = base.mesh
   c.sharding_rules = base.sharding_rules
+  c.lora = common_config.lora_group()  # rank > 0: LoRA adapters on the frozen init
   c.optim = to_group(OptimConfig, lr=1e-3, warmup_steps=10, decay_steps=70, schedule="cosine")
   c.train = ml_collections.ConfigDict(dict(
       steps=80, batch_size=16, seq_len=256, eval_every=40, save_every=80, keep_checkpoints=1))

@@ -76,3 +76,26 @@ def test_config_variants_are_validated():
   with pytest.raises(ValueError, match="job='sft'"):
     config_utils.load_config(f"{CONFIG}:job=sft")
   assert config_utils.load_config(f"{CONFIG}:tiny,steps=100").train.steps == 100
+
+
+def test_tiny_opd_with_a_lora_student_through_the_cli(opd_run, tmp_path):
+  """``--config.student.lora.rank=2``: the job trains adapters on the frozen
+  student (the checkpoint records the LoRA config; the teachers are reused)."""
+  from opd.training.checkpoints import CheckpointManager  # noqa: PLC0415
+  teachers = opd_run[0] / "teachers"
+  metrics = _launch(tmp_path, "tiny", "--config.student.lora.rank=2",
+                    *(f"--config.teachers.{n}.init={teachers / n / 'checkpoints'}"
+                      for n in ("math", "instruct")))
+  cfg = config_utils.load_config(f"{CONFIG}:tiny")
+  assert metrics["steps"] == cfg.train.steps
+  saved = CheckpointManager(tmp_path / "checkpoints").read_config()
+  assert saved["lora"]["rank"] == 2 and saved["experiment"]["student"]["lora"]["rank"] == 2
+
+
+def test_a_misspelt_lora_field_is_named():
+  import ml_collections  # noqa: PLC0415
+  from experiments import common  # noqa: PLC0415
+  group = ml_collections.ConfigDict(dict(rank=2, alpah=16.0))
+  with pytest.raises(ValueError, match=r"config.student.lora has unknown field\(s\) \['alpah'\]"):
+    common.lora_student({"w": 0}, group, "config.student.lora")
+  assert common.lora_student({"w": 0}, ml_collections.ConfigDict(dict(rank=0)), "x") == {"w": 0}
