@@ -60,6 +60,27 @@ def check_schedule(optim, steps: int, optim_field: str, steps_field: str, *,
                      f"<= {steps - warm})")
 
 
+def _fits(config, batch: int, seq: int, field: str, model=None) -> None:
+  """The stage's per-device memory (``opd.parallel.memory.estimate_memory`` of
+  its trained model at ``batch`` x ``seq`` on ``config.mesh``) against one
+  device's memory (``memory.device_bytes``): a run that cannot fit is refused
+  before it compiles, naming ``field``, the total and its largest terms."""
+  from opd.models import to_model_config  # noqa: PLC0415
+  from opd.parallel import memory  # noqa: PLC0415
+  group = model if model is not None else config.get("model")
+  if group is None:
+    return
+  mesh, _ = common.mesh_and_rules(config)
+  cfg = to_model_config(group)
+  try:
+    axes = dict(mesh.shape)  # the expert axis splits weights as fsdp does
+    shape = (axes.get("data", 1), axes.get("fsdp", 1) * axes.get("expert", 1),
+             axes.get("tensor", 1))
+    memory.check_fits(cfg, shape, batch, seq, memory.device_bytes(), remat=cfg.remat)
+  except memory.DoesNotFitError as e:
+    raise memory.DoesNotFitError(f"{field}: {e}") from None
+
+
 def check_lm(config, where: str = "config") -> None:
   """Pre-training and SFT: the optimizer against ``train.steps``, and
   ``train.batch_size`` against the mesh."""
@@ -71,6 +92,8 @@ def _lm_stage(group, config, field: str) -> None:
   optim = common.optim_config(group.optim, f"{field}.optim")
   check_schedule(optim, group.train.steps, f"{field}.optim", f"{field}.train.steps")
   _batch(group.train.batch_size, config, f"{field}.train.batch_size")
+  _fits(config, group.train.batch_size, group.train.seq_len,
+        f"{field}.train.batch_size x {field}.train.seq_len")
 
 
 def _build_teachers(group, field: str) -> None:
@@ -93,6 +116,7 @@ def check_grpo(config, where: str = "config", group: str = "grpo", optim: str = 
     check_schedule(optim_cfg, n, f"{where}.{optim}", field)
   _batch(cfg.batch_size, config, f"{where}.{group}.prompts_per_step * {where}.{group}.group_size "
          f"(= {cfg.prompts_per_step} * {cfg.group_size})")
+  _fits(config, cfg.batch_size, cfg.seq_len, f"{where}.{group} (batch x seq_len)")
 
 
 def check_opd(config, where: str = "config", optim: str = "config.optim",
@@ -108,6 +132,8 @@ def check_opd(config, where: str = "config", optim: str = "config.optim",
   _build_teachers(config.get("build_teachers"), f"{where}.build_teachers")
   _batch(cfg.batch_size, config, f"{where}.opd.prompts_per_step * {where}.opd.group_size "
          f"(= {cfg.prompts_per_step} * {cfg.group_size})")
+  _fits(config, cfg.batch_size, cfg.seq_len, f"{where}.opd (batch x seq_len)",
+        model=config.student.model if "student" in config else None)
 
 
 def check_cold_start(config, where: str = "config", optim: str = "config.optim",

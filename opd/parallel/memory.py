@@ -39,6 +39,7 @@ the fused kernel replaces the ``4V`` part by its ``2·C·V·4`` chunk buffers
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Sequence
 
 from pallas_kernels.train_loss import default_block_t
@@ -309,6 +310,27 @@ def check_fits(model_cfg: ModelConfig, mesh_shape, batch: int, seq: int, device_
   return est
 
 
+def device_bytes() -> int:
+  """Memory of one local device: the accelerator's ``bytes_limit`` where the
+  runtime reports it, else the host's available memory (``/proc/meminfo``
+  MemAvailable, all of it if unknown) shared by the local CPU devices."""
+  import jax  # noqa: PLC0415
+  dev = jax.local_devices()[0]
+  stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"])
+  avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  try:
+    with open("/proc/meminfo", encoding="utf-8") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          avail = int(line.split()[1]) * 1024
+          break
+  except OSError:
+    pass
+  return avail // max(1, jax.local_device_count())
+
+
 def step_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
   """FLOPs of one training step: 3 × the forward's (backward = 2 × forward)."""
   return 3.0 * batch * seq * cfg.flops_per_token(seq)
@@ -320,6 +342,6 @@ def step_seconds(cfg: ModelConfig, batch: int, seq: int, chips: int, peak_flops:
   return step_flops(cfg, batch, seq) / (chips * peak_flops * mfu)
 
 
-__all__ = ["DoesNotFitError", "LoRAMemory", "MemoryEstimate", "RolloutMemory", "TeacherMemory",
+__all__ = ["DoesNotFitError", "device_bytes", "LoRAMemory", "MemoryEstimate", "RolloutMemory", "TeacherMemory",
            "check_fits", "estimate_memory", "hidden_vs_logit_cache", "layer_activation_bytes",
            "step_flops", "step_seconds"]

@@ -196,3 +196,31 @@ _VARIANTS = ([(n, v) for n in _SHIPPED for v in ("", "tiny")]
 def test_every_shipped_config_passes_its_job_start_check(one_device, name, variant):
   config = config_utils.load_config(f"{CONFIG_DIR / name}.py" + (f":{variant}" if variant else ""))
   jobs.validate(config)
+
+
+def test_a_model_that_cannot_fit_the_device_is_refused_at_job_start(one_device, monkeypatch):
+  """The memory model (opd.parallel.memory) at job start: the same config fits a
+  device of its estimate's size and is refused, naming the batch fields, on one
+  byte less; the estimate is computed here independently of the check."""
+  from opd.models import to_model_config  # noqa: PLC0415
+  from opd.parallel import memory  # noqa: PLC0415
+  config = config_utils.load_config(f"{CONFIG_DIR / 'pretrain'}.py:tiny")
+  est = memory.estimate_memory(to_model_config(config.model), (1, 1, 1),
+                               config.train.batch_size, config.train.seq_len)
+  monkeypatch.setattr(memory, "device_bytes", lambda: est.total)
+  jobs.validate(config)
+  monkeypatch.setattr(memory, "device_bytes", lambda: est.total - 1)
+  with pytest.raises(memory.DoesNotFitError,
+                     match=r"config.train.batch_size x config.train.seq_len: layout mesh .* "
+                           r"needs .* GiB per device"):
+    jobs.validate(config)
+
+
+def test_device_bytes_is_the_host_memory_shared_by_the_cpu_devices():
+  import jax  # noqa: PLC0415
+  from opd.parallel import memory  # noqa: PLC0415
+  with open("/proc/meminfo", encoding="utf-8") as f:
+    avail = next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:"))
+  got = memory.device_bytes()
+  # MemAvailable moves between the two reads: within 5% of the host's memory.
+  assert abs(got * jax.local_device_count() - avail) <= 0.05 * avail
