@@ -47,7 +47,6 @@ are in ``experiments/grm_common.py``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import time
 import warnings
@@ -81,6 +80,7 @@ from opd.training import lm_trainer
 from opd.training.checkpoints import CheckpointManager
 from opd.training.loop_config import LoopConfig, RunIO, Runtime
 from opd.training.metrics_writer import MetricWriter
+from opd.training.files import read_json
 
 _PER_DOMAIN_KEYS = ("num_train", "num_test", "difficulties")
 # config.data.source: "models" samples the source models' responses (grm.data);
@@ -443,7 +443,7 @@ def saved_run_context(run_dir: pathlib.Path, ks: tuple[int, ...], *,
   path = pathlib.Path(run_dir) / "config.json"
   if not path.exists():
     raise FileNotFoundError(f"{path} is missing: {run_dir} is not a grm run directory")
-  config = ml_collections.ConfigDict(json.loads(path.read_text()))
+  config = ml_collections.ConfigDict(read_json(path, expect=dict))
   if config.get("job") != "grm":
     raise ValueError(f"{path}: job={config.get('job')!r}, expected 'grm'")
   config.benchmark.ks = tuple(ks)

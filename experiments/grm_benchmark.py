@@ -20,7 +20,6 @@ adds the swap-averaged pairwise row and its "A" rates.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import types
 
@@ -43,6 +42,7 @@ from grm.evaluation import MULTI
 from grm.reward import bt_input_ids
 from opd.rollout.episodes import sampling_for_chat
 from opd.rollout.policy import Policy
+from opd.training.files import atomic_write_text, read_json
 
 
 def stage_ks(c, stage: str) -> tuple[int, ...]:
@@ -199,7 +199,7 @@ def recompute_yardstick(root, config) -> dict:
   for stage in GRM_STAGES + (SHARED,):
     path = root / "benchmark" / f"results_{stage}.json"
     if path.is_file():
-      parts[stage] = json.loads(path.read_text())
+      parts[stage] = read_json(path)
   # load_groups reads only the run directory (ctx.root/data/groups.json).
   train = load_groups(types.SimpleNamespace(root=root)).get("train", [])
   return yardstick_table(parts, train, config)
@@ -244,11 +244,11 @@ def stage_benchmark(ctx, workdir) -> dict:
                                                  "sizes": sizes, "paper": PAPER,
                                                  "yardstick": yard,
                                                  "position": base.get("position")})
-  rft = json.loads((ctx.root / "rft" / common.FINAL).read_text())
+  rft = read_json(ctx.root / "rft" / common.FINAL, expect=dict)
   extra = ["RFT counts: " + ", ".join(f"{k} {rft[k]}" for k in training_lib.RFT_COUNTS
                                       if k in rft)]
   extra += render_yardstick(yard, base.get("position"))
-  (workdir / "report.md").write_text(render_report(table, invalid, sizes, extra))
+  atomic_write_text(workdir / "report.md", render_report(table, invalid, sizes, extra))
   plot_k_curve(table, GRM_STAGES + (SHARED,), workdir / "k_curve.png")
   out = {}
   for stage in GRM_STAGES + (SHARED,):

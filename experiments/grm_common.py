@@ -3,7 +3,6 @@
 stage directories' models and groups, and the batched GRM sampler."""
 from __future__ import annotations
 
-import json
 
 import jax
 
@@ -15,6 +14,7 @@ from grm.judge import Chunking
 from opd.rollout.episodes import sampling_for_chat
 from opd.rollout.policy import Policy
 from opd.training.checkpoints import load_params
+from opd.training.files import read_json
 
 GRM_STAGES = ("cold_start", "rft", "rule_rl")
 GRM_BASE = "grm_base"  # the stage pre-training a GRM of its own width (config.grm_width)
@@ -56,7 +56,7 @@ def base_params(ctx: common.JobContext):
 
 def load_groups(ctx: common.JobContext) -> dict[str, list[PreferenceGroup]]:
   """The data stage's ``{"train": [...], "test": [...]}`` preference groups."""
-  raw = json.loads((ctx.root / "data" / "groups.json").read_text())
+  raw = read_json(ctx.root / "data" / "groups.json")
   return {s: [PreferenceGroup(**{**g, "responses": tuple(g["responses"]),
                                  "ratings": tuple(g["ratings"]), "reasons": tuple(g["reasons"])})
               for g in gs] for s, gs in raw.items()}
@@ -64,7 +64,7 @@ def load_groups(ctx: common.JobContext) -> dict[str, list[PreferenceGroup]]:
 
 def load_test_subsets(ctx: common.JobContext) -> dict[str, list[PreferenceGroup]]:
   """The test groups by benchmark subset (the data stage's ``subsets.json``)."""
-  ids = json.loads((ctx.root / "data" / "subsets.json").read_text())
+  ids = read_json(ctx.root / "data" / "subsets.json")
   by_id = {g.example_id: g for g in load_groups(ctx).get("test", [])}
   return {s: [by_id[i] for i in v] for s, v in ids.items()}
 
