@@ -4,7 +4,12 @@ Timings are not asserted (the reference machine is shared). The test checks
 the JSON record, that its ratios are the rows' own, and that the two
 advantage rows (teacher log-probs from the hidden-state cache vs from cached
 logits) compute the same first-step loss from the same state and batch: the
-check that the baseline does the same work.
+check that the baseline does the same work. The cross-tokenizer rows (a byte
+student with a task-BPE teacher and the reverse, each against the same
+teacher reading the student's tokens) are checked for their fields, for
+token and span counts that follow from the two tokenizations, for a device
+step that trains exactly the host's trained spans, and for ratios taken from
+their own rows.
 """
 import json
 import math
@@ -73,3 +78,58 @@ def test_both_advantage_rows_compute_the_same_loss(record):
   tol = math.sqrt(s["seq"]) * 2 * d1 * 1.01 + adv["adv_abs_mean"] * 2 * d1
   assert abs(adv["loss"]) > 100 * tol  # not vacuous
   assert abs(adv["loss"] - logits["loss"]) <= tol, (adv["loss"], logits["loss"], tol)
+
+
+def test_cross_tokenizer_rows_fields_and_ratios(record):
+  s, x = record["sizes"], record["cross_tokenizer"]
+  v, d = s["vocab"][0], s["d_model"]
+  assert x["bpe"] == "bpe:1024" and x["bpe_build_s"] > 0
+  rows = x["rows"]
+  assert [(r["path"], r["student_tokenizer"], r["teacher_tokenizer"]) for r in rows] == [
+      ("same", "byte", "byte"), ("cross", "byte", "bpe:1024"),
+      ("same", "bpe:1024", "bpe:1024"), ("cross", "bpe:1024", "byte")]
+  for r in rows:
+    assert r["V"] == v and r["K"] == 1
+    assert r["step_median_s"] > 0 and r["compile_s"] > 0 and r["teacher_forward_s"] > 0
+    assert r["tokens_per_s"] == pytest.approx(s["tokens_per_step"] / r["step_median_s"])
+    assert r["host_plus_step_s"] == pytest.approx(
+        r["transcode_align_s"] + r["teacher_forward_s"] + r["step_median_s"])
+    xb = r["xla_bytes"]
+    assert r["xla_peak_bytes"] == xb["argument"] + xb["output"] - xb["alias"] + xb["temp"] + xb[
+        "constant"]
+    assert xb["constant"] == d * v * 4  # the teacher head [D, V] float32, embedded
+    assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
+    assert 0 < r["response_tokens"] < r["student_tokens"] <= s["tokens_per_step"]
+  same_byte, cross_byte, same_bpe, cross_bpe = rows
+  for same, cross in ((same_byte, cross_byte), (same_bpe, cross_bpe)):
+    # One batch per pairing: the same student tokens in both rows.
+    assert same["student_tokens"] == cross["student_tokens"]
+    # The student's own tokenizer: no transcoding, one token per span, every
+    # response token trained.
+    assert same["transcode_align_s"] == 0 and same["partial_tokens"] == 0
+    assert same["teacher_tokens"] == same["student_tokens"]
+    assert same["opd_tokens"] == same["spans"] == same["response_tokens"]
+    # Another tokenizer: the step trains exactly the response tokens the host
+    # put in trained spans (a loss_mask not cut to the spans fails this).
+    assert cross["transcode_align_s"] > 0
+    assert cross["opd_tokens"] == cross["response_tokens"] - cross["partial_tokens"] > 0
+  # A BPE teacher merges the byte student's bytes: fewer teacher tokens, and a
+  # span holds one or more student bytes.
+  assert cross_byte["teacher_tokens"] < cross_byte["student_tokens"]
+  assert 0 < cross_byte["spans"] < cross_byte["opd_tokens"]
+  # A byte teacher ends a token at every byte, so every student BPE token ends
+  # a span: one span per trained student token, more teacher tokens.
+  assert cross_bpe["teacher_tokens"] > cross_bpe["student_tokens"]
+  assert cross_bpe["spans"] == cross_bpe["opd_tokens"]
+  assert [(q["student_tokenizer"], q["teacher_tokenizer"]) for q in x["ratios"]] == [
+      ("bpe:1024", "byte"), ("byte", "bpe:1024")]
+  for q, same, cross in ((x["ratios"][0], same_bpe, cross_bpe),
+                         (x["ratios"][1], same_byte, cross_byte)):
+    assert q["V"] == v
+    for key, field in (("step_time_ratio", "step_median_s"), ("peak_mem_ratio", "xla_peak_bytes"),
+                       ("teacher_forward_ratio", "teacher_forward_s"),
+                       ("host_plus_step_ratio", "host_plus_step_s"),
+                       ("teacher_tokens_ratio", "teacher_tokens")):
+      assert q[key] == pytest.approx(cross[field] / same[field]), key
+    assert q["transcode_over_step"] == pytest.approx(
+        cross["transcode_align_s"] / cross["step_median_s"])
