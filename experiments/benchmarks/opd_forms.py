@@ -260,10 +260,9 @@ def xtok_rows(sizes: dict, v: int, student_tok, teacher_tok, cache_dtype: str) -
   b, t = host["tokens"].shape
   loss_config = OPDConfig(**ADVANTAGE).loss_config()
   deadline = OPDConfig.deadline_s
-  ones = np.ones((b, t, 1), np.float32)
+  ones, iters = np.ones((b, t, 1), np.float32), sizes["iters"]
   rows = []
   for path in ("same", "cross"):
-    iters = sizes["iters"]
     if path == "same":
       teacher = Teacher("t0", s_cfg, t_params)
       pool = TeacherPool([teacher], v, mesh)
