@@ -87,6 +87,13 @@ def tokenizer_for(model_cfg: ModelConfig, workdir: str | pathlib.Path | None = N
 LORA_FIELDS = ("rank", "alpha", "targets", "base_dtype")  # experiments.configs.common.lora_group
 
 
+def sft_mode(model_cfg: ModelConfig, mode: str = "pack") -> str:
+  """``mode`` for SFT batches of ``model_cfg``: a DeepSeek-V4 model's compressed
+  attention needs each row's positions consecutive, so its rows are padded,
+  never packed (docs/DESIGN.md §2, "DeepSeek-V4")."""
+  return "pad" if model_cfg.v4 is not None else mode
+
+
 def lora_student(params, group, field: str):
   """``params``, or a ``LoRAStudent`` over them when ``group.rank`` > 0 (the
   trainers then train only the adapters; ``field`` names the group in errors)."""

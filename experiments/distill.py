@@ -50,10 +50,11 @@ def _build_teacher(config, name: str, group, root: pathlib.Path, mesh, rules) ->
   if not ckpt.is_dir() or CheckpointManager(ckpt).latest_step() is None:
     steps = config.build_teachers.sft_steps
     print(f"[distill] building teacher {name} ({group.domain}): {steps} SFT steps", flush=True)
+    cfg = to_model_config(group.model)
     data = SFTData(domains=(group.domain,), num_train=config.build_teachers.num_train,
                    num_eval=8, difficulties=tuple(config.data.difficulties),
-                   seq_len=config.opd.seq_len, batch_size=config.build_teachers.batch_size)
-    cfg = to_model_config(group.model)
+                   seq_len=config.opd.seq_len, batch_size=config.build_teachers.batch_size,
+                   mode=common.sft_mode(cfg))
     train_sft(cfg, None, data, workdir,
               optim=common.optim_config(config.build_teachers.optim),
               loop=lm_trainer.LMTrainConfig(steps=steps, save_every=steps, progress=False),
@@ -178,7 +179,7 @@ def run_cold_start(config, workdir: str) -> dict:
                      f"{cs.min_reward}): {data.metrics}")
   batches = iter(sft_batches(data.pairs, tok, student_cfg, seq_len=cs.seq_len,
                              batch_size=common.per_process_batch(cs.batch_size),
-                             seed=config.seed))
+                             seed=config.seed, mode=common.sft_mode(student_cfg)))
   first: dict = {}  # step 1's metrics, restored from the checkpoint on a resume
   with MetricWriter(workdir) as writer:
     writer.write_scalars(0, data.metrics)

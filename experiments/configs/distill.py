@@ -14,6 +14,8 @@
   # (measured, 8 OPD steps: reverse KL math 0.22 -> 0.15, instruct 0.41 -> 0.36, 0 skips)
   python -m experiments.launch --config=experiments/configs/distill.py:tiny,moe \
       --workdir=workdirs/distill_tiny_moe
+  python -m experiments.launch --config=experiments/configs/distill.py:tiny,v4 \
+      --workdir=workdirs/distill_tiny_v4     # DeepSeek-V4 student and math teacher
   # the advantage form (docs/DESIGN.md §3, "Loss form") plus 0.5 x GRPO's outcome
   # advantage; every OPDConfig field is in config.opd (loss_form, adv_gamma,
   # adv_beta, adv_alpha, is_cap; defaults: the exact form)
@@ -107,7 +109,9 @@ def _teacher(model, init, domain):
 
 def _parse(arg):
   arg = config_utils.parse_arg(arg, tiny=False, job="opd", steps=0, ablation="",
-                               demo="workdirs/demo", teachers_dir="", moe=False)
+                               demo="workdirs/demo", teachers_dir="", moe=False, v4=False)
+  if arg["v4"] and not arg["tiny"]:
+    raise ValueError("config arg v4 needs tiny (a toy DeepSeek-V4 student and math teacher)")
   if arg["moe"] and not arg["tiny"]:
     raise ValueError("config arg moe needs tiny (the full-size teachers' architecture is their "
                      "checkpoints')")
@@ -173,6 +177,21 @@ def get_sweep(arg=None):
   return [{**arm, "seed": seed} for seed in SEEDS for arm in arms]
 
 
+def v4_model(width: int) -> dict:
+  """A toy DeepSeek-V4 model (``tiny,v4``): byte vocabulary, 3 layers (sliding
+  window + hash-routed MoE, CSA + MoE, HCA + MoE), window 16, one kv head."""
+  return dict(
+      vocab_size=270, d_model=width, n_layers=3, n_heads=4, n_kv_heads=1, head_dim=16,
+      moe=dict(n_routed_experts=8, experts_per_token=2, moe_d_ff=16, n_shared_experts=1,
+               router="sqrtsoftplus", routed_scaling_factor=1.5, aux_loss_coef=0.01),
+      v4=dict(layer_types=("sliding_attention", "compressed_sparse_attention",
+                           "heavily_compressed_attention"),
+              mlp_layer_types=("hash_moe", "moe", "moe"), q_lora_rank=24, rope_dim=8,
+              sliding_window=16, o_groups=2, o_lora_rank=12, csa_compress_rate=4,
+              hca_compress_rate=8, index_n_heads=4, index_head_dim=12, index_topk=4,
+              swiglu_limit=5.0))
+
+
 def get_config(arg=None):
   arg = _parse(arg)
   base = pretrain_config.get_config("tiny" if arg["tiny"] else None)
@@ -205,6 +224,9 @@ def get_config(arg=None):
     if arg["moe"]:
       c.teachers.math.model.n_layers = 2
       c.teachers.math.model.moe = ml_collections.ConfigDict(MOE_TEACHER)
+    if arg["v4"]:  # the DeepSeek-V4 architecture as student and math teacher
+      c.student.model = to_group(ModelConfig, **v4_model(32))
+      c.teachers.math.model = to_group(ModelConfig, **v4_model(48))
     c.build_teachers.sft_steps = 20
     c.optim.update(lr=3e-3, warmup_steps=1, decay_steps=7)
     c.train.update(steps=8, save_every=4, eval_every=4)

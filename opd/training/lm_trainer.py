@@ -72,6 +72,19 @@ def evaluate_loss(loss_fn, params, batches: Sequence[Mapping[str, np.ndarray]], 
   return out
 
 
+def _one_document_rows(prepare, batch):
+  """A DeepSeek-V4 model's batch (``ModelConfig.v4``): its compressed attention
+  needs each row's positions consecutive, so a packed row (segment ids > 1)
+  is refused on the host before the step; a padded row's segment ids (1 on
+  its tokens) say nothing the mask does not, and are dropped."""
+  seg = batch.get("segment_ids")
+  if seg is not None and np.size(seg) and int(np.max(seg)) > 1:
+    raise ValueError("a packed batch (segment_ids up to "
+                     f"{int(np.max(seg))}) reached a ModelConfig.v4 model: its compressed "
+                     "windows would mix documents; build the batches with mode='pad'")
+  return prepare({k: v for k, v in batch.items() if k != "segment_ids"})
+
+
 def train_lm(model_cfg: ModelConfig, batches: Iterator[Mapping[str, np.ndarray]],
              optim: OptimConfig, loop: LMTrainConfig, io: RunIO | None = None, *,
              runtime: Runtime, params: Any | LoRAStudent | None = None,
@@ -117,6 +130,10 @@ def train_lm(model_cfg: ModelConfig, batches: Iterator[Mapping[str, np.ndarray]]
   step_fn = make_train_step(student.loss(loss_fn), student.optimizer, mesh, student.shardings,
                             rules=rules, after_update=hook)
 
+  prepare = functools.partial(shard_batch, mesh=mesh, rules=rules)
+  if model_cfg.v4 is not None:  # one document per row; segment ids dropped
+    prepare = functools.partial(_one_document_rows, prepare)
+    eval_batches = [_one_document_rows(lambda b: b, b) for b in eval_batches or ()]
   jitted_eval = _jit_eval(loss_fn)  # one compile for every eval of this run
   io_eval = io.eval_fn
 
@@ -144,7 +161,7 @@ def train_lm(model_cfg: ModelConfig, batches: Iterator[Mapping[str, np.ndarray]]
         student.state, step_fn, batches, loop,
         io.replace(checkpoint_dir=None, checkpoint_manager=manager or io.checkpoint_manager,
                    config=config, eval_fn=eval_fn if has_eval else None),
-        prepare_batch=functools.partial(shard_batch, mesh=mesh, rules=rules)).state
+        prepare_batch=prepare).state
   finally:
     if manager is not None:
       manager.close()

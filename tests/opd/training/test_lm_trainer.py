@@ -156,3 +156,25 @@ def test_warmup_longer_than_the_run_is_refused_naming_both_fields(tmp_path):
     train_lm(CFG, iter([]), OptimConfig(lr=1e-3, warmup_steps=10), LMTrainConfig(steps=5),
              RunIO(checkpoint_dir=tmp_path), runtime=Runtime(mesh, sharding.DEFAULT_RULES))
   assert list(tmp_path.iterdir()) == []  # refused before any work
+
+
+def test_a_v4_model_gets_one_document_rows():
+  """DeepSeek-V4's compressed attention needs consecutive positions per row: a
+  packed batch (segment ids > 1) is refused on the host naming the fix, a
+  padded batch reaches the step without its segment ids (the mask says the same)."""
+  import numpy as np  # noqa: PLC0415
+  from opd.training import lm_trainer as lm  # noqa: PLC0415
+  padded = {"tokens": np.ones((2, 4), np.int32), "segment_ids": np.array([[1, 1, 1, 0]] * 2)}
+  got = lm._one_document_rows(lambda b: b, padded)
+  assert "segment_ids" not in got and got["tokens"] is padded["tokens"]
+  packed = dict(padded, segment_ids=np.array([[1, 1, 2, 2]] * 2))
+  with pytest.raises(ValueError, match="packed batch .* mode='pad'"):
+    lm._one_document_rows(lambda b: b, packed)
+
+
+def test_sft_mode_pads_v4_models_only():
+  from experiments import common  # noqa: PLC0415
+  from opd.models import ModelConfig  # noqa: PLC0415
+  from experiments.configs.distill import v4_model  # noqa: PLC0415
+  assert common.sft_mode(ModelConfig()) == "pack"
+  assert common.sft_mode(ModelConfig.from_dict(v4_model(32))) == "pad"
