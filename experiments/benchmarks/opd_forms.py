@@ -58,7 +58,6 @@ import sys
 import tempfile
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,7 +77,6 @@ from opd.parallel import sharding
 from opd.tasks import mixture_corpus
 from opd.tasks.tokenizer import task_tokenizer
 from opd.text.tokenizers import ByteTokenizer
-from opd.training.train_step import OptimConfig, init_train_state, make_optimizer, make_train_step
 from pallas_kernels.inputs import normalized_weights
 
 FORMS = ("exact", "advantage", "advantage_logits")
@@ -171,20 +169,8 @@ def time_step(cfg: ModelConfig, mesh, student, loss_fn, batch, constant_bytes: i
     step's loss, gradient norm and ``opd_tokens``; ``first`` is every
     metric of that first step.
   """
-  optimizer = make_optimizer(OptimConfig(lr=1e-4, weight_decay=0.1))
-  state, shardings = init_train_state(cfg, optimizer, mesh, rng=0, params=student)
-  rep = sharding.replicated(mesh)
-  batch = jax.device_put(batch, rep)
-  step = make_train_step(loss_fn, optimizer, mesh, shardings, rep)
-  t0 = time.perf_counter()
-  with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
-    compiled = step.jitted_for(batch).lower(state, batch).compile()
-  compile_s = time.perf_counter() - t0
-  m = compiled.memory_analysis()
-  xla = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
-         "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
-         "constant": constant_bytes}
-  peak = xla["argument"] + xla["output"] - xla["alias"] + xla["temp"] + constant_bytes
+  state, batch, compiled, compile_s, xla, peak = opd_step.compile_step(
+      cfg, loss_fn, student, batch, mesh, constant_bytes)
   box = {"state": state}
 
   def one_step():

@@ -268,22 +268,9 @@ def worker(method: str, sizes: dict, vocab: int, k: int, cache_dtype: str,
     loss_fn = recompute_loss(cfg, [tc.cfg for tc in teachers], opd_cfg.loss_config(),
                              jnp.dtype(opd_cfg.cache_dtype))
     constant_bytes = 0
-  optimizer = make_optimizer(OptimConfig(lr=1e-4, weight_decay=0.1))
-  state, shardings = init_train_state(cfg, optimizer, mesh, rng=0, params=su["student"])
-  rep = sharding.replicated(mesh)
-  batch = jax.device_put(batch, rep)
+  state, batch, compiled, compile_s, xla, peak = compile_step(
+      cfg, loss_fn, su["student"], batch, mesh, constant_bytes)
   entries = kernel_entries(loss_fn, state.params, batch, mesh)
-  step = make_train_step(loss_fn, optimizer, mesh, shardings, rep)
-
-  t0 = time.perf_counter()
-  with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
-    compiled = step.jitted_for(batch).lower(state, batch).compile()
-  compile_s = time.perf_counter() - t0
-  m = compiled.memory_analysis()
-  xla = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
-         "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
-         "constant": constant_bytes}
-  peak = xla["argument"] + xla["output"] - xla["alias"] + xla["temp"] + constant_bytes
   row = {"method": method, "V": vocab, "K": k, "kernel_entries": entries,
          "kernel_impl": resolve_impl(opd_cfg.loss_config().impl) if entries else None,
          "compile_s": compile_s, "xla_bytes": xla, "xla_peak_bytes": peak,
@@ -386,6 +373,29 @@ def _parse(argv):
   p.add_argument("--out", default="benchmark_results")
   p.add_argument("--worker", nargs=3, metavar=("METHOD", "V", "K"), help=argparse.SUPPRESS)
   return sized_args(p.parse_args(argv))
+
+
+def compile_step(cfg, loss_fn, params, batch, mesh, constant_bytes: int):
+  """One OPD training step of ``cfg`` from ``params``, compiled for ``batch``
+  (replicated on ``mesh``): ``(state, device batch, compiled step, compile
+  seconds, XLA byte counts, peak bytes)``; the peak is argument + output −
+  alias + temp + the ``constant_bytes`` the program embeds (shared with the
+  other OPD step benchmarks)."""
+  optimizer = make_optimizer(OptimConfig(lr=1e-4, weight_decay=0.1))
+  state, shardings = init_train_state(cfg, optimizer, mesh, rng=0, params=params)
+  rep = sharding.replicated(mesh)
+  batch = jax.device_put(batch, rep)
+  step = make_train_step(loss_fn, optimizer, mesh, shardings, rep)
+  t0 = time.perf_counter()
+  with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
+    compiled = step.jitted_for(batch).lower(state, batch).compile()
+  compile_s = time.perf_counter() - t0
+  m = compiled.memory_analysis()
+  xla = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
+         "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
+         "constant": constant_bytes}
+  peak = xla["argument"] + xla["output"] - xla["alias"] + xla["temp"] + constant_bytes
+  return state, batch, compiled, compile_s, xla, peak
 
 
 def sized_args(args):
