@@ -25,11 +25,17 @@ from absl import app, flags
 
 from experiments import common
 
-flags.DEFINE_string("workdir", None, "a grm run directory")
-flags.DEFINE_string("stages", "cold_start,rft,rule_rl", "comma-separated GRM stages")
-flags.DEFINE_string("ks", "1,4", "comma-separated k of voting@k")
-flags.DEFINE_string("out", None, "where the results go (default <workdir>/yardstick)")
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The command line's flags, defined when run as a program (not at import:
+  ``experiments.grm_compare`` defines a ``--ks`` of its own, and a process that
+  imports both must not see the flag twice)."""
+  flags.DEFINE_string("workdir", None, "a grm run directory")
+  flags.DEFINE_string("stages", "cold_start,rft,rule_rl", "comma-separated GRM stages")
+  flags.DEFINE_string("ks", "1,4", "comma-separated k of voting@k")
+  flags.DEFINE_string("out", None, "where the results go (default <workdir>/yardstick)")
 
 
 def parse_ks(text: str) -> tuple[int, ...]:
@@ -85,4 +91,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

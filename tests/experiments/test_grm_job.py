@@ -335,6 +335,7 @@ def test_grm_yardstick_cli_resamples_the_benchmark_without_a_meta_rm(run, tmp_pa
 
 
 def test_grm_yardstick_bad_arguments_name_the_flag(tmp_path):
+  from experiments import grm_compare  # noqa: F401  (defines its own --ks at import)
   from experiments import grm_yardstick
   assert grm_yardstick.parse_ks("1,4") == (1, 4)
   for text in ("0", "1,x", ""):
