@@ -87,6 +87,17 @@ def tokenizer_for(model_cfg: ModelConfig, workdir: str | pathlib.Path | None = N
 LORA_FIELDS = ("rank", "alpha", "targets", "base_dtype")  # experiments.configs.common.lora_group
 
 
+def steps_logged(run_dir: str | pathlib.Path) -> int:
+  """Training steps a run has logged (distinct steps > 0 of its
+  ``metrics.jsonl``). The loop cuts the log back to the checkpoint on a
+  resume, so this counts a resumed run's steps as an uninterrupted run's,
+  where a launch's own history holds only the steps it ran."""
+  path = pathlib.Path(run_dir) / "metrics.jsonl"
+  if not path.exists():
+    return 0
+  return len({int(r["step"]) for r in read_metrics(path) if int(r.get("step", 0)) > 0})
+
+
 def sft_mode(model_cfg: ModelConfig, mode: str = "pack") -> str:
   """``mode`` for SFT batches of ``model_cfg``: a DeepSeek-V4 model's compressed
   attention needs each row's positions consecutive, so its rows are padded,

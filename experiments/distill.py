@@ -145,7 +145,9 @@ def run_opd(config, workdir: str) -> dict:
            common.plot_curves(root, keys=[f"skips/{n}/{r}" for n in names
                                           for r in ("error", "timeout", "shape", "nonfinite")],
                               filename="skips.png", title="teacher skips")]
-  metrics = {"steps": len(out.history), "updates": int(out.state.step), "wall_s": timer.seconds,
+  # The whole run's steps (a resumed launch's history holds only its own).
+  metrics = {"steps": common.steps_logged(root) or len(out.history),
+             "updates": int(out.state.step), "wall_s": timer.seconds,
              "plots": ",".join(str(p) for p in plots if p)}
   for n in names:
     if first:

@@ -260,3 +260,15 @@ def test_stage_checks_run_before_the_first_stage(tmp_path):
   with pytest.raises(ValueError, match=r"config.benchmark.ks=0.001 bad"):
     common.Stages.of(tmp_path / "run").run_all(chain)
   assert not calls and not (tmp_path / "run").exists()
+
+
+def test_steps_logged_counts_a_resumed_runs_steps_once(tmp_path):
+  """experiments.common.steps_logged: distinct steps > 0 of metrics.jsonl (step 0
+  is the eval before training; a step written twice, as a resume replays the
+  rows after the checkpoint, counts once)."""
+  import json  # noqa: PLC0415
+  rows = [{"step": 0, "eval/x": 1.0}] + [{"step": s, "loss": 1.0} for s in (1, 2, 3, 4)]
+  rows += [{"step": 4, "eval/x": 0.5}] + [{"step": s, "loss": 0.9} for s in (5, 6)]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  assert common.steps_logged(tmp_path) == 6
+  assert common.steps_logged(tmp_path / "nowhere") == 0
