@@ -31,6 +31,7 @@ from opd.parallel import sharding
 from opd.training.files import atomic_write_json, read_json
 from opd.training.metrics_writer import MetricWriter, read_metrics
 from opd.models import ModelConfig
+from opd.models.config import with_added_fields
 from opd.tasks.tokenizer import task_tokenizer
 from opd.text.bpe import BPETokenizer
 from opd.text.tokenizers import ByteTokenizer, check_vocab
@@ -267,19 +268,26 @@ RECORD = "stage.json"  # a stage's record: its config's digest and its inputs' r
 # field matches a stage config holding exactly that value (and no other).
 ADDED_FIELDS = {"opd.teacher_temperature": 1.0, "generator.refine_fraction": 0.0,
                 "eval.all_if_fewer": False}
-# The same for ModelConfig fields added later, under any model group
-# (``model``, ``student.model``, ``teachers.<name>.model``, ...): the values
-# that mean the feature is off, which is what a model saved before it ran.
-ADDED_MODEL_FIELDS = {"moe": None, "mla": None, "v4": None, "tokenizer": "byte"}
 
 
 def _added(key: str, want) -> bool:
-  """A field missing from a saved config that was added later at ``want``."""
-  parts = key.split(".")
+  """A field missing from a saved config that was added later at ``want``:
+  one of :data:`ADDED_FIELDS`, or a ``ModelConfig`` field under any model
+  group (``model``, ``student.model``, ``teachers.<name>.model``, ...) at its
+  "off" default (``opd.models.config.with_added_fields``)."""
   if key in ADDED_FIELDS:
     return ADDED_FIELDS[key] == want
-  return (len(parts) >= 2 and parts[-2] == "model" and parts[-1] in ADDED_MODEL_FIELDS
-          and ADDED_MODEL_FIELDS[parts[-1]] == want)
+  parts = key.split(".")
+  if len(parts) < 2 or parts[-2] != "model":
+    return False
+  defaults = with_added_fields({})
+  return parts[-1] in defaults and _plain(defaults[parts[-1]]) == want
+
+
+def _plain(value):
+  """A dataclass default as ``config_to_dict`` writes it (None and scalars as they are)."""
+  return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+
 
 # ``--rerun_downstream`` (experiments.launch): a stage whose inputs changed is
 # moved aside and rerun instead of refused.
@@ -302,8 +310,8 @@ class StaleStageError(ValueError):
 
 def stage_mismatches(saved, cfg) -> list[tuple[str, Any, Any]]:
   """``config_mismatches`` of a saved stage config against ``cfg``, except
-  :data:`ADDED_FIELDS` and :data:`ADDED_MODEL_FIELDS` missing from the saved
-  one at their reproducing value. A field only the saved config holds is not a
+  fields added later (``_added``) missing from the saved one at their
+  reproducing value. A field only the saved config holds is not a
   mismatch (a stage config that stops holding a field it never read still
   matches its old runs)."""
   bad = config_mismatches(saved, config_to_dict(cfg))

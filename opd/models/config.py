@@ -363,6 +363,17 @@ class ModelConfig:
     return self.n_layers * (proj + attn) + mlp + 2 * D * V
 
 
+def with_added_fields(saved: Mapping[str, Any]) -> dict[str, Any]:
+  """A model config saved before some ``ModelConfig`` fields existed, completed
+  with those fields' defaults. Every field added to ``ModelConfig`` defaults to
+  "off" (``moe``/``mla``/``v4`` None, ``tokenizer`` "byte"), which is what the
+  saved model was; the checkpoint loader and the stage compare read old
+  records through this one rule."""
+  added = {f.name: f.default for f in dataclasses.fields(ModelConfig)
+           if f.name not in saved and f.default is not dataclasses.MISSING}
+  return {**added, **saved}
+
+
 def to_model_config(model: Mapping[str, Any], where: str = "config.model") -> ModelConfig:
   """The decoder's ``ModelConfig`` from a config group (``opd.config.from_group``).
 

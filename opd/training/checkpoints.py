@@ -444,6 +444,7 @@ def load_params(directory: str | os.PathLike, model_cfg, *, step: int | None = N
   """
   from opd.parallel import sharding
   from opd.models import init_params, param_logical_axes
+  from opd.models.config import with_added_fields
   from opd.training import lora_state
 
   mngr = CheckpointManager(directory, max_to_keep=None)
@@ -455,11 +456,8 @@ def load_params(directory: str | os.PathLike, model_cfg, *, step: int | None = N
       raise ValueError(f"checkpoint {path} has no 'model' entry in its config; cannot check "
                        "that it matches the requested ModelConfig")
     # A field the model config gained after this checkpoint was written takes
-    # its default, the value meaning "off" (e.g. moe/mla/v4 None, tokenizer
-    # "byte"): what the checkpoint's model was.
-    added = {f.name: f.default for f in dataclasses.fields(model_cfg)
-             if f.name not in saved and f.default is not dataclasses.MISSING}
-    bad = config_mismatches({**added, **saved}, model_cfg.to_dict())
+    # its "off" default: what the checkpoint's model was.
+    bad = config_mismatches(with_added_fields(saved), model_cfg.to_dict())
     if bad:
       detail = "; ".join(f"model.{name}: checkpoint has {have!r}, expected {want!r}"
                          for name, have, want in bad)
