@@ -148,15 +148,21 @@ def run_students(config, stages: common.Stages, grpo_dirs,
   """Cold start → OPD → annealing for every seed; ``{seed: {stage: run dir}}``."""
   out = {}
   for seed in config.student_seeds:
-    dirs, init, read = {}, _ckpt(base_dir), base_dir
+    dirs, read = {}, base_dir
     for stage in STUDENT_STAGES:
-      fn = distill_job.run_cold_start if stage == "cold_start" else distill_job.run_opd
-      _, d = stages.run(f"student seed {seed}: {stage}", fn,
-                        student_stage_config(config, stage, grpo_dirs, init, seed),
-                        f"student/seed{seed}/{stage}", [read, *grpo_dirs.values()])
-      dirs[stage], init, read = d, _ckpt(d), d
+      dirs[stage] = read = run_student_stage(config, stages, grpo_dirs, stage, read, seed)
     out[seed] = dirs
   return out
+
+
+def run_student_stage(config, stages: common.Stages, grpo_dirs, stage: str,
+                      start: pathlib.Path, seed: int) -> pathlib.Path:
+  """One student stage of ``seed`` from the run directory ``start``; its run dir."""
+  fn = distill_job.run_cold_start if stage == "cold_start" else distill_job.run_opd
+  _, d = stages.run(f"student seed {seed}: {stage}", fn,
+                    student_stage_config(config, stage, grpo_dirs, _ckpt(start), seed),
+                    f"student/seed{seed}/{stage}", [start, *grpo_dirs.values()])
+  return d
 
 
 # Baselines that train the student's own network (from the cold start, or
@@ -249,11 +255,8 @@ def run(config, workdir: str) -> dict:
   student_base = run_student_base(config, stages, base_dir)
   # The positive control first (it needs only the first seed's cold start,
   # which run_students then finds finished): it sizes OPD's budget.
-  seed0 = config.student_seeds[0]
-  _, cold0 = stages.run(f"student seed {seed0}: cold_start", distill_job.run_cold_start,
-                        student_stage_config(config, "cold_start", grpo_dirs,
-                                             _ckpt(student_base), seed0),
-                        f"student/seed{seed0}/cold_start", [student_base, *grpo_dirs.values()])
+  cold0 = run_student_stage(config, stages, grpo_dirs, "cold_start", student_base,
+                            config.student_seeds[0])
   control = positive_control.run(config, stages, grpo_dirs, cold0, student_stage_config)
   students = run_students(config, stages, grpo_dirs, student_base)
   first = students[config.student_seeds[0]]
