@@ -26,3 +26,18 @@ def projected_gradients(adapters, g_full, scale, layers):
       g = matrix(g_full[layer][module][name], n_in)
       out[(layer, name)] = (scale * g @ b.T, scale * a.T @ g, g)
   return out
+
+
+def opd_loss_and_batch(cfg):
+  """The fused full-vocabulary OPD loss of ``cfg`` with one teacher of width 24,
+  and a random batch of 2 rows x 8 tokens for it (seeded)."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from opd.distill.loss import OPDLossConfig, make_opd_loss  # noqa: PLC0415
+  head = 0.3 * jax.random.normal(jax.random.key(10), (24, cfg.vocab_size))
+  tokens = jax.random.randint(jax.random.key(11), (2, 8), 0, cfg.vocab_size)
+  batch = {"tokens": tokens, "targets": jnp.roll(tokens, -1, axis=1),
+           "mask": jnp.ones((2, 8), bool), "loss_mask": jnp.ones((2, 8), jnp.float32),
+           "teacher_hidden": (jax.random.normal(jax.random.key(12), (2, 8, 24)),),
+           "teacher_weights": jnp.ones((2, 8, 1), jnp.float32)}
+  return make_opd_loss(cfg, [head], OPDLossConfig(estimator="full")), batch

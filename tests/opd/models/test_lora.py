@@ -1,19 +1,17 @@
 """opd.models.lora: the adapter transform, its gradient, a frozen-base train step, export."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from opd.distill.loss import OPDLossConfig, make_opd_loss
 from opd.models import ModelConfig, init_params
 from opd.models.decoder import forward
 from opd.models.hf import load_hf, save_hf
 from opd.models.lora import (TARGETS, LoRAConfig, lora_apply, lora_init, lora_merge,
                              lora_param_count)
 from opd.training.objectives import next_token_loss
-from lora_checks import matrix, projected_gradients  # tests/ (on sys.path via conftest.py)
+from lora_checks import matrix, opd_loss_and_batch, projected_gradients  # tests/ (on sys.path via conftest.py)
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                   d_ff=48, qk_norm=True)
@@ -60,13 +58,7 @@ def test_fresh_adapters_leave_the_model_unchanged():
 
 def _opd_loss_and_batch():
   """The fused full-vocabulary OPD loss with one teacher of width 24."""
-  head = 0.3 * jax.random.normal(jax.random.key(10), (24, CFG.vocab_size))
-  tokens = jax.random.randint(jax.random.key(11), (2, 8), 0, CFG.vocab_size)
-  batch = {"tokens": tokens, "targets": jnp.roll(tokens, -1, axis=1),
-           "mask": jnp.ones((2, 8), bool), "loss_mask": jnp.ones((2, 8), jnp.float32),
-           "teacher_hidden": (jax.random.normal(jax.random.key(12), (2, 8, 24)),),
-           "teacher_weights": jnp.ones((2, 8, 1), jnp.float32)}
-  return make_opd_loss(CFG, [head], OPDLossConfig(estimator="full")), batch
+  return opd_loss_and_batch(CFG)
 
 
 def _lm_loss_and_batch():

@@ -12,8 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from lora_checks import matrix, projected_gradients  # tests/ (on sys.path via conftest.py)
-from opd.distill.loss import OPDLossConfig, make_opd_loss
+from lora_checks import matrix, opd_loss_and_batch, projected_gradients  # tests/ (on sys.path via conftest.py)
 from opd.distill.source import OPDConfig
 from opd.distill.teachers import Teacher
 from opd.distill.trainer import train_opd
@@ -152,13 +151,7 @@ def test_lora_opd_step_gradient_is_the_full_gradient_projected(mesh, base, monke
                                          list(jax.random.split(jax.random.key(2), len(
                                              jax.tree.leaves(student.state.params["lora"]))))))
   state = student.state.replace(params={**student.state.params, "lora": lora})
-  head = 0.3 * jax.random.normal(jax.random.key(10), (24, CFG.vocab_size))
-  tokens = jax.random.randint(jax.random.key(11), (2, 8), 0, CFG.vocab_size)
-  batch = {"tokens": tokens, "targets": jnp.roll(tokens, -1, axis=1),
-           "mask": jnp.ones((2, 8), bool), "loss_mask": jnp.ones((2, 8), jnp.float32),
-           "teacher_hidden": (jax.random.normal(jax.random.key(12), (2, 8, 24)),),
-           "teacher_weights": jnp.ones((2, 8, 1), jnp.float32)}
-  loss = make_opd_loss(CFG, [head], OPDLossConfig(estimator="full"))
+  loss, batch = opd_loss_and_batch(CFG)
   step = make_train_step(student.loss(loss), student.optimizer, mesh, student.shardings,
                          donate=False)
   new, metrics = step(state, batch)
