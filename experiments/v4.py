@@ -60,12 +60,16 @@ def _copy(group) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(group.to_dict())
 
 
-def _teachers(config, grpo_dirs) -> ml_collections.ConfigDict:
+def _teachers(config, grpo_dirs, shift: int = 0) -> ml_collections.ConfigDict:
+  """Domain ``d_i``'s teacher: the specialist of ``d_{(i + shift) mod K}``
+  (``shift`` 0: its own; ≠ 0: the negative control, ``config.teacher_shift``)."""
   model = config.specialists.model
+  domains = [d for d in config.specialists.domains if d in grpo_dirs]
   return ml_collections.ConfigDict({
-      d: ml_collections.ConfigDict(dict(init=str(pathlib.Path(grpo_dirs[d]) / "checkpoints"),
-                                        domain=d, model=_copy(model)))
-      for d in config.specialists.domains if d in grpo_dirs})
+      d: ml_collections.ConfigDict(dict(
+          init=str(pathlib.Path(grpo_dirs[domains[(i + shift) % len(domains)]]) / "checkpoints"),
+          domain=d, model=_copy(model)))
+      for i, d in enumerate(domains)})
 
 
 def student_stage_config(config, stage: str, grpo_dirs, student_init: str,
@@ -86,7 +90,10 @@ def student_stage_config(config, stage: str, grpo_dirs, student_init: str,
   c.sharding_rules = config.specialists.sharding_rules
   c.student = ml_collections.ConfigDict(dict(init=student_init,
                                              model=_copy(student_model(config))))
-  c.teachers = _teachers(config, grpo_dirs)
+  # The cold start always learns from the right specialists; the negative
+  # control (teacher_shift ≠ 0) misroutes OPD and annealing only.
+  c.teachers = _teachers(config, grpo_dirs,
+                         0 if stage == "cold_start" else config.get("teacher_shift", 0))
   c.data = _copy(config.data)
   # The teachers are the specialists: nothing is built (a fixed group, so no
   # stage depends on another stage's optimizer settings).
@@ -101,6 +108,7 @@ def student_stage_config(config, stage: str, grpo_dirs, student_init: str,
   c.train = _copy(config.opd_train)
   if stage == "opd":
     c.opd.anneal_steps = 0
+    c.opd.anneal_to = "uniform"  # no annealing: an anneal_to lever reuses the OPD stage
   else:
     steps = config.anneal.steps
     c.opd.anneal_steps = steps

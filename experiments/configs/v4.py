@@ -69,6 +69,10 @@ def get_config(arg=None):
   c.student_width = 0
   c.specialists = spec
   c.student_seeds = tuple(range(arg["seeds"]))
+  # Negative control: OPD and annealing route domain i's prompts to the
+  # specialist of domain i + teacher_shift (0: the right one). Run it with
+  # --config.positive_control.steps=0 in its own workdir (docs/RESULTS.md).
+  c.teacher_shift = 0
   c.report_metric = "reward@1"
   # Held-out test sets: every row scored the same way, greedy and mean@4.
   c.eval = to_group(EvalConfig, omit=("domains",), n_per_domain=60, max_new_tokens=80,

@@ -87,6 +87,7 @@ from opd.training.train_step import shard_batch
 __all__ = ["OPDConfig", "OPDSource", "SCHEDULES"]
 
 SCHEDULES = ("routing", "confidence", "uniform")
+ANNEAL_TARGETS = ("uniform", "confidence")
 _FLAGS = ("finite", "loss_finite", "grads_finite")
 
 
@@ -111,7 +112,11 @@ class OPDConfig:
     confidence_by: ``"logprob"`` or ``"neg_entropy"`` (confidence schedule).
     confidence_temperature: softmax temperature over the teachers' confidence.
     confidence_per_token: one weight vector per token instead of per sequence.
-    anneal_steps: weights move linearly to uniform over this many final steps.
+    anneal_steps: weights move linearly to ``anneal_to`` over this many final
+      steps.
+    anneal_to: ``"uniform"`` (the seed's) or ``"confidence"`` (the confidence
+      schedule's weights, scored by ``confidence_by`` / ``_temperature`` /
+      ``_per_token``); every teacher then answers every row while annealing.
     estimator: ``"full"``, ``"top_k"`` or ``"token"`` (``opd.distill.loss``).
     loss_form: ``"exact"`` (the estimator's loss, default) or ``"advantage"``
       (``opd.distill.advantage``: the sampled-token log-ratio as a per-token
@@ -154,6 +159,7 @@ class OPDConfig:
   confidence_temperature: float = 1.0
   confidence_per_token: bool = False
   anneal_steps: int = 0
+  anneal_to: str = "uniform"
   estimator: str = "full"
   top_k: int = 8
   aggregation: str = "token_mean"
@@ -187,7 +193,8 @@ class OPDConfig:
         non_negative=("forward_kl_coef", "grpo_coef", "grpo_clip_eps_high"),
         floats={"grpo_clip_eps_low": dict(min_value=0, max_value=1, max_exclusive=True)},
         bools=("confidence_per_token", "verify", "domain_balance"),
-        choices={"schedule": SCHEDULES, "confidence_by": teacher_weighting.SCORES,
+        choices={"schedule": SCHEDULES, "anneal_to": ANNEAL_TARGETS,
+                 "confidence_by": teacher_weighting.SCORES,
                  "estimator": ESTIMATORS, "aggregation": AGGREGATIONS,
                  "cache_dtype": ("bfloat16", "float16", "float32")})
     advantage_lib.check_form_fields(self, owner, "loss_form")
@@ -288,11 +295,12 @@ class OPDSource(PromptPosition):
     self.names = teachers.names + (cross.names if cross is not None else ())
     if cross is not None:
       if set(cross.names) & set(teachers.names) or cfg.loss_form != "advantage" or (
-          cfg.schedule == "confidence"):
+          "confidence" in (cfg.schedule, cfg.anneal_to)):
         raise ValueError(f"cross-tokenizer teachers {list(cross.names)} need distinct names "
                          f"(teachers {list(teachers.names)}), OPDConfig.loss_form='advantage' "
-                         f"(got {cfg.loss_form!r}) and a schedule other than 'confidence' (got "
-                         f"{cfg.schedule!r}: it scores the student's tokens)")
+                         f"(got {cfg.loss_form!r}) and a schedule / anneal_to other than "
+                         f"'confidence' (got {cfg.schedule!r} / {cfg.anneal_to!r}: it scores the "
+                         "student's tokens)")
     if not (len(self.names) == len(self.heads) == len(self.domains)):
       raise ValueError(f"teachers ({len(self.names)}), heads ({len(self.heads)}) and domains "
                        f"({len(self.domains)}) must have one entry per teacher")
@@ -322,25 +330,36 @@ class OPDSource(PromptPosition):
   def _weights(self, examples, cached, host, t: int, step: int):
     """[B, T, K] scheduled, annealed weights (before skips)."""
     cfg, k = self.cfg, len(self.names)
+    total = max(self.total_steps, step + 1)
     if cfg.schedule == "routing":
       w = teacher_weighting.routing_weights([ex.domain for ex in examples], self.domains, t)
     elif cfg.schedule == "uniform":
       w = teacher_weighting.uniform_weights(len(examples), t, k)
     else:
-      hidden = [h.astype(np.float32) for h in cached.hidden]
-      scores = teacher_weighting.confidence_scores(
-          hidden, self.heads, jax.numpy.asarray(host["targets"]), score=cfg.confidence_by,
-          temperature=cfg.kl_temperature)
-      w = teacher_weighting.confidence_weights(
-          scores, host["loss_mask"] > 0, temperature=cfg.confidence_temperature,
-          per="token" if cfg.confidence_per_token else "sequence")
-    return teacher_weighting.anneal(w, step, max(self.total_steps, step + 1), cfg.anneal_steps)
+      w = self._confidence(cached, host)
+    target = None
+    if cfg.anneal_to == "confidence" and teacher_weighting.anneal_alpha(
+        step, total, cfg.anneal_steps) > 0:
+      target = w if cfg.schedule == "confidence" else self._confidence(cached, host)
+    return teacher_weighting.anneal(w, step, total, cfg.anneal_steps, target=target)
+
+  def _confidence(self, cached, host):
+    """[B, T, K] the confidence schedule's weights on this batch's rows."""
+    cfg = self.cfg
+    hidden = [h.astype(np.float32) for h in cached.hidden]
+    scores = teacher_weighting.confidence_scores(
+        hidden, self.heads, jax.numpy.asarray(host["targets"]), score=cfg.confidence_by,
+        temperature=cfg.kl_temperature)
+    return teacher_weighting.confidence_weights(
+        scores, host["loss_mask"] > 0, temperature=cfg.confidence_temperature,
+        per="token" if cfg.confidence_per_token else "sequence")
 
   def _routed_rows(self, examples, t: int, step: int) -> np.ndarray | None:
     """[B] teacher index when this step's weights are one-hot per row (routing,
     not annealing yet): each teacher then runs over its own rows only."""
-    if self.cfg.schedule != "routing" or self.cross is not None:
-      return None
+    if self.cfg.schedule != "routing" or self.cross is not None or (
+        self.cfg.anneal_to == "confidence" and self.cfg.anneal_steps > 0):
+      return None  # confidence weights need every teacher on every row
     w = np.asarray(self._weights(examples, None, None, 1, step))[:, 0, :]
     if not np.all((w > 0).sum(axis=1) == 1):
       return None

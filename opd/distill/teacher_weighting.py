@@ -11,8 +11,9 @@ K is the number of teachers here. Three schedules:
   token;
 * uniform (:func:`uniform_weights`).
 
-Then :func:`anneal` moves the weights linearly to uniform over the final
-``anneal_steps`` steps (exactly uniform at the last step), and
+Then :func:`anneal` moves the weights linearly to uniform (or to the
+confidence weights) over the final ``anneal_steps`` steps (exactly the target
+at the last step), and
 :func:`apply_availability` zeroes the weights of teachers skipped for a row
 and renormalises each token over the teachers left; a row with none left is
 masked out of the loss.
@@ -139,31 +140,46 @@ def confidence_weights(scores: jax.Array, mask: jax.Array, *, temperature: float
   return jax.nn.softmax(scores / temperature, axis=-1)
 
 
-def anneal(weights: jax.Array, step: int, total_steps: int, anneal_steps: int) -> jax.Array:
-  """Moves the weights linearly to uniform over the last ``anneal_steps`` steps.
+def anneal(weights: jax.Array, step: int, total_steps: int, anneal_steps: int,
+           target: jax.Array | None = None) -> jax.Array:
+  """Moves the weights linearly to ``target`` (uniform by default) over the
+  last ``anneal_steps`` steps.
 
   With steps numbered ``0 .. total_steps − 1`` the mix is
-  ``(1 − α) ŵ + α / K`` with ``α = (step − (total_steps − anneal_steps) + 1) /
-  anneal_steps`` clipped to [0, 1]; ``α = 1`` (exactly uniform) at the last
-  step. ``ŵ`` is ``weights`` renormalised per token.
+  ``(1 − α) ŵ + α t̂`` with ``α = (step − (total_steps − anneal_steps) + 1) /
+  anneal_steps`` clipped to [0, 1]; ``α = 1`` (exactly the target) at the
+  last step. ``ŵ`` and ``t̂`` are ``weights`` and ``target`` renormalised per
+  token; the uniform target is ``1 / K``.
 
   Args:
     weights: [B, T, K] >= 0, each token summing to a positive number.
     step, total_steps, anneal_steps: ints, ``0 <= anneal_steps <= total_steps``.
+    target: None (uniform) or [B, T, K] like ``weights`` (e.g. the
+      confidence weights, ``OPDConfig.anneal_to="confidence"``).
   """
   for name, v in (("step", step), ("total_steps", total_steps), ("anneal_steps", anneal_steps)):
     if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
       raise ValueError(f"{name}={v!r} must be a non-negative int")
   if anneal_steps > total_steps:
     raise ValueError(f"anneal_steps={anneal_steps} exceeds total_steps={total_steps}")
+  if target is not None and tuple(target.shape) != tuple(weights.shape):
+    raise ValueError(f"anneal target shape {tuple(target.shape)} != weights shape "
+                     f"{tuple(weights.shape)}")
   w = normalize(weights)
-  if anneal_steps == 0:
+  alpha = anneal_alpha(step, total_steps, anneal_steps)
+  if alpha == 0.0:
     return w
-  alpha = min(max((step - (total_steps - anneal_steps) + 1) / anneal_steps, 0.0), 1.0)
-  uniform = jnp.full_like(w, 1.0 / w.shape[-1])
+  goal = jnp.full_like(w, 1.0 / w.shape[-1]) if target is None else normalize(target)
   if alpha == 1.0:
-    return uniform
-  return (1.0 - alpha) * w + alpha * uniform
+    return goal
+  return (1.0 - alpha) * w + alpha * goal
+
+
+def anneal_alpha(step: int, total_steps: int, anneal_steps: int) -> float:
+  """:func:`anneal`'s mixing fraction α at ``step`` (0 when not annealing)."""
+  if anneal_steps == 0:
+    return 0.0
+  return min(max((step - (total_steps - anneal_steps) + 1) / anneal_steps, 0.0), 1.0)
 
 
 def normalize(weights: jax.Array) -> jax.Array:

@@ -52,6 +52,7 @@ def _stage_configs(c):
     ("anneal.steps", 3, {"anneal"}),
     ("cold_start.steps", 7, {"cold_start"}),
     ("cold_start_optim.lr", 2e-3, {"cold_start"}),
+    ("opd.anneal_to", "confidence", {"anneal"}),  # OPD does not anneal: reused
 ])
 def test_a_lever_changes_only_the_stage_configs_of_the_stages_it_reaches(field, value, changed):
   """What ``--config.reuse_from`` reruns: a stage whose config a lever leaves
@@ -62,3 +63,20 @@ def test_a_lever_changes_only_the_stage_configs_of_the_stages_it_reaches(field, 
   c[group][name] = value
   after = _stage_configs(c)
   assert {s for s in v4.STUDENT_STAGES if before[s] != after[s]} == changed
+
+
+def test_the_teacher_shift_misroutes_opd_and_annealing_only():
+  """The negative control: domain i's OPD teacher is the specialist of domain
+  i + shift (mod K); the cold start keeps the right specialists."""
+  c = v4_config.get_config("tiny")
+  domains = list(c.specialists.domains)
+  right = _stage_configs(c)
+  c.teacher_shift = 1
+  shifted = _stage_configs(c)
+  assert shifted["cold_start"] == right["cold_start"]
+  for stage in ("opd", "anneal"):
+    for i, d in enumerate(domains):
+      t = shifted[stage]["teachers"][d]
+      assert t["domain"] == d
+      assert t["init"] == f"/runs/{domains[(i + 1) % len(domains)]}/checkpoints" != (
+          right[stage]["teachers"][d]["init"])

@@ -152,3 +152,53 @@ def test_each_teachers_diagnostics_cover_only_the_rows_it_answered(mesh, student
     for key, want in ref.items():
       got = metrics[f"diag/{t.name}/{key}"]
       assert abs(got - want) <= tol, (t.name, key, got, want, tol)
+
+
+def _np_confidence(batch, heads):
+  """[B, K] float64 numpy: softmax over teachers of each row's mean log-prob
+  of the sampled response tokens (the confidence schedule, per sequence, τ = 1)."""
+  lm = np.asarray(batch["loss_mask"]) > 0
+  targets = np.asarray(batch["targets"])
+  means = []
+  for h, w in zip(batch["teacher_hidden"], heads):
+    lp = _np_log_softmax(np.asarray(h, np.float64) @ np.asarray(w, np.float64))
+    tok = np.take_along_axis(lp, targets[..., None], -1)[..., 0]
+    means.append((tok * lm).sum(1) / lm.sum(1))
+  c = np.stack(means, -1)
+  e = np.exp(c - c.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def test_routing_annealed_to_confidence_ends_at_the_confidence_weights(mesh, student, teachers):
+  """``anneal_to="confidence"`` over the whole run (2 steps): the weights are
+  ``(1 - a) onehot(domain) + a c`` with a = 1/2, then 1, where ``c`` is the
+  confidence schedule's per-row softmax of mean log-probs, here recomputed in
+  float64 numpy from the batch's own teacher hidden states and heads; every
+  teacher answers every row (no routed rows)."""
+  k = len(teachers)
+  cfg = OPD.replace(anneal_steps=2, anneal_to="confidence")
+  source = make_source(teachers, mesh, cfg, total_steps=2)
+  heads = [t.params["lm_head"] for t in teachers]
+  state = types.SimpleNamespace(params=student)
+  for step, alpha in ((0, 0.5), (1, 1.0)):
+    batch, metrics = source.next_batch(state, step)
+    domains = row_domains(batch)
+    lm = np.asarray(batch["loss_mask"]) > 0
+    expected = (1 - alpha) * np.eye(k)[domains] + alpha * _np_confidence(batch, heads)
+    assert np.abs(expected - np.eye(k)[domains]).max() > 1e-3  # the target is not routing
+    w = np.asarray(batch["teacher_weights"])
+    # Log-probs of sharp teachers (|logit| up to ~100) in float32 against
+    # float64: ~1e-5 absolute, a weight moves by at most that.
+    for b in range(w.shape[0]):
+      np.testing.assert_allclose(w[b][lm[b]], np.broadcast_to(expected[b], (lm[b].sum(), k)),
+                                 rtol=0, atol=1e-4)
+    mask = np.asarray(batch["mask"]) > 0
+    for h in batch["teacher_hidden"]:
+      h = np.asarray(h)
+      assert all(np.abs(h[b][mask[b]]).max() > 0 for b in range(h.shape[0]))
+    assert metrics["opd/skipped_step"] == 0
+
+
+def test_anneal_to_must_be_a_known_target():
+  with pytest.raises(ValueError, match="anneal_to"):
+    OPD.replace(anneal_to="routing")

@@ -146,3 +146,17 @@ def test_confidence_weights_under_jit_sum_to_one():
   got = jax.jit(lambda s: teacher_weighting.confidence_weights(
       s, jnp.ones((2, 3), bool), per="token"))(scores)
   np.testing.assert_allclose(np.asarray(got).sum(-1), 1.0, rtol=0, atol=8 * EPS32)
+
+
+def test_anneal_towards_a_target_mixes_the_renormalised_target():
+  rng = np.random.default_rng(3)
+  w = rng.random((2, 3, 4)).astype(np.float32) + 0.1
+  t = rng.random((2, 3, 4)).astype(np.float32) + 0.1
+  w_hat, t_hat = w / w.sum(-1, keepdims=True), t / t.sum(-1, keepdims=True)
+  total, n = 6, 3
+  for step in range(total):
+    got = np.asarray(teacher_weighting.anneal(jnp.asarray(w), step, total, n, jnp.asarray(t)))
+    alpha = min(max((step - (total - n) + 1) / n, 0.0), 1.0)
+    np.testing.assert_allclose(got, (1 - alpha) * w_hat + alpha * t_hat, rtol=0, atol=4 * EPS32)
+  with pytest.raises(ValueError, match=r"target shape \(2, 3\) != weights shape \(2, 3, 4\)"):
+    teacher_weighting.anneal(jnp.asarray(w), 0, total, n, jnp.ones((2, 3)))
