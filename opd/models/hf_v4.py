@@ -23,9 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opd.models.config import ModelConfig
+from opd.models.config import ModelConfig, YaRNConfig
+from opd.models.mla import yarn_frequencies
 from opd.models.moe import MoEConfig
-from opd.models.v4.config import V4Config
+from opd.models.v4.config import V4Config, V4YaRN
 from opd.models.v4.model import layer_configs
 
 MODEL_TYPE = "deepseek_v4"
@@ -39,15 +40,56 @@ def _need(hf: Mapping[str, Any], name: str):
   return hf[name]
 
 
-def _rope(hf: Mapping[str, Any], kind: str, default_theta: float) -> tuple[float, float]:
-  """(theta, partial_rotary_factor) of ``rope_parameters[kind]``; only plain RoPE."""
-  rp = (hf.get("rope_parameters") or {}).get(kind) or {}
-  rope_type = rp.get("rope_type", "default")
-  if rope_type != "default":
-    raise ValueError(f"HF config rope_parameters[{kind!r}].rope_type={rope_type!r} is not "
-                     f"supported for {MODEL_TYPE} (YaRN on the compressed branches is not built)")
-  return (float(rp.get("rope_theta", default_theta)),
-          float(rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))))
+def _rope_dicts(hf: Mapping[str, Any]) -> tuple[dict, dict]:
+  """``(rope_parameters["main"], rope_parameters["compress"])`` as transformers builds them:
+  a nested ``rope_parameters`` as is; a flat one (or the legacy ``rope_scaling``) is the
+  compress branch's scaling, the main branch plain RoPE at ``rope_theta``, and a YaRN
+  compress branch without ``attention_factor`` gets 1.0 (DeepSeek-V4's reference)."""
+  rp = hf.get("rope_parameters") or {}
+  if isinstance(rp.get("main"), Mapping) and isinstance(rp.get("compress"), Mapping):
+    return dict(rp["main"]), dict(rp["compress"])
+  flat = {k: v for k, v in (rp or hf.get("rope_scaling") or {}).items()
+          if k not in ("main", "compress")}
+  if "type" in flat:
+    flat.setdefault("rope_type", flat.pop("type"))
+  main = {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
+  compress = {**flat, "rope_theta": hf.get("compress_rope_theta", 160000.0)}
+  compress.setdefault("rope_type", "default")
+  if compress["rope_type"] == "yarn":
+    compress.setdefault("attention_factor", 1.0)
+  return main, compress
+
+
+_YARN_KEYS = ("rope_type", "rope_theta", "partial_rotary_factor", "factor",
+              "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
+              "mscale", "mscale_all_dim", "truncate")
+
+
+def _compress_yarn(hf: Mapping[str, Any], rp: Mapping[str, Any]) -> V4YaRN:
+  """The ``V4YaRN`` of a YaRN ``rope_parameters["compress"]`` (transformers' rules: a
+  missing ``attention_factor`` is ``m(s, mscale) / m(s, mscale_all_dim)`` or ``m(s, 1)``)."""
+  field = "rope_parameters['compress']"
+  extra = sorted(set(rp) - set(_YARN_KEYS))
+  if extra or rp.get("truncate", True) is not True:
+    raise ValueError(f"HF config {field} (YaRN) sets {extra or {'truncate': rp['truncate']}}, "
+                     f"which is not supported for {MODEL_TYPE}")
+  if rp.get("factor") is None:
+    raise ValueError(f"HF config {field} (YaRN) lacks 'factor'")
+  orig = rp.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
+  try:
+    ramp = YaRNConfig(factor=float(rp["factor"]), original_max_position=orig,
+                      beta_fast=float(rp.get("beta_fast") or 32.0),
+                      beta_slow=float(rp.get("beta_slow") or 1.0),
+                      mscale=float(rp.get("mscale") or 0.0),
+                      mscale_all_dim=float(rp.get("mscale_all_dim") or 0.0))
+    attention_factor = rp.get("attention_factor")
+    if attention_factor is None:
+      attention_factor = yarn_frequencies(2, float(rp.get("rope_theta", 160000.0)), ramp)[1]
+    return V4YaRN(factor=ramp.factor, original_max_position=ramp.original_max_position,
+                  beta_fast=ramp.beta_fast, beta_slow=ramp.beta_slow,
+                  attention_factor=float(attention_factor))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"HF config {field} (YaRN): {e}") from None
 
 
 def config_from_hf(hf: Mapping[str, Any], *, dtype: str, param_dtype: str) -> ModelConfig:
@@ -64,8 +106,19 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str, param_dtype: str) -> Mo
       raise ValueError(f"HF config {name}={hf[name]!r} is not supported for {MODEL_TYPE} "
                        f"(expected one of {ok})")
   Dh = _need(hf, "head_dim")
-  theta, factor = _rope(hf, "main", float(hf.get("rope_theta", 10000.0)))
-  c_theta, c_factor = _rope(hf, "compress", float(hf.get("compress_rope_theta", 160000.0)))
+  main, compress = _rope_dicts(hf)
+  for kind, rp in (("main", main), ("compress", compress)):
+    rope_type = rp.get("rope_type", "default")
+    if rope_type not in (("default", "yarn") if kind == "compress" else ("default",)):
+      raise ValueError(f"HF config rope_parameters[{kind!r}].rope_type={rope_type!r} is not "
+                       f"supported for {MODEL_TYPE} (the main branch: plain RoPE; the "
+                       "compressed branches: plain or YaRN)")
+  yarn = _compress_yarn(hf, compress) if compress["rope_type"] == "yarn" else None
+  default_factor = float(hf.get("partial_rotary_factor") or 1.0)
+  theta, c_theta = (float(rp.get("rope_theta", hf.get(name, default))) for rp, name, default in (
+      (main, "rope_theta", 10000.0), (compress, "compress_rope_theta", 160000.0)))
+  factor, c_factor = (float(rp.get("partial_rotary_factor", default_factor))
+                      for rp in (main, compress))
   rope_dim = int(hf.get("qk_rope_head_dim") or round(Dh * factor))
   if round(Dh * c_factor) != rope_dim:
     raise ValueError(f"HF config rope_parameters['compress'].partial_rotary_factor={c_factor} "
@@ -84,7 +137,7 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str, param_dtype: str) -> Mo
                 index_topk=hf.get("index_topk", 512), n_streams=hf.get("hc_mult", 4),
                 sinkhorn_iters=hf.get("hc_sinkhorn_iters", 20),
                 hc_eps=float(hf.get("hc_eps", 1e-6)),
-                swiglu_limit=float(hf.get("swiglu_limit", 10.0)))
+                swiglu_limit=float(hf.get("swiglu_limit", 10.0)), compress_yarn=yarn)
   moe = MoEConfig(n_routed_experts=_need(hf, "n_routed_experts"),
                   experts_per_token=_need(hf, "num_experts_per_tok"),
                   moe_d_ff=_need(hf, "moe_intermediate_size"), n_shared_experts=1,
@@ -103,6 +156,14 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
   """The ``config.json`` fields of a ``ModelConfig`` with ``v4`` set."""
   v4, moe, Dh = cfg.v4, cfg.moe, cfg.resolved_head_dim
   factor = v4.rope_dim / Dh
+  compress = {"rope_type": "default", "rope_theta": v4.compress_rope_theta,
+              "partial_rotary_factor": factor}
+  if v4.compress_yarn is not None:
+    y = v4.compress_yarn
+    compress.update(rope_type="yarn", factor=y.factor,
+                    original_max_position_embeddings=y.original_max_position,
+                    beta_fast=y.beta_fast, beta_slow=y.beta_slow,
+                    attention_factor=y.attention_factor)
   return {
       "architectures": [HF_CLASS], "model_type": MODEL_TYPE, "vocab_size": cfg.vocab_size,
       "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
@@ -116,8 +177,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
       "rope_parameters": {
           "main": {"rope_type": "default", "rope_theta": cfg.rope_theta,
                    "partial_rotary_factor": factor},
-          "compress": {"rope_type": "default", "rope_theta": v4.compress_rope_theta,
-                       "partial_rotary_factor": factor}},
+          "compress": compress},
       "index_n_heads": v4.index_n_heads, "index_head_dim": v4.index_head_dim,
       "index_topk": v4.index_topk, "hc_mult": v4.n_streams,
       "hc_sinkhorn_iters": v4.sinkhorn_iters, "hc_eps": v4.hc_eps,

@@ -43,6 +43,7 @@ from opd.config.fields import check_fields
 from opd.models.layers import RMSNorm, param
 from opd.models.v4.cache import V4LayerCache, empty_ring, ring_write
 from opd.models.v4.compressor import Compressor, CompressorConfig, IndexerConfig, LightningIndexer
+from opd.models.v4.config import V4YaRN
 from opd.models.v4.hyper import unit_rms_norm
 from opd.models.v4.rope import rope_tail
 
@@ -68,6 +69,8 @@ class V4AttentionConfig:
     compressor: None for ``sliding_attention``; the layer's compressor
       (width = head_dim) for CSA / HCA (``layer_types[i]``, ``compress_rates``).
     indexer: CSA's lightning indexer (None for sliding and HCA layers).
+    yarn: YaRN of a compressed layer's RoPE (``rope_parameters["compress"]``; the
+      same as its compressors'), None = plain RoPE.
   """
   d_model: int
   n_heads: int
@@ -81,6 +84,7 @@ class V4AttentionConfig:
   norm_eps: float = 1e-6
   compressor: CompressorConfig | None = None
   indexer: IndexerConfig | None = None
+  yarn: V4YaRN | None = None
 
   def __post_init__(self):
     check_fields(self, "V4AttentionConfig",
@@ -100,6 +104,13 @@ class V4AttentionConfig:
     if ix is not None and (c is None or not c.overlap):
       raise ValueError("V4AttentionConfig.indexer needs an overlapping (CSA) compressor, got "
                        f"compressor={c}")
+    for name, sub in (("compressor", c), ("indexer.compressor", ix and ix.compressor)):
+      if sub is not None and sub.yarn != self.yarn:
+        raise ValueError(f"V4AttentionConfig.{name}.yarn={sub.yarn} must equal the layer's "
+                         f"yarn={self.yarn} (one compress RoPE per layer)")
+    if c is None and self.yarn is not None:
+      raise ValueError("V4AttentionConfig.yarn is for compressed layers (rope_parameters"
+                       f"['compress']); a sliding layer got {self.yarn}")
     if c is not None and c.overlap and ix is None:
       raise ValueError("V4AttentionConfig: an overlapping (CSA) compressor needs an indexer")
     if ix is not None and (ix.q_lora_rank, ix.compressor.compress_rate) != (
@@ -180,9 +191,10 @@ class V4Attention(nn.Module):
     q_res = norm("q_a_norm")(x @ wqa.astype(dt))  # [B, T, Cq]
     q = jnp.einsum("BTC,CHD->BTHD", q_res, wqb.astype(dt))
     q = unit_rms_norm(q, cfg.norm_eps).astype(dt)
-    q = rope_tail(q, positions, cfg.rope_dim, cfg.rope_theta)
+    q = rope_tail(q, positions, cfg.rope_dim, cfg.rope_theta, yarn=cfg.yarn)
     kv = norm("kv_norm")(x @ wkv.astype(dt))  # [B, T, Dh]
-    kv = rope_tail(kv[:, :, None], positions, cfg.rope_dim, cfg.rope_theta)[:, :, 0]
+    kv = rope_tail(kv[:, :, None], positions, cfg.rope_dim, cfg.rope_theta,
+                   yarn=cfg.yarn)[:, :, 0]
     keys, key_pos, key_valid = kv, positions, valid
     new = None
     if cache is not None:  # the ring's last W positions before the chunk's own keys
@@ -209,7 +221,7 @@ class V4Attention(nn.Module):
       if new is not None:
         new = new._replace(compressor=c_state, indexer=i_state)
     o = sink_attention(q, keys, keep, sinks, Dh ** -0.5)  # [B, T, H, Dh]
-    o = rope_tail(o, positions, cfg.rope_dim, cfg.rope_theta, inverse=True)
+    o = rope_tail(o, positions, cfg.rope_dim, cfg.rope_theta, inverse=True, yarn=cfg.yarn)
     o = o.reshape(B, T, G, H // G * Dh)
     z = jnp.einsum("BTGI,GIR->BTGR", o, woa.astype(dt))
     return jnp.einsum("BTGR,GRD->BTD", z, wob.astype(dt)), new

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from opd.config.fields import check_fields
 from opd.models.layers import RMSNorm, param
 from opd.models.v4.cache import CompressorState, empty_ring, ring_write
+from opd.models.v4.config import V4YaRN
 from opd.models.v4.rope import rope_tail
 
 Array = jax.Array
@@ -55,8 +56,9 @@ class CompressorConfig:
     compress_rate: m (``compress_rates[layer_type]``).
     overlap: True for CSA's overlapping windows, False for HCA's.
     rope_dim: Dr (``qk_rope_head_dim``); <= width.
-    rope_theta: ``compress_rope_theta`` (YaRN scaling is not built yet).
+    rope_theta: ``compress_rope_theta``.
     norm_eps: ``rms_norm_eps``.
+    yarn: YaRN of the compressed branches (``rope_parameters["compress"]``), None = plain.
   """
   d_model: int
   width: int
@@ -65,6 +67,7 @@ class CompressorConfig:
   rope_dim: int
   rope_theta: float = 160000.0
   norm_eps: float = 1e-6
+  yarn: V4YaRN | None = None
 
   def __post_init__(self):
     check_fields(self, "CompressorConfig",
@@ -158,7 +161,8 @@ class Compressor(nn.Module):
     complete = jnp.all(found[..., -m:], axis=-1) & jnp.any(valid, axis=1)[:, None]
     e = jnp.sum(cv * jax.nn.softmax(zv, axis=2), axis=2)  # [B, J, C]
     e = RMSNorm(cfg.norm_eps, f32, f32, name="kv_norm")(e)
-    e = rope_tail(e[:, :, None], ids * m, cfg.rope_dim, cfg.rope_theta)[:, :, 0].astype(x.dtype)
+    e = rope_tail(e[:, :, None], ids * m, cfg.rope_dim, cfg.rope_theta,
+                yarn=cfg.yarn)[:, :, 0].astype(x.dtype)
     if state is None:
       return CompressedKeys(e, ids.astype(jnp.int32), complete), None
     cz, pos = ring_write(jnp.concatenate([state.c, state.z], axis=-1), state.pos,
@@ -239,7 +243,7 @@ class LightningIndexer(nn.Module):
     wq = param(self, "q", (cfg.q_lora_rank, cfg.n_heads, cc.width), ("latent", None, None), f32)
     ww = param(self, "weights", (cc.d_model, cfg.n_heads), ("embed", None), f32)
     q = jnp.einsum("BTC,CHI->BTHI", q_res.astype(f32), wq.astype(f32))
-    q = rope_tail(q, positions, cc.rope_dim, cc.rope_theta)
+    q = rope_tail(q, positions, cc.rope_dim, cc.rope_theta, yarn=cc.yarn)
     w = (x.astype(f32) @ ww.astype(f32)) * cfg.n_heads ** -0.5  # [B, T, nI]
     dots = jax.nn.relu(jnp.einsum("BTHI,BSI->BTHS", q, keys.keys.astype(f32))) * cc.width ** -0.5
     scores = jnp.einsum("BTHS,BTH->BTS", dots, w)

@@ -11,11 +11,39 @@ Dh [``head_dim``], the sliding layers' RoPE base [``rope_parameters["main"]``],
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
 
-from opd.config.fields import check_fields, set_field
+from opd.config.fields import check_fields, from_group, set_field
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 MLP_LAYER_TYPES = ("moe", "hash_moe")
+
+
+@dataclasses.dataclass(frozen=True)
+class V4YaRN:
+  """YaRN on the compressed branches' RoPE (transformers' ``rope_parameters["compress"]``
+  with ``rope_type="yarn"``; its keys in brackets).
+
+  The frequencies blend ``θ^(-2i/Dr)`` and ``θ^(-2i/Dr) / factor`` by the linear ramp
+  of ``opd.models.mla.yarn_frequencies`` (dims whose wavelength lies between
+  ``beta_fast`` and ``beta_slow`` turns in ``original_max_position`` tokens); cos and
+  sin are multiplied by ``attention_factor`` (1 in DeepSeek-V4, which transformers
+  sets for a YaRN compress branch).
+
+  Attributes:
+    factor: s [``factor``]. original_max_position: [``original_max_position_embeddings``].
+    beta_fast, beta_slow: the ramp's bounds [``beta_fast``, ``beta_slow``].
+    attention_factor: the cos / sin multiplier [``attention_factor``].
+  """
+  factor: float
+  original_max_position: int
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  attention_factor: float = 1.0
+
+  def __post_init__(self):
+    check_fields(self, "V4YaRN", ints={"original_max_position": 1},
+                 positive=("factor", "beta_fast", "beta_slow", "attention_factor"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +67,9 @@ class V4Config:
     sinkhorn_iters: Sinkhorn column steps [``hc_sinkhorn_iters``].
     hc_eps: mHC floor [``hc_eps``].
     swiglu_limit: L, the SwiGLU clip [``swiglu_limit``].
+    compress_yarn: YaRN on the CSA / HCA layers' RoPE (attention, compressors,
+      indexer), None = plain RoPE [``rope_parameters["compress"]``]; a mapping is
+      converted.
   """
   layer_types: tuple[str, ...] = ("sliding_attention",)
   mlp_layer_types: tuple[str, ...] = ("moe",)
@@ -57,8 +88,15 @@ class V4Config:
   sinkhorn_iters: int = 20
   hc_eps: float = 1e-6
   swiglu_limit: float = 10.0
+  compress_yarn: V4YaRN | None = None
 
   def __post_init__(self):
+    if isinstance(self.compress_yarn, Mapping):
+      set_field(self, "compress_yarn", from_group(V4YaRN, self.compress_yarn,
+                                                  "V4Config.compress_yarn"))
+    if self.compress_yarn is not None and not isinstance(self.compress_yarn, V4YaRN):
+      raise ValueError(f"V4Config.compress_yarn must be a V4YaRN, a mapping or None, got "
+                       f"{self.compress_yarn!r}")
     for name, allowed in (("layer_types", LAYER_TYPES), ("mlp_layer_types", MLP_LAYER_TYPES)):
       value = getattr(self, name)
       if isinstance(value, str) or not hasattr(value, "__iter__"):

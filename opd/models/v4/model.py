@@ -40,15 +40,15 @@ def layer_configs(cfg: Any) -> tuple[V4LayerConfig, ...]:
                       eps=v4.hc_eps, norm_eps=cfg.norm_eps)
   out = []
   for layer_type, mlp_type in zip(v4.layer_types, v4.mlp_layer_types):
-    compressor = indexer = None
+    compressor = indexer = yarn = None
     theta = cfg.rope_theta
     if layer_type != "sliding_attention":
       csa = layer_type == "compressed_sparse_attention"
-      theta = v4.compress_rope_theta
+      theta, yarn = v4.compress_rope_theta, v4.compress_yarn
       cc = lambda width, overlap: CompressorConfig(
           d_model=D, width=width, compress_rate=v4.csa_compress_rate if csa else
           v4.hca_compress_rate, overlap=overlap, rope_dim=v4.rope_dim, rope_theta=theta,
-          norm_eps=cfg.norm_eps)
+          norm_eps=cfg.norm_eps, yarn=yarn)
       compressor = cc(Dh, csa)
       if csa:
         indexer = IndexerConfig(compressor=cc(v4.index_head_dim, True),
@@ -58,7 +58,7 @@ def layer_configs(cfg: Any) -> tuple[V4LayerConfig, ...]:
         d_model=D, n_heads=cfg.n_heads, head_dim=Dh, q_lora_rank=v4.q_lora_rank,
         rope_dim=v4.rope_dim, rope_theta=theta, sliding_window=v4.sliding_window,
         o_groups=v4.o_groups, o_lora_rank=v4.o_lora_rank, norm_eps=cfg.norm_eps,
-        compressor=compressor, indexer=indexer)
+        compressor=compressor, indexer=indexer, yarn=yarn)
     moe = V4MoEConfig(d_model=D, moe=cfg.moe, mlp_type=mlp_type, vocab_size=cfg.vocab_size,
                       swiglu_limit=v4.swiglu_limit)
     out.append(V4LayerConfig(hyper=hyper, attention=attention, moe=moe, norm_eps=cfg.norm_eps))

@@ -123,10 +123,12 @@ def moe_params(block, cfg):
   return {"params": jax.tree.map(jnp.asarray, p)}
 
 
-def mixed_model(seed=21):
-  """A random tiny transformers V4 of the three layer types, with a random hash table."""
-  c = tiny_config(num_hidden_layers=3, layer_types=LAYERS,
-                  mlp_layer_types=["hash_moe", "moe", "moe"], compress_rates=RATES, index_n_heads=4, index_head_dim=12, index_topk=2)
+def mixed_model(seed=21, **overrides):
+  """A random tiny transformers V4 of the three layer types, with a random hash table
+  (``overrides``: more ``DeepseekV4Config`` fields)."""
+  c = tiny_config(**{**dict(num_hidden_layers=3, layer_types=LAYERS,
+                            mlp_layer_types=["hash_moe", "moe", "moe"], compress_rates=RATES,
+                            index_n_heads=4, index_head_dim=12, index_topk=2), **overrides})
   c._attn_implementation = "eager"
   model = hf.DeepseekV4ForCausalLM(c).eval()
   randomize(model, seed=seed, std=0.3)
