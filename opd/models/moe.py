@@ -267,7 +267,8 @@ def check_expert_mesh(moe: MoEConfig, expert_shards: int) -> None:
 
 
 def experts_expert_parallel(x: Array, experts: Array, weights: Array, wg: Array, wu: Array,
-                            wd: Array, moe: MoEConfig, batch_axes) -> tuple[Array, Array]:
+                            wd: Array, moe: MoEConfig, batch_axes,
+                            limit: float | None = None) -> tuple[Array, Array]:
   """``experts_ragged`` under the current mesh, experts sharded over its ``expert`` axis.
 
   x, experts, weights: ``[B, T, ...]`` with B sharded over ``batch_axes``
@@ -279,6 +280,7 @@ def experts_expert_parallel(x: Array, experts: Array, weights: Array, wg: Array,
   tokens, with no collective: left to the SPMD partitioner, ``ragged_dot``
   on batch-sharded tokens gathers every token onto every device (global
   group sizes), which made data-parallel MoE ~10x slower on 8 devices.
+  ``limit``: the SwiGLU clip (DeepSeek-V4's ``swiglu_limit``; ``swiglu``).
   """
   mesh = jax.sharding.get_abstract_mesh()
   n = expert_axis_size(mesh)
@@ -294,7 +296,7 @@ def experts_expert_parallel(x: Array, experts: Array, weights: Array, wg: Array,
     if n == 1:
       B, T, D = x.shape
       y, pairs = experts_ragged(x.reshape(B * T, D), experts.reshape(B * T, -1),
-                                weights.reshape(B * T, -1), wg, wu, wd)
+                                weights.reshape(B * T, -1), wg, wu, wd, limit=limit)
       return y.reshape(B, T, D), (jax.lax.psum(pairs, batch_axes) if batch_axes else pairs)
     if gather:
       x, experts, weights = (jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True)
@@ -307,7 +309,7 @@ def experts_expert_parallel(x: Array, experts: Array, weights: Array, wg: Array,
     B, T, D = x.shape
     offset = jax.lax.axis_index(EXPERT_AXIS) * wg.shape[0]
     y, pairs = experts_ragged(x.reshape(B * T, D), experts.reshape(B * T, -1),
-                              weights.reshape(B * T, -1), wg, wu, wd, offset)
+                              weights.reshape(B * T, -1), wg, wu, wd, offset, limit)
     y = y.reshape(B, T, D)
     if gather:
       y = jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
@@ -317,6 +319,12 @@ def experts_expert_parallel(x: Array, experts: Array, weights: Array, wg: Array,
 
   return jax.shard_map(local, in_specs=(tok, tok, tok, w, w, w), out_specs=(tok, P()))(
       x, experts, weights, wg, wu, wd)
+
+
+def batch_mesh_axes() -> tuple[str, ...]:
+  """The mesh axes the current logical rules (``nn.logical_axis_rules``) give ``batch``."""
+  axes = nn.logical_to_mesh_axes(("batch",))[0]
+  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 class RouterStats(NamedTuple):
@@ -396,10 +404,8 @@ class MoEMLP(nn.Module):
                          weights.reshape(B * T, -1), wg, wu, wd).reshape(B, T, D)
       pairs = jnp.asarray(B * T * moe.experts_per_token, jnp.int32)
     elif not jax.sharding.get_abstract_mesh().empty:
-      batch_axes = nn.logical_to_mesh_axes(("batch",))[0]
-      batch_axes = () if batch_axes is None else (
-          (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes))
-      y, pairs = experts_expert_parallel(x, r.experts, weights, wg, wu, wd, moe, batch_axes)
+      y, pairs = experts_expert_parallel(x, r.experts, weights, wg, wu, wd, moe,
+                                         batch_mesh_axes())
     else:
       y, pairs = experts_ragged(x.reshape(B * T, D), r.experts.reshape(B * T, -1),
                                 weights.reshape(B * T, -1), wg, wu, wd)

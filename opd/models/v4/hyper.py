@@ -97,7 +97,7 @@ class HyperConnection(nn.Module):
     _check_streams(h, cfg, "HyperConnection")
     N, D = cfg.n_streams, cfg.d_model
     W = (2 + N) * N
-    proj = param(self, "proj", (N * D, W), ("embed", None), jnp.float32)
+    proj = param(self, "proj", (N * D, W), (None, None), jnp.float32)  # replicated
     bias = param(self, "bias", (W,), (None,), jnp.float32)
     scale = param(self, "scale", (3,), (None,), jnp.float32)
     x = unit_rms_norm(h.reshape(*h.shape[:-2], N * D), cfg.norm_eps)
@@ -138,7 +138,7 @@ class HyperHead(nn.Module):
     cfg = self.cfg
     _check_streams(h, cfg, "HyperHead")
     N, D = cfg.n_streams, cfg.d_model
-    proj = param(self, "proj", (N * D, N), ("embed", None), jnp.float32)
+    proj = param(self, "proj", (N * D, N), (None, None), jnp.float32)  # replicated
     bias = param(self, "bias", (N,), (None,), jnp.float32)
     scale = param(self, "scale", (1,), (None,), jnp.float32)
     x = unit_rms_norm(h.reshape(*h.shape[:-2], N * D), cfg.norm_eps)

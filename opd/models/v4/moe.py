@@ -15,7 +15,10 @@ Per token ``x [D]`` with E routed experts of width Fe, top-k:
   clipped: ``silu(min(g, L)) · clip(u, -L, L)``, L = ``swiglu_limit``, and
   the shared expert is one expert of width Fe.
 
-The routed experts reuse ``opd.models.moe``'s dropless ragged dispatch.
+The routed experts reuse ``opd.models.moe``'s dropless ragged dispatch; under a
+mesh its expert-parallel one (E / |expert| experts per device along the
+``expert`` mesh axis, the clip included), whatever the router picked them
+(hash table or top-k).
 
 Params (our layout): ``router [D, E]``, ``selection_bias [E]`` (top-k
 layers), ``gate, up [E, D, Fe]``, ``down [E, Fe, D]``, ``shared_gate,
@@ -37,8 +40,8 @@ import jax.numpy as jnp
 
 from opd.config.fields import check_fields
 from opd.models.layers import param
-from opd.models.moe import MoEConfig, Routing, experts_onehot, experts_ragged, route
-from opd.models.moe import router_scores, swiglu
+from opd.models.moe import (MoEConfig, Routing, batch_mesh_axes, experts_expert_parallel,
+                            experts_onehot, experts_ragged, route, router_scores, swiglu)
 
 Array = jax.Array
 MLP_TYPES = ("moe", "hash_moe")
@@ -147,6 +150,9 @@ class V4MoE(nn.Module):
     weights = r.weights.astype(dt)
     if moe.dispatch == "onehot":
       y = experts_onehot(flat(x), flat(r.experts), flat(weights), wg, wu, wd, cfg.swiglu_limit)
+    elif not jax.sharding.get_abstract_mesh().empty:  # expert-parallel (opd.models.moe)
+      y, _ = experts_expert_parallel(x, r.experts, weights, wg, wu, wd, moe, batch_mesh_axes(),
+                                     cfg.swiglu_limit)
     else:
       y, _ = experts_ragged(flat(x), flat(r.experts), flat(weights), wg, wu, wd,
                             limit=cfg.swiglu_limit)
