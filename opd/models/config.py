@@ -234,8 +234,7 @@ class ModelConfig:
     if moe is None:
       raise ValueError("ModelConfig.moe must be set with v4 (every DeepSeek-V4 layer is MoE), "
                        "got None")
-    wants = {"n_shared_experts": 1, "norm_topk_prob": True, "n_group": 1, "first_k_dense": 0,
-             "bias_update_rate": 0.0}
+    wants = {"n_shared_experts": 1, "norm_topk_prob": True, "n_group": 1, "first_k_dense": 0}
     for name, value in wants.items():
       if getattr(moe, name) != value:
         raise ValueError(f"ModelConfig.moe.{name}={getattr(moe, name)!r} must be {value!r} "

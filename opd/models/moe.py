@@ -82,7 +82,8 @@ class MoEConfig:
     aux_loss_coef: Switch/Qwen3-MoE load-balancing loss coefficient.
     seq_aux_loss_coef: DeepSeek-V3's sequence-wise balance loss coefficient.
     bias_update_rate: gamma of DeepSeek-V3's auxiliary-loss-free balancing
-      (``moe_balance.update_selection_bias``); sigmoid router only.
+      (``moe_balance.update_selection_bias``); the sigmoid router, or
+      sqrtsoftplus with ``ModelConfig.v4``.
     dispatch: "ragged" (grouped matmul, the default) or "onehot" (dense
       reference: every expert on every token; tests and benchmarks).
   """
@@ -123,9 +124,10 @@ class MoEConfig:
     if G > 1 and k > self.topk_group * (E // G):
       raise ValueError(f"MoEConfig.experts_per_token={k} exceeds the "
                        f"topk_group={self.topk_group} x {E // G} experts the kept groups hold")
-    if self.bias_update_rate > 0 and self.router != "sigmoid":
+    if self.bias_update_rate > 0 and self.router not in ("sigmoid", "sqrtsoftplus"):
       raise ValueError(f"MoEConfig.bias_update_rate={self.bias_update_rate} needs "
-                       f"router='sigmoid' (the selection bias), got router={self.router!r}")
+                       f"router='sigmoid' or 'sqrtsoftplus' (DeepSeek-V4; the selection "
+                       f"bias), got router={self.router!r}")
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "MoEConfig":

@@ -10,7 +10,8 @@
   sequence-wise loss summed over layers. Add it to the training loss.
 * ``update_selection_bias``: DeepSeek-V3's auxiliary-loss-free balancing,
   ``b_e += γ sign(mean_load - load_e)`` per MoE layer, applied to the params
-  after the optimizer update (never through the gradient).
+  after the optimizer update (never through the gradient); the same for
+  DeepSeek-V4's sqrtsoftplus top-k layers (``ModelConfig.v4``).
 * ``router_metrics``: per-expert load, its min / max, router entropy and the
   dropped (token, expert) pairs (0: the dispatch is dropless) as scalars.
 * ``balance_terms`` / ``bias_update_hook``: what an objective adds to its
@@ -77,28 +78,48 @@ def bias_update(bias: Array, counts: Array, rate: float) -> Array:
   return (bias.astype(jnp.float32) + rate * jnp.sign(err)).astype(bias.dtype)
 
 
+def _bias_layers(cfg: Any) -> tuple[list[int], list[int]]:
+  """``(decoder layers with a selection_bias, their rows in DecoderOutput.moe)``.
+
+  DeepSeek-V3 (``MoEMLP``, sigmoid router): the MoE layers ``>= first_k_dense``,
+  stacked from row 0. DeepSeek-V4 (``ModelConfig.v4``): the stats stack every
+  layer; the top-k ("moe") layers carry the bias, hash-routed layers have none.
+  """
+  moe = cfg.moe
+  if getattr(cfg, "v4", None) is not None:
+    rows = [i for i, t in enumerate(cfg.v4.mlp_layer_types) if t == "moe"]
+    return rows, rows
+  if moe is None or moe.router != "sigmoid":
+    raise ValueError("update_selection_bias needs ModelConfig.moe with router='sigmoid' (or a "
+                     f"ModelConfig.v4 model), got moe={moe}")
+  layers = [i for i in range(cfg.n_layers) if moe.is_moe_layer(i)]
+  return layers, list(range(len(layers)))
+
+
 def update_selection_bias(cfg: Any, params, counts: Array):
   """Params with every MoE layer's ``selection_bias`` moved by ``bias_update``.
 
   Args:
-    cfg: the ``ModelConfig`` (``cfg.moe.router == "sigmoid"``).
+    cfg: the ``ModelConfig``: ``moe.router == "sigmoid"`` (DeepSeek-V3), or ``v4``
+      set (DeepSeek-V4's sqrtsoftplus top-k layers; hash-routed layers have no bias).
     params: the decoder's param tree (a new tree is returned; ``params`` is
       not modified).
     counts: ``[L, E]``, ``DecoderOutput.moe.counts`` of the step's forward
-      (row j is decoder layer ``first_k_dense + j``).
+      (V3: row j is decoder layer ``first_k_dense + j``; V4: row i is layer i).
 
   Returns ``params`` itself when ``bias_update_rate`` is 0.
   """
   moe = cfg.moe
-  if moe is None or moe.router != "sigmoid":
-    raise ValueError("update_selection_bias needs ModelConfig.moe with router='sigmoid'")
+  if moe is None:
+    raise ValueError("update_selection_bias needs ModelConfig.moe, got None")
+  layers, rows = _bias_layers(cfg)
   if not moe.bias_update_rate:
     return params
-  layers = [i for i in range(cfg.n_layers) if moe.is_moe_layer(i)]
-  if counts.shape[0] != len(layers):
-    raise ValueError(f"counts hold {counts.shape[0]} MoE layers, the config has {len(layers)}")
+  n_rows = cfg.n_layers if cfg.v4 is not None else len(layers)
+  if counts.shape[0] != n_rows:
+    raise ValueError(f"counts hold {counts.shape[0]} MoE layers, the config has {n_rows}")
   new = dict(params)
-  for j, i in enumerate(layers):
+  for i, j in zip(layers, rows):
     name = f"layers_{i}"
     mlp = dict(new[name]["mlp"])
     mlp["selection_bias"] = bias_update(mlp["selection_bias"], counts[j], moe.bias_update_rate)
