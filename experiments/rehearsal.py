@@ -10,15 +10,18 @@ teachers' hidden states into ``opd.distill.cache.HiddenStateCache``, one
 teacher at a time (its weights are created, run and dropped before the next
 one's exist; only its ``[D_k, V]`` head stays, for the fused loss); then
 ``steps`` OPD updates with the full-vocabulary estimator
-(``opd.distill.loss.make_opd_loss``). Prints each stage's wall time, the peak
-RSS, the cache's bytes against an fp32 logit cache's and the memory model's
-per-device estimate (``opd.parallel.memory``). The same code runs on an
+(``opd.distill.loss.make_opd_loss``). Prints each stage's wall time (each
+teacher's and each step's too; the first step compiles), the peak RSS and the
+resident set after each stage (a teacher's entry is taken while its weights are
+resident), the cache's bytes against an fp32 logit cache's and the memory
+model's per-device estimate (``opd.parallel.memory``). The same code runs on an
 accelerator: the mesh is ``(1, n, 1)`` over the visible devices (fsdp).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import time
 
@@ -50,6 +53,13 @@ REDUCED = {"student": dict(_SMALL, d_model=64, n_layers=2, d_ff=128),
 
 def _peak_rss_gib() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _rss_gib() -> dict[str, float]:
+  """The process's resident set now and its peak so far (GiB; Linux)."""
+  with open("/proc/self/statm") as f:
+    resident_pages = int(f.read().split()[1])
+  return {"now": resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**30, "peak": _peak_rss_gib()}
 
 
 def _configs(full: bool, dtype: str) -> dict[str, ModelConfig]:
@@ -89,11 +99,13 @@ def run(*, full: bool = False, batch: int = 4, prompt_len: int = 16, new_tokens:
                       **model_kw)
   mesh = make_mesh((1, len(devices), 1), devices)
   times: dict[str, float] = {}
+  rss: dict[str, dict[str, float]] = {}  # after each stage
   t0 = time.perf_counter()
   optimizer = make_optimizer(OptimConfig(lr=1e-5))
   state, shardings = init_train_state(student, optimizer, mesh, rng=seed)
   jax.block_until_ready(state)
   times["init_student"] = time.perf_counter() - t0
+  rss["init_student"] = _rss_gib()
 
   t0 = time.perf_counter()
   rng = np.random.default_rng(seed)
@@ -104,6 +116,7 @@ def run(*, full: bool = False, batch: int = 4, prompt_len: int = 16, new_tokens:
   seq = np.concatenate([np.asarray(prompts), np.asarray(sample.tokens)], axis=1)
   seq_mask = np.concatenate([np.ones((batch, prompt_len), bool), np.asarray(sample.mask)], 1)
   times["rollout"] = time.perf_counter() - t0
+  rss["rollout"] = _rss_gib()
   arrays = {"tokens": seq[:, :-1], "targets": seq[:, 1:], "mask": seq_mask[:, :-1],
             "loss_mask": (np.arange(seq.shape[1] - 1)[None] >= prompt_len - 1)
             * seq_mask[:, 1:].astype(np.float32)}
@@ -114,9 +127,12 @@ def run(*, full: bool = False, batch: int = 4, prompt_len: int = 16, new_tokens:
     """Each teacher in turn: create, run, keep the head, drop the weights."""
     hidden = {}
     for k, (name, cfg) in enumerate(cfgs.items()):
+      t_teacher = time.perf_counter()
       params = init_params(cfg, jax.random.key(seed + 1 + k))
       out = forward(cfg, params, tokens, mask=mask, return_logits=False, return_hidden=True)
       hidden[name] = jax.block_until_ready(out.hidden)
+      times[f"teacher/{name}"] = time.perf_counter() - t_teacher
+      rss[f"teacher/{name}"] = _rss_gib()
       heads[name] = head_matrix(cfg, params)
       del params, out  # the next teacher's weights are created after this one's are gone
     return TeacherAnswers(hidden=hidden, available=np.ones((tokens.shape[0], len(cfgs)), bool),
@@ -126,6 +142,7 @@ def run(*, full: bool = False, batch: int = 4, prompt_len: int = 16, new_tokens:
   cache = HiddenStateCache(teachers, dtype="bfloat16")
   cached = cache.get(0, jnp.asarray(arrays["tokens"]), jnp.asarray(arrays["mask"]))
   times["teachers"] = time.perf_counter() - t0
+  rss["teachers"] = _rss_gib()
   weights = np.full(arrays["tokens"].shape + (len(cfgs),), 1.0 / len(cfgs), np.float32)
   opd_batch, _ = loss_batch(arrays, cached, weights)
 
@@ -133,11 +150,14 @@ def run(*, full: bool = False, batch: int = 4, prompt_len: int = 16, new_tokens:
   loss_fn = make_opd_loss(student, [heads[n] for n in cached.names],
                           OPDLossConfig(estimator="full"), teacher_names=cached.names)
   step = make_train_step(loss_fn, optimizer, mesh, shardings)
-  losses = []
+  losses, step_seconds = [], []
   for _ in range(steps):
+    t_step = time.perf_counter()
     state, metrics = step(state, opd_batch)
     losses.append(float(metrics["loss"]))
+    step_seconds.append(time.perf_counter() - t_step)  # the first one compiles
   times["opd_steps"] = time.perf_counter() - t0
+  rss["opd_steps"] = _rss_gib()
 
   per_token = cache.bytes_per_token(student.vocab_size)
   tokens = int(np.prod(arrays["tokens"].shape))
@@ -146,7 +166,8 @@ def run(*, full: bool = False, batch: int = 4, prompt_len: int = 16, new_tokens:
   est = memory.estimate_memory(student, (1, len(devices), 1), batch, seq_len, **model_kw)
   return {"shape": "full" if full else "reduced", "student_params": student.num_params(),
           "teacher_params": {n: c.num_params() for n, c in cfgs.items()},
-          "tokens": tokens, "seconds": times, "peak_rss_gib": _peak_rss_gib(),
+          "tokens": tokens, "seconds": times, "step_seconds": step_seconds,
+          "rss_gib_after": rss, "peak_rss_gib": _peak_rss_gib(),
           "hidden_cache_bytes": cache_bytes, "logit_cache_bytes": logit_bytes,
           "losses": losses, "steps_applied": int(state.step),
           "model_estimate_gib": {k: v / 2**30 for k, v in est.terms().items()}}

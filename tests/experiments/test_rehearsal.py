@@ -17,8 +17,17 @@ def test_reduced_rehearsal_table():
   assert table["hidden_cache_bytes"] == tokens * sum(dims) * 2
   assert table["logit_cache_bytes"] == tokens * 2 * 1024 * 4
   assert table["steps_applied"] == 1 and np.isfinite(table["losses"]).all()
-  assert set(table["seconds"]) == {"init_student", "rollout", "teachers", "opd_steps"}
-  assert table["peak_rss_gib"] > 0
+  teacher_stages = {"teacher/teacher_wide", "teacher/teacher_same"}
+  stages = {"init_student", "rollout", "teachers", "opd_steps"}
+  assert set(table["seconds"]) == stages | teacher_stages
+  assert set(table["rss_gib_after"]) == stages | teacher_stages
+  assert len(table["step_seconds"]) == 1
+  # Peak so far never falls and ends at the job's peak; the resident set is at most the peak.
+  order = ["init_student", "rollout", "teacher/teacher_wide", "teacher/teacher_same", "teachers",
+           "opd_steps"]
+  peaks = [table["rss_gib_after"][k]["peak"] for k in order]
+  assert peaks == sorted(peaks) and peaks[-1] <= table["peak_rss_gib"]
+  assert all(0 < v["now"] <= v["peak"] * 1.01 for v in table["rss_gib_after"].values())
 
 
 def test_full_shape_refused_before_compiling():
