@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from opd.config.fields import check_fields, check_int, from_group, set_field
 from opd.models.moe import MoEConfig
-from opd.models.v4.config import V4Config, v4_num_params
+from opd.models.v4.config import V4Config, v4_flops_per_token, v4_num_params
 
 _BPE_SPEC = re.compile(r"bpe:[1-9][0-9]*")
 
@@ -350,8 +350,7 @@ class ModelConfig:
   def flops_per_token(self, seq_len: int) -> float:
     """Forward matmul FLOPs per token (2 per multiply-add), attention included."""
     if self.v4 is not None:
-      raise ValueError("ModelConfig.flops_per_token counts GQA / MLA decoders; it has no "
-                       "formula for ModelConfig.v4 (compressed attention) yet")
+      return v4_flops_per_token(self, seq_len)
     D, V = self.d_model, self.vocab_size
     H, Dh = self.n_heads, self.resolved_head_dim
     proj = 2 * (self._attn_params() - (0 if self.mla is None else self.mla.kv_lora_rank + (

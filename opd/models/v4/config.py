@@ -148,3 +148,37 @@ def v4_num_params(cfg) -> int:
     mlp = D * E + (V * k if mlp_type == "hash_moe" else E) + (E + 1) * 3 * D * Fe
     total += 2 * hc + 2 * D + attn + mlp
   return total
+
+
+def v4_flops_per_token(cfg, seq_len: int) -> float:
+  """Forward matmul FLOPs per token (2 per multiply-add) of a ``ModelConfig`` with ``v4``
+  set, for a query with ``seq_len`` positions of context (itself included).
+
+  Every weight matrix a token goes through (mHC projections, attention, compressors and
+  indexer, router, its k routed and the shared expert, the head) plus the attention
+  products of what a query reads: QK and PV (key = value, H heads of Dh) against the
+  ``min(W, S)`` window keys, and per compressed layer its ``n = S // m`` complete
+  entries (HCA: all n; CSA: ``min(index_topk, n)`` picks, after the indexer scored all
+  n: ``n_h^I · c^I`` per entry, and weighted them: ``n_h^I``). Elementwise work
+  (norms, Sinkhorn, softmax, the streams' mixing) is not counted.
+  """
+  v4, moe = cfg.v4, cfg.moe
+  D, V, H, Dh = cfg.d_model, cfg.vocab_size, cfg.n_heads, cfg.resolved_head_dim
+  N, Cq, R, S = v4.n_streams, v4.q_lora_rank, v4.o_lora_rank, seq_len
+  nI, cI = v4.index_n_heads, v4.index_head_dim
+  macs = N * D * N + D * V  # the head's mHC collapse and the LM head
+  for layer_type, mlp_type in zip(v4.layer_types, v4.mlp_layer_types):
+    keys = min(v4.sliding_window, S)
+    macs += 2 * N * D * (2 + N) * N  # the two mHC sites
+    macs += D * Cq + Cq * H * Dh + D * Dh + H * Dh * R + v4.o_groups * R * D
+    if layer_type == "heavily_compressed_attention":
+      macs += 2 * D * Dh  # the compressor's kv and gate
+      keys += S // v4.hca_compress_rate
+    elif layer_type == "compressed_sparse_attention":
+      n = S // v4.csa_compress_rate
+      macs += 2 * D * 2 * Dh + 2 * D * 2 * cI  # both compressors (two series each)
+      macs += Cq * nI * cI + D * nI + n * (nI * cI + nI)  # the indexer's queries and scores
+      keys += min(v4.index_topk, n)
+    macs += 2 * H * Dh * keys  # QK and PV
+    macs += D * moe.n_routed_experts + (moe.experts_per_token + 1) * 3 * D * moe.moe_d_ff
+  return 2.0 * macs
