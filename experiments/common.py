@@ -267,7 +267,8 @@ RECORD = "stage.json"  # a stage's record: its config's digest and its inputs' r
 # that reproduces what those stages did: a saved ``config.json`` without the
 # field matches a stage config holding exactly that value (and no other).
 ADDED_FIELDS = {"opd.teacher_temperature": 1.0, "generator.refine_fraction": 0.0,
-                "eval.all_if_fewer": False, "opd.anneal_to": "uniform"}
+                "eval.all_if_fewer": False, "opd.anneal_to": "uniform",
+                "sft.principles": 2, "sft.critique": True, "data.keep_rating1_n1": 1.0}
 
 
 def _added(key: str, want) -> bool:

@@ -69,7 +69,8 @@ from grm import scalar_rm as scalar_lib
 from grm import shared as shared_lib
 from grm import training as training_lib
 from grm.correctness import best_index
-from grm.data import Candidate, build_groups, sample_candidates, split_groups
+from grm.data import (Candidate, build_groups, downsample_rating1, sample_candidates,
+                      split_groups)
 from grm.reward import bt_input_ids
 from opd import tasks as tasks_lib
 from opd.config.fields import from_group
@@ -138,6 +139,12 @@ def _stage_data(ctx: common.JobContext, workdir: pathlib.Path) -> dict:
         row.append(Candidate(text, tasks_lib.get_task(ex.domain).verify(ex, text)))
   groups, counts = build_groups(examples, cands, seed=c.seed, sizes=tuple(c.data.sizes),
                                 max_draws=c.data.max_draws)
+  # keep_rating1_n1: the share of train single-response groups rated 1 kept (test: all).
+  train = downsample_rating1([g for g in groups if g.split == "train"],
+                             float(c.data.get("keep_rating1_n1", 1.0)), seed=c.seed + 11)
+  counts["train_rating1_n1_dropped"] = sum(g.split == "train" for g in groups) - len(train)
+  kept = {id(g) for g in train}
+  groups = [g for g in groups if g.split != "train" or id(g) in kept]
   return {**_write_groups(workdir, examples, groups, counts, timings),
           "candidates": sum(len(r) for r in cands)}
 
@@ -189,7 +196,8 @@ def _stage_cold_start(ctx, workdir):
   # sft.copies judgements per group, each with its own response order and principles.
   train = load_groups(ctx)["train"]
   pairs = [p for r in range(c.sft.copies)
-           for p in training_lib.cold_start_pairs(train, seed=c.seed + r, noise=c.data.noise)]
+           for p in training_lib.cold_start_pairs(train, seed=c.seed + r, noise=c.data.noise,
+                                                  **_judgement_size(c))]
   # A sampling budget below the longest judgement it was taught (and <|end|>)
   # cuts such samples, which then count as invalid (the tiny run does so on purpose).
   longest = max(len(ctx.tok.encode(t)) for _, t in pairs) + 1
@@ -199,6 +207,13 @@ def _stage_cold_start(ctx, workdir):
             f"longest cold-start judgement ({longest} tokens with <|end|>)", flush=True)
   return {**_sft(ctx, base_params(ctx), pairs, workdir, c.sft.steps),
           "judgement_tokens_max": longest}
+
+
+def _judgement_size(c) -> dict:
+  """The cold-start judgements' size: ``sft.principles`` principles (default 2) and the
+  verifier-reason critique unless ``sft.critique`` is off (``grm.data.rule_judgement``)."""
+  return {"principles": int(c.sft.get("principles", 2)),
+          "critique": bool(c.sft.get("critique", True))}
 
 
 def _subset(groups, n: int, seed: int):
@@ -219,7 +234,8 @@ def _stage_rft(ctx, workdir):
   print(f"[grm] RFT counts: {counts}", flush=True)
   out = dict(counts)
   if not kept:  # nothing survived: the RFT model is the cold-start model, saved as such
-    kept = training_lib.cold_start_pairs(load_groups(ctx)["train"], seed=c.seed + 1)
+    kept = training_lib.cold_start_pairs(load_groups(ctx)["train"], seed=c.seed + 1,
+                                         **_judgement_size(c))
     out["fallback_cold_start_pairs"] = len(kept)
   return {**out, **_sft(ctx, params, kept, workdir, c.rft.steps)}
 

@@ -245,7 +245,8 @@ def truth_scores(ratings: Sequence[float], rng: np.random.Generator,
 
 
 def rule_judgement(group: PreferenceGroup, *, seed, noise: float = 0.2,
-                   shuffle_seed=None) -> tuple[GRMPrompt, str]:
+                   shuffle_seed=None, principles: int = 2, critique: bool = True
+                   ) -> tuple[GRMPrompt, str]:
   """A GRM prompt for ``group`` and a correct judgement text for it (SFT target).
 
   Args:
@@ -253,6 +254,10 @@ def rule_judgement(group: PreferenceGroup, *, seed, noise: float = 0.2,
     seed: ``np.random.default_rng`` seed of principles, weights and noise.
     noise: probability of a ±1 jitter on each non-best score.
     shuffle_seed: the prompt's response order (``grm.format.build_prompt``).
+    principles: how many principles the judgement states (0 up to the domain's
+      list; weights sum to 100); the judgement sized to the model writing it.
+    critique: whether the critique names each response's verifier reason (else
+      the judgement goes from the principles straight to the scores).
 
   Returns:
     ``(prompt, text)``; ``parse_judgement(text, n)`` is valid and its
@@ -263,14 +268,49 @@ def rule_judgement(group: PreferenceGroup, *, seed, noise: float = 0.2,
   if group.domain not in PRINCIPLES:
     raise ValueError(f"group.domain={group.domain!r} has no principle list; "
                      f"known: {sorted(PRINCIPLES)}")
+  pool = PRINCIPLES[group.domain]
+  if isinstance(principles, bool) or not isinstance(principles, (int, np.integer)) or not (
+      0 <= principles <= len(pool)):
+    raise ValueError(f"principles={principles!r} must be an int in [0, {len(pool)}] (the "
+                     f"{group.domain} list's length)")
   rng = np.random.default_rng(seed)
   prompt = build_prompt(group.query, group.responses, seed=shuffle_seed)
-  pool = PRINCIPLES[group.domain]
-  chosen = [pool[i] for i in sorted(rng.choice(len(pool), size=2, replace=False))]
-  first = int(rng.integers(1, 10)) * 10
-  principles = [Principle(chosen[0], first), Principle(chosen[1], 100 - first)]
+  stated = _principles(pool, int(principles), rng)
   scores = truth_scores(group.ratings, rng, noise)
   shown_scores = shuffle(scores, prompt.order)
   shown_reasons = shuffle(group.reasons, prompt.order)
-  critique = "\n".join(f"Response {p + 1}: {reason}." for p, reason in enumerate(shown_reasons))
-  return prompt, format_judgement(principles, critique, shown_scores)
+  text = "\n".join(f"Response {p + 1}: {reason}." for p, reason in enumerate(shown_reasons))
+  return prompt, format_judgement(stated, text if critique else "", shown_scores)
+
+
+def _principles(pool: Sequence[str], k: int, rng: np.random.Generator) -> list[Principle]:
+  """``k`` principles of ``pool`` (pool order) with weights summing to 100. Two, as
+  the cold start always drew them: the first weight uniform in 10..90 (tens); one:
+  100; more: each of the first k - 1 uniform in 10.. tens, the rest to the last."""
+  if k == 0:
+    return []
+  chosen = [pool[i] for i in sorted(rng.choice(len(pool), size=k, replace=False))]
+  weights, left = [], 100
+  for slots in range(k - 1, 0, -1):  # leave >= 10 for each principle after this one
+    w = int(rng.integers(1, left // 10 - slots + 1)) * 10
+    weights.append(w)
+    left -= w
+  return [Principle(t, w) for t, w in zip(chosen, weights + [left])]
+
+
+def downsample_rating1(groups: Sequence[PreferenceGroup], keep: float, *, seed
+                       ) -> list[PreferenceGroup]:
+  """``groups`` with only ``round(keep * m)`` of its m single-response groups rated 1
+  (seeded draw without replacement; every other group and the order kept).
+
+  Those groups are most of the single-response ones (a wrong answer rates 1), so a
+  GRM trained on them learns to write 1; ``keep`` in [0, 1], 1 keeps all.
+  """
+  if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0.0 <= keep <= 1.0:
+    raise ValueError(f"keep={keep!r} must be a fraction in [0, 1]")
+  ones = [i for i, g in enumerate(groups) if g.n == 1 and float(g.ratings[0]) == 1.0]
+  n_keep = int(np.rint(keep * len(ones)))
+  kept = set(np.random.default_rng(seed).choice(ones, size=n_keep, replace=False).tolist()) \
+      if ones else set()
+  drop = set(ones) - kept
+  return [g for i, g in enumerate(groups) if i not in drop]

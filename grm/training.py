@@ -81,11 +81,14 @@ def judgement_pair(tokenizer, prompt: GRMPrompt | str, text: str
   return chat.render_for_training(chat.from_raw(messages), tokenizer)
 
 
-def cold_start_pairs(groups: Sequence[PreferenceGroup], *, seed: int, noise: float = 0.2
+def cold_start_pairs(groups: Sequence[PreferenceGroup], *, seed: int, noise: float = 0.2,
+                     principles: int = 2, critique: bool = True
                      ) -> list[tuple[GRMPrompt, str]]:
   """``(prompt, judgement)`` per group from the rule-based judge; group i uses
-  principle/noise seed ``(seed, i, 0)`` and response order ``(seed, i, 1)``."""
-  return [rule_judgement(g, seed=(int(seed), i, 0), noise=noise, shuffle_seed=(int(seed), i, 1))
+  principle/noise seed ``(seed, i, 0)`` and response order ``(seed, i, 1)``;
+  ``principles`` and ``critique`` size the judgement (``grm.data.rule_judgement``)."""
+  return [rule_judgement(g, seed=(int(seed), i, 0), noise=noise, shuffle_seed=(int(seed), i, 1),
+                         principles=principles, critique=critique)
           for i, g in enumerate(groups)]
 
 

@@ -51,16 +51,23 @@ from opd.config.fields import to_group
 from opd.training.optim import OptimConfig
 
 DEMO = "workdirs/demo"  # what `make demo` writes
+STRONG = "workdirs/strong"  # specialists.py:strong (the strong toy world)
 # name -> checkpoint dir of the demo's models (base, per-domain SFT and GRPO specialists).
 DEMO_MODELS = {"base": f"{DEMO}/base/checkpoints",
                **{f"sft_{d}": f"{DEMO}/{d}/sft/checkpoints"
                   for d in ("math", "code", "instruct", "writing", "agent")},
                **{f"rl_{d}": f"{DEMO}/{d}/grpo/checkpoints"
                   for d in ("math", "code", "instruct", "writing", "agent")}}
+# The strong world's: its shared SFT is the GRM's base (and a source model).
+STRONG_MODELS = {"base": f"{STRONG}/shared_sft/checkpoints",
+                 **{f"sft_{d}": f"{STRONG}/{d}/sft/checkpoints"
+                    for d in ("math", "code", "instruct", "writing", "agent")},
+                 **{f"rl_{d}": f"{STRONG}/{d}/grpo/checkpoints"
+                    for d in ("math", "code", "instruct", "writing", "agent")}}
 
 
 def get_config(arg=None):
-  arg = config_utils.parse_arg(arg, tiny=False, control=False, cue="marker")
+  arg = config_utils.parse_arg(arg, tiny=False, control=False, cue="marker", strong=False)
   variant = "tiny" if arg["tiny"] else None
   pre = pretrain_config.get_config(variant)
   grpo = grpo_config.get_config(variant)
@@ -92,8 +99,10 @@ def get_config(arg=None):
   # constraint_safety subset: ~1/6 of difficulty-1 prompts, ~1/2 at 3).
   # source: "models" (the groups above) or "control" (the positive-control set,
   # grm.control_set, with cue; the `control` variant).
+  # keep_rating1_n1: the share of the train split's single-response groups rated 1
+  # that is kept (grm.data.downsample_rating1; 1: all, the test split always all).
   c.data = ml_collections.ConfigDict(dict(
-      source="models", cue="marker",
+      source="models", cue="marker", keep_rating1_n1=1.0,
       domains=("math", "code", "instruct", "writing", "agent"), num_train=64, num_test=30,
       difficulties=(1,), temperatures=(0.0, 0.5, 1.0), max_new_tokens=80, sizes=(1, 2, 3, 4),
       include_reference=False, noise=0.2, max_draws=64,
@@ -106,7 +115,10 @@ def get_config(arg=None):
   # this text as noise (loss 5.6 = ln 270): at lr 3e-4 constant, 80 steps of 8 rows, or
   # at 1e-3 100 steps, the cold start wrote no valid judgement (loss 1.4, 0.9); at
   # 2e-3, 240 steps of 4 rows, 19 of 32 greedy judgements of train groups are valid.
-  c.sft = ml_collections.ConfigDict(dict(steps=240, batch_size=4, seq_len=1024, copies=2))
+  # principles, critique: the cold-start judgement's size (grm.data.rule_judgement):
+  # principles stated (0..the domain's list) and the verifier-reason critique on/off.
+  c.sft = ml_collections.ConfigDict(dict(steps=240, batch_size=4, seq_len=1024, copies=2,
+                                         principles=2, critique=True))
   c.sft_optim = to_group(OptimConfig, lr=2e-3, warmup_steps=10, decay_steps=230,
                          schedule="cosine", end_lr_ratio=0.1)
   # num_groups: train groups RFT samples from (0: all). T = 0.7 here, in rule RL and
@@ -143,6 +155,8 @@ def get_config(arg=None):
       ks_by_stage=dict(shared=(1, 2, 4, 8)),
       temperature=0.7, max_new_tokens=320, bootstrap_samples=1000, batch_size=32,
       length_bucket=64, constrained=False, content_blind=True, pairwise_both_orders=True))
+  if arg["strong"]:
+    _strong(c)
   if arg["control"]:
     _control(c, arg["cue"])
   if arg["tiny"]:
@@ -192,3 +206,27 @@ def _control(c, cue: str) -> None:
   c.rft.update(max_new_tokens=224, num_groups=64, steps=40)
   c.grpo.update(max_new_tokens=224, seq_len=768)
   c.benchmark.update(max_new_tokens=224)
+
+
+def _strong(c) -> None:
+  """The GRM on the strong toy world (``grm.py:strong``; docs/RESULTS.md, "A stronger
+  toy world"): the model of ``specialists.py:strong`` (BPE tokenizer ``bpe:1024``,
+  about 2.9x fewer tokens than bytes, so every budget below is about a third of the
+  byte model's), started from its shared SFT, the groups sampled from its
+  specialists; one principle (the principles say nothing about the responses, the
+  critique names each one's verifier reason), four cold-start copies per group,
+  a quarter of the rating-1 single-response train groups, and more test examples."""
+  c.model.update(tokenizer="bpe:1024", vocab_size=1024)  # as specialists.strengthen
+  c.models = ml_collections.ConfigDict(STRONG_MODELS)
+  c.data.update(max_new_tokens=64, num_train=96, num_test=40, keep_rating1_n1=0.25)
+  c.data.per_domain = ml_collections.ConfigDict(dict(
+      math=dict(num_test=80), code=dict(num_test=80),
+      instruct=dict(num_test=80, difficulties=(1, 2, 3))))
+  c.skip_stages = ("shared", "bt_rm", "pairwise", "meta_rm", "benchmark")
+  c.sft.update(steps=300, seq_len=640, copies=4, principles=1)
+  c.sft_optim.update(decay_steps=290)
+  c.rft.update(max_new_tokens=128)
+  c.grpo.update(max_new_tokens=128, seq_len=640, length_bucket=64)
+  c.rm.update(seq_len=640, bt_seq_len=128)
+  c.pairwise.update(seq_len=384, max_new_tokens=48)
+  c.benchmark.update(max_new_tokens=128)
