@@ -20,6 +20,7 @@ its domain, checkpointed under ``WORKDIR/teachers/<name>`` (reused if there).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pathlib
 
@@ -75,9 +76,25 @@ def load_teachers(config, workdir, mesh, rules) -> list[Teacher]:
     if not init:
       raise ValueError(f"config.teachers.{name}.init is empty: name the teacher's checkpoint "
                        "directory (or set config.build_teachers.sft_steps to build one)")
-    out.append(Teacher.from_checkpoint(name, init, to_model_config(group.model),
-                                       domain=group.domain or None, mesh=mesh, rules=rules))
+    cfg = to_model_config(group.model)
+    teacher = Teacher.from_checkpoint(name, init, cfg, domain=group.domain or None, mesh=mesh,
+                                      rules=rules)
+    if cfg.tokenizer != config.student.model.tokenizer:
+      teacher = dataclasses.replace(teacher, tokenizer=_run_tokenizer(name, cfg, init))
+    out.append(teacher)
   return out
+
+
+def _run_tokenizer(name: str, cfg, init: str):
+  """The tokenizer a teacher with another tokenizer than the student's was
+  trained with: the one its run directory (``init``'s parent) holds, never
+  built here (``train_opd`` then asks it through ``opd.distill.crosstok_pool``)."""
+  run_dir = pathlib.Path(init).parent
+  kept = run_dir / "tokenizer" / cfg.tokenizer.replace(":", "_")
+  if cfg.tokenizer != "byte" and not kept.is_dir():
+    raise ValueError(f"teacher {name!r}: tokenizer {cfg.tokenizer!r} (not the student's) has no "
+                     f"directory in its run {str(run_dir)!r} (tokenizer/)")
+  return common.tokenizer_for(cfg, run_dir)
 
 
 def _setup(config, workdir):
@@ -114,13 +131,18 @@ def run_opd(config, workdir: str) -> dict:
   prompts = domain_examples(domains, "train", config.data.num_prompts, config.seed, diffs)
   held = domain_examples(domains, "test", config.data.num_heldout, config.seed + 1, diffs,
                          unique=True)
-  pool = TeacherPool(teachers, student_cfg.vocab_size, distributed.host_work_mesh(mesh), rules=rules)
-  evaluate = make_heldout_eval(student_cfg, pool, held, cfg, tokenizer=tok, mesh=pool.mesh,
-                               rules=rules, seed=config.seed + 2)
+  # Teachers with another tokenizer go to train_opd as Teachers (its
+  # cross-tokenizer pool); the held-out reverse KL covers the others only.
+  plain = [t for t in teachers if t.tokenizer is None]
+  pool = (TeacherPool(plain, student_cfg.vocab_size, distributed.host_work_mesh(mesh), rules=rules)
+          if plain else None)
+  evaluate = (make_heldout_eval(student_cfg, pool, held, cfg, tokenizer=tok, mesh=pool.mesh,
+                                rules=rules, seed=config.seed + 2) if pool is not None else None)
   root = pathlib.Path(workdir)
   with MetricWriter(root) as writer:
     resuming = CheckpointManager(root / "checkpoints").latest_step() is not None
-    first = {} if resuming else {f"eval/{k}": v for k, v in evaluate(params).items()}
+    first = ({} if resuming or evaluate is None
+             else {f"eval/{k}": v for k, v in evaluate(params).items()})
     if first:
       writer.write_scalars(0, first)
     # Saved with every checkpoint: a resumed run gets the original step-0 eval back.
@@ -128,7 +150,8 @@ def run_opd(config, workdir: str) -> dict:
     # A LoRA student (config.student.lora.rank > 0) starts with zero adapters:
     # the step-0 eval above saw exactly its merged params.
     student = common.lora_student(params, config.student.get("lora"), "config.student.lora")
-    out = train_opd(student_cfg, student, pool, prompts, cfg, common.optim_config(config.optim),
+    asked = pool if len(plain) == len(teachers) else teachers
+    out = train_opd(student_cfg, student, asked, prompts, cfg, common.optim_config(config.optim),
                     LoopConfig(config.train.steps, save_every=config.train.save_every,
                                eval_every=config.train.eval_every,
                                keep_checkpoints=config.train.keep_checkpoints),
@@ -137,7 +160,7 @@ def run_opd(config, workdir: str) -> dict:
                           first_metrics=firsts),
                     runtime=Runtime(mesh, rules, seed=config.seed, tokenizer=tok))
   first = firsts.get(0, {})
-  names, last = pool.names, out.history[-1] if out.history else {}
+  names, last = [t.name for t in teachers], out.history[-1] if out.history else {}
   plots = [common.plot_curves(root, keys=[f"eval/rkl/{n}" for n in names], filename="rkl.png",
                               title="held-out reverse KL per teacher"),
            common.plot_curves(root, keys=[f"diag/{n}/overlap@8" for n in names],
@@ -150,7 +173,7 @@ def run_opd(config, workdir: str) -> dict:
              "updates": int(out.state.step), "wall_s": timer.seconds,
              "plots": ",".join(str(p) for p in plots if p)}
   for n in names:
-    if first:
+    if f"eval/rkl/{n}" in first:
       metrics[f"rkl_initial/{n}"] = first[f"eval/rkl/{n}"]
     metrics[f"rkl_final/{n}"] = last.get(f"eval/rkl/{n}", float("nan"))
     diag = [m[f"diag/{n}/overlap@8"] for m in out.history if f"diag/{n}/overlap@8" in m]

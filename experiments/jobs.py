@@ -38,6 +38,7 @@ _JOBS: dict[str, Target] = {
     "grm_reward": "experiments.grm_reward:run",
     "mathv2": "experiments.mathv2:run",
     "gencluster": "experiments.gencluster:run",
+    "opd_forms": "experiments.opd_forms_experiment:run",
 }
 
 # name -> "module:function" of its job-start check (``validate``), where it has one.

@@ -103,10 +103,13 @@ def run(config, workdir: str, reuse=()) -> dict:
     optim = config.sft.optim
     if optim.schedule != "constant":
       optim = _copy(optim, decay_steps=max(1, shared.steps - optim.warmup_steps))
+    # shared_sft.domains (optional; empty: config.domains): a specialist of
+    # one domain built on the same every-domain base as the others.
+    shared_domains = tuple(shared.get("domains") or domains)
     stage_metrics["shared_sft"], base_dir = stages.run(
         "shared SFT (every domain)", sft_job.run,
         common.stage_config(config, "sft", init=str(pretrained_dir / "checkpoints"), optim=optim,
-                            train=train, data=_copy(config.sft.data, domains=domains,
+                            train=train, data=_copy(config.sft.data, domains=shared_domains,
                                                     num_train=shared.num_train)),
         "shared_sft", [pretrained_dir])
 

@@ -20,9 +20,9 @@ from subprocess_env import one_device_env  # tests/ (on sys.path via conftest.py
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "configs"
 # distill: tests/experiments/test_distill_job.py runs its tiny variant through the CLI.
 # compat: tests/experiments/test_compat_job.py does; gencluster: test_gencluster_job.py;
-# mathv2: test_mathv2_job.py.
+# mathv2: test_mathv2_job.py; opd_forms: test_opd_forms_experiment.py.
 SMOKE_TESTED = {"pretrain", "sft", "grpo", "specialists", "distill", "baselines", "v4", "grm",
-                "grm_reward", "compat", "gencluster", "mathv2"}
+                "grm_reward", "compat", "gencluster", "mathv2", "opd_forms"}
 
 
 def _load(name, arg="tiny"):
