@@ -215,7 +215,9 @@ def _strong(c) -> None:
   byte model's), started from its shared SFT, the groups sampled from its
   specialists; one principle (the principles say nothing about the responses, the
   critique names each one's verifier reason), four cold-start copies per group,
-  a quarter of the rating-1 single-response train groups, and more test examples."""
+  a quarter of the rating-1 single-response train groups, and more test examples.
+  The judgement's text is not the tokenizer's corpus: 119 tokens at the median,
+  169 at most (1.7x fewer than bytes); SFT rows 393 median, 596 at most."""
   c.model.update(tokenizer="bpe:1024", vocab_size=1024)  # as specialists.strengthen
   c.models = ml_collections.ConfigDict(STRONG_MODELS)
   c.data.update(max_new_tokens=64, num_train=96, num_test=40, keep_rating1_n1=0.25)
@@ -225,8 +227,8 @@ def _strong(c) -> None:
   c.skip_stages = ("shared", "bt_rm", "pairwise", "meta_rm", "benchmark")
   c.sft.update(steps=300, seq_len=640, copies=4, principles=1)
   c.sft_optim.update(decay_steps=290)
-  c.rft.update(max_new_tokens=128)
-  c.grpo.update(max_new_tokens=128, seq_len=640, length_bucket=64)
-  c.rm.update(seq_len=640, bt_seq_len=128)
+  c.rft.update(max_new_tokens=192)
+  c.grpo.update(max_new_tokens=192, seq_len=768, length_bucket=64)
+  c.rm.update(seq_len=768, bt_seq_len=128)
   c.pairwise.update(seq_len=384, max_new_tokens=48)
-  c.benchmark.update(max_new_tokens=128)
+  c.benchmark.update(max_new_tokens=192)
