@@ -3,7 +3,12 @@
 Every row is one full student update on the same model, batch and
 vocabulary (docs/DESIGN.md §3–4): student forward, a reverse-KL loss against
 K teachers, backward and AdamW, through ``opd.training.train_step.make_train_step``
-on a one-device mesh, float32. Methods:
+on a one-device mesh, float32. The model list (``--archs``, :data:`ARCHS`):
+``dense`` (Llama-style GQA + SwiGLU) and ``v4`` (the DeepSeek-V4 architecture,
+``ModelConfig.v4``, of the same D, layers and heads: CSA / HCA / sliding layers
+in turn, a hash-routed first MoE layer, 8 experts of width F/3 so that the
+k = 2 routed plus the shared expert match the dense MLP's width; see
+:func:`model_config`); student and teachers share the architecture. Methods:
 
 * ``opd``: what ``opd.distill.trainer.train_opd`` runs. The teachers' last
   hidden states come from ``TeacherPool`` → ``FaultTolerantTeachers`` →
@@ -28,7 +33,8 @@ on a one-device mesh, float32. Methods:
   run in this run when that venv exists (``make bench-tunix`` creates it),
   otherwise merged from its JSON, otherwise reported as not run.
 
-Reported per row: compile time, median step time over ``iters`` after one
+Reported per row: the architecture, the student's forward FLOPs per token
+(``ModelConfig.flops_per_token(T)``), compile time, median step time over ``iters`` after one
 warm-up step, tokens/s (B·T per step), XLA's compiled memory
 (``argument + output − alias + temp`` [+ embedded constants]: the donated
 state is counted once) and the process's RSS rise during the steps (peak
@@ -70,6 +76,9 @@ from opd.distill.loss import make_opd_loss
 from opd.distill.source import OPDConfig
 from opd.distill.teachers import Teacher, TeacherPool
 from opd.models import ModelConfig, forward, head_matrix
+from opd.models.moe import MoEConfig
+from opd.models.v4.config import V4Config
+from opd.models.v4.moe import default_tid2eid
 from opd.parallel import sharding
 from opd.training.train_step import (OptimConfig, abstract_train_state, init_train_state,
                                      make_optimizer, make_train_step)
@@ -77,16 +86,38 @@ from pallas_kernels.api import resolve_impl
 from pallas_kernels.inputs import normalized_weights
 
 METHODS = ("opd", "materialised", "recompute")
+ARCHS = ("dense", "v4")
 TUNIX_METHODS = ("tunix_rkl", "tunix_logit")
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TUNIX_PYTHON = REPO / ".venv-tunix" / "bin" / "python"
 TEACHER_NOISE = 0.5  # teacher k = student + TEACHER_NOISE x a fresh random init
 
 
-def model_config(sizes: dict, vocab: int) -> ModelConfig:
-  """The student's (and every teacher's) config."""
-  return ModelConfig(vocab_size=vocab, d_model=sizes["d_model"], n_layers=sizes["n_layers"],
-                     n_heads=sizes["n_heads"], n_kv_heads=sizes["n_heads"], d_ff=sizes["d_ff"])
+def model_config(sizes: dict, vocab: int, arch: str = "dense") -> ModelConfig:
+  """The student's (and every teacher's) config of architecture ``arch`` (:data:`ARCHS`).
+
+  ``v4``: head_dim D/H with RoPE on a quarter of it, one key/value head, layers
+  cycling CSA (m = 4, top ``T/16`` entries) / HCA (m = 16) / sliding (window
+  ``T/4``), the first MoE layer hash-routed, 8 sqrtsoftplus experts of width F/3
+  (k = 2 plus the shared one), query and output ranks D/2, 4 mHC streams.
+  """
+  if arch not in ARCHS:
+    raise ValueError(f"arch={arch!r}: expected one of {ARCHS}")
+  D, L, H, F, T = (sizes[n] for n in ("d_model", "n_layers", "n_heads", "d_ff", "seq"))
+  if arch == "dense":
+    return ModelConfig(vocab_size=vocab, d_model=D, n_layers=L, n_heads=H, n_kv_heads=H,
+                       d_ff=F)
+  cycle = ("compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention")
+  Dh = D // H
+  v4 = V4Config(layer_types=tuple(cycle[i % 3] for i in range(L)),
+                mlp_layer_types=("hash_moe",) + ("moe",) * (L - 1), q_lora_rank=D // 2,
+                rope_dim=Dh // 4, sliding_window=T // 4, o_groups=2, o_lora_rank=D // 2,
+                csa_compress_rate=4, hca_compress_rate=16, index_n_heads=2, index_head_dim=Dh,
+                index_topk=max(T // 16, 1), n_streams=4)
+  moe = MoEConfig(n_routed_experts=8, experts_per_token=2, moe_d_ff=F // 3, n_shared_experts=1,
+                  router="sqrtsoftplus")
+  return ModelConfig(vocab_size=vocab, d_model=D, n_layers=L, n_heads=H, n_kv_heads=1,
+                     head_dim=Dh, d_ff=F // 3, moe=moe, v4=v4)
 
 
 def host_params(cfg: ModelConfig, seed: int, base: dict | None = None,
@@ -95,7 +126,8 @@ def host_params(cfg: ModelConfig, seed: int, base: dict | None = None,
 
   Matrices ~ N(0, std²), std = 1/sqrt(fan_in) with fan_in the product of
   all but the last axis; the head has twice that std, so logits have std
-  ~2 and the KL is far from 0. Embedding std 1, 1-D params (norm scales) 1.
+  ~2 and the KL is far from 0. Embedding std 1, 1-D params (norm scales) 1,
+  a V4 hash table its init's (``default_tid2eid``).
   With ``base``, the result is ``base`` plus ``noise`` times such a draw
   (1-D params copied): a teacher close to the student, so the KL depends
   on which teacher token is paired with which student token.
@@ -106,6 +138,8 @@ def host_params(cfg: ModelConfig, seed: int, base: dict | None = None,
 
   def init(path, a):
     name = jax.tree_util.keystr(path)
+    if "tid2eid" in name:  # a V4 hash table: the init's balanced expert ids
+      return np.asarray(default_tid2eid(cfg.vocab_size, cfg.moe), np.float32).reshape(a.shape)
     if a.ndim == 1:
       return np.ones(a.shape, np.float32)
     std = 1.0 if "embedding" in name else (2.0 if "lm_head" in name else 1.0) / np.sqrt(
@@ -216,14 +250,14 @@ def _scales(cfg, params, batch_hidden, heads, teacher_logits, host) -> dict:
                                   for hk, w in zip(batch_hidden, heads))}
 
 
-def setup(sizes: dict, vocab: int, k: int, cache_dtype: str) -> dict:
+def setup(sizes: dict, vocab: int, k: int, cache_dtype: str, arch: str = "dense") -> dict:
   """Model, teachers, batch and cached teacher states shared by the methods of one (V, K).
 
   The cached states go through the trainer's path: ``TeacherPool`` →
   ``FaultTolerantTeachers`` → ``HiddenStateCache`` → ``cache.loss_batch``
   (uniform weights).
   """
-  cfg = model_config(sizes, vocab)
+  cfg = model_config(sizes, vocab, arch)
   mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
   opd_cfg = OPDConfig(cache_dtype=cache_dtype)
   student = host_params(cfg, seed=0)
@@ -241,11 +275,11 @@ def setup(sizes: dict, vocab: int, k: int, cache_dtype: str) -> dict:
 
 
 def worker(method: str, sizes: dict, vocab: int, k: int, cache_dtype: str,
-           max_bytes: int | None, shared: dict | None = None) -> dict:
-  """Compiles and times one method's step (``shared``: a :func:`setup` to reuse)."""
+           max_bytes: int | None, shared: dict | None = None, arch: str = "dense") -> dict:
+  """Compiles and times one method's step (``shared``: a :func:`setup` of ``arch`` to reuse)."""
   if method not in METHODS:
     raise ValueError(f"method={method!r}: expected one of {METHODS}")
-  su = shared if shared is not None else setup(sizes, vocab, k, cache_dtype)
+  su = shared if shared is not None else setup(sizes, vocab, k, cache_dtype, arch)
   cfg, mesh, opd_cfg, teachers, pool = (su[n] for n in ("cfg", "mesh", "opd_cfg", "teachers",
                                                         "pool"))
   host, cached, batch = su["host"], su["cached"], su["batch"]
@@ -271,7 +305,8 @@ def worker(method: str, sizes: dict, vocab: int, k: int, cache_dtype: str,
   state, batch, compiled, compile_s, xla, peak = compile_step(
       cfg, loss_fn, su["student"], batch, mesh, constant_bytes)
   entries = kernel_entries(loss_fn, state.params, batch, mesh)
-  row = {"method": method, "V": vocab, "K": k, "kernel_entries": entries,
+  row = {"method": method, "arch": arch, "V": vocab, "K": k, "kernel_entries": entries,
+         "flops_per_token": cfg.flops_per_token(t),
          "kernel_impl": resolve_impl(opd_cfg.loss_config().impl) if entries else None,
          "compile_s": compile_s, "xla_bytes": xla, "xla_peak_bytes": peak,
          "xla_peak_gib": peak / 2 ** 30}
@@ -332,14 +367,14 @@ def _run_tunix(sizes: dict, quick: bool, out: str, mode: str) -> tuple[dict | No
 
 
 def _ratios(rows: list[dict]) -> list[dict]:
-  find = lambda m, v, k: next((r for r in rows if (r["method"], r["V"], r["K"]) == (m, v, k)),
-                              None)
+  find = lambda m, a, v, k: next((r for r in rows if (r["method"], r.get("arch", "dense"),
+                                                      r["V"], r["K"]) == (m, a, v, k)), None)
   out = []
-  for v, k in sorted({(r["V"], r["K"]) for r in rows if r["method"] == "opd"}):
-    ours = find("opd", v, k)
-    entry = {"V": v, "K": k}
+  for a, v, k in sorted({(r["arch"], r["V"], r["K"]) for r in rows if r["method"] == "opd"}):
+    ours = find("opd", a, v, k)
+    entry = {"arch": a, "V": v, "K": k}
     for base in ("materialised", "recompute") + TUNIX_METHODS:
-      other = find(base, v, k)
+      other = find(base, a, v, k)
       if other is None or "xla_peak_bytes" not in other or "xla_peak_bytes" not in ours:
         continue
       r = {"peak_mem_ratio": other["xla_peak_bytes"] / ours["xla_peak_bytes"]}
@@ -347,7 +382,7 @@ def _ratios(rows: list[dict]) -> list[dict]:
         r.update(time_ratio=ours["step_median_s"] / other["step_median_s"],
                  tokens_per_s_ratio=ours["tokens_per_s"] / other["tokens_per_s"])
       entry[f"vs_{base}"] = r
-    rec, tunix = find("recompute", v, k), find("tunix_rkl", v, k)
+    rec, tunix = find("recompute", a, v, k), find("tunix_rkl", a, v, k)
     if rec is not None and tunix is not None and rec.get("ran"):
       # Equal work: both rerun the teacher forward every step.
       entry["recompute_vs_tunix_rkl"] = {
@@ -362,6 +397,8 @@ def _parse(argv):
   p.add_argument("--quick", action="store_true", help="smoke sizes, rows run in-process")
   p.add_argument("--vocab", type=int, nargs="+", help="override the V list")
   p.add_argument("--teachers", type=int, nargs="+", default=[1, 3], help="the K list")
+  p.add_argument("--archs", nargs="+", choices=ARCHS, default=list(ARCHS),
+                 help="the model list (tunix runs the dense one only)")
   p.add_argument("--cache_dtype", default=OPDConfig.cache_dtype,
                  help="hidden-state cache dtype (OPDConfig.cache_dtype)")
   p.add_argument("--max_gib", type=float, default=None,
@@ -371,7 +408,8 @@ def _parse(argv):
   p.add_argument("--isolate", choices=("auto", "yes", "no"), default="auto",
                  help="one subprocess per row (auto: yes unless --quick)")
   p.add_argument("--out", default="benchmark_results")
-  p.add_argument("--worker", nargs=3, metavar=("METHOD", "V", "K"), help=argparse.SUPPRESS)
+  p.add_argument("--worker", nargs=4, metavar=("METHOD", "ARCH", "V", "K"),
+                 help=argparse.SUPPRESS)
   return sized_args(p.parse_args(argv))
 
 
@@ -415,36 +453,38 @@ def main(argv=None) -> dict:
   max_bytes = (int(args.max_gib * 2 ** 30) if args.max_gib is not None
                else int(0.8 * _mem_available_bytes()))
   if args.worker:
-    method, v, k = args.worker
-    print(json.dumps(worker(method, args.sizes, int(v), int(k), args.cache_dtype, max_bytes)))
+    method, arch, v, k = args.worker
+    print(json.dumps(worker(method, args.sizes, int(v), int(k), args.cache_dtype, max_bytes,
+                            arch=arch)))
     return {}
   isolate = args.isolate == "yes" or (args.isolate == "auto" and not args.quick)
   sizes = args.sizes
   rows = []
-  for v in sizes["vocab"]:
-    for k in args.teachers:
-      shared = None if isolate else setup(sizes, v, k, args.cache_dtype)
-      for method in METHODS:
-        if isolate:
-          flags = ["--quick"] if args.quick else []
-          try:
-            row = common.run_isolated("experiments.benchmarks.opd_step", [
-                "--worker", method, str(v), str(k), "--cache_dtype", args.cache_dtype,
-                "--max_gib", str(max_bytes / 2 ** 30), *flags,
-                *(["--vocab", *map(str, sizes["vocab"])] if args.vocab else [])])
-            row.pop("max_rss_mib", None)  # the row's own RSS figures are exact
-          except RuntimeError as e:  # e.g. killed for memory: recorded, the others still run
-            row = {"method": method, "V": v, "K": k, "ran": False, "reason": str(e)[-1500:]}
-        else:
-          row = worker(method, sizes, v, k, args.cache_dtype, max_bytes, shared)
-        rows.append(row)
-        print(f"  {method} V={v} K={k}: " + (f"{row['step_median_s']:.3f} s/step"
-                                             if row.get("ran") else row.get("reason", "")),
-              flush=True)
+  for arch, v, k in ((a, v, k) for a in args.archs for v in sizes["vocab"]
+                      for k in args.teachers):
+    shared = None if isolate else setup(sizes, v, k, args.cache_dtype, arch)
+    for method in METHODS:
+      if isolate:
+        flags = ["--quick"] if args.quick else []
+        try:
+          row = common.run_isolated("experiments.benchmarks.opd_step", [
+              "--worker", method, arch, str(v), str(k), "--cache_dtype", args.cache_dtype,
+              "--max_gib", str(max_bytes / 2 ** 30), *flags,
+              *(["--vocab", *map(str, sizes["vocab"])] if args.vocab else [])])
+          row.pop("max_rss_mib", None)  # the row's own RSS figures are exact
+        except RuntimeError as e:  # e.g. killed for memory: recorded, the others still run
+          row = {"method": method, "arch": arch, "V": v, "K": k, "ran": False,
+                 "reason": str(e)[-1500:]}
+      else:
+        row = worker(method, sizes, v, k, args.cache_dtype, max_bytes, shared, arch)
+      rows.append(row)
+      print(f"  {method} {arch} V={v} K={k}: " + (f"{row['step_median_s']:.3f} s/step"
+                                                  if row.get("ran") else row.get("reason", "")),
+            flush=True)
   tunix, tunix_status = _run_tunix(sizes, args.quick, args.out, args.tunix)
   if tunix is not None:
-    rows += [{**r, "xla_peak_gib": r["xla_peak_bytes"] / 2 ** 30} for r in tunix["rows"]
-             if r.get("ran")]
+    rows += [{**r, "arch": "dense", "xla_peak_gib": r["xla_peak_bytes"] / 2 ** 30}
+             for r in tunix["rows"] if r.get("ran")]
   b, t = sizes["batch"], sizes["seq"]
   itemsize = jnp.dtype(args.cache_dtype).itemsize
   cache_bytes = [{"V": v, "K": k, "hidden_cache_bytes": k * b * t * sizes["d_model"] * itemsize,
@@ -462,7 +502,8 @@ def main(argv=None) -> dict:
         r["meets_tunix_time"] = (r["vs_tunix_rkl"]["time_ratio"] < 1.0
                                  and r["recompute_vs_tunix_rkl"]["time_ratio"] < 1.0)
   entries = sorted({e for r in rows if r["method"] == "opd" for e in r["kernel_entries"]})
-  payload = {"sizes": {**sizes, "K": list(args.teachers), "tokens_per_step": b * t,
+  payload = {"sizes": {**sizes, "K": list(args.teachers), "archs": list(args.archs),
+                       "tokens_per_step": b * t,
                        "cache_dtype": args.cache_dtype, "dtype": "float32",
                        "optimizer": "make_optimizer(OptimConfig(lr=1e-4, weight_decay=0.1))"},
              "quick": args.quick, "isolated": isolate, "max_run_bytes": max_bytes,
@@ -476,11 +517,11 @@ def main(argv=None) -> dict:
                         "during warm-up + timed steps minus the RSS after compilation")}
   print(f"# OPD step, CPU, B={b} T={t} D={sizes['d_model']} L={sizes['n_layers']} float32, "
         f"cache {args.cache_dtype}; kernel entry: {', '.join(entries)}")
-  print(common.format_table(rows, ["method", "V", "K", "compile_s", "step_median_s",
+  print(common.format_table(rows, ["method", "arch", "V", "K", "compile_s", "step_median_s",
                                    "tokens_per_s", "xla_peak_gib", "rss_step_delta_mib",
                                    "loss", "ran"]))
   print()
-  print(common.format_table([{"V": r["V"], "K": r["K"], **{
+  print(common.format_table([{"arch": r["arch"], "V": r["V"], "K": r["K"], **{
       f"{base}: {m}": r[f"vs_{base}"].get(m) for base in ("materialised", "recompute",
                                                            "tunix_rkl")
       if f"vs_{base}" in r for m in ("time_ratio", "peak_mem_ratio")},

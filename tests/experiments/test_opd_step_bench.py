@@ -1,6 +1,9 @@
 """Smoke test of experiments/benchmarks/opd_step.py at --quick sizes (tunix off).
 
-Timings are not asserted (the reference machine is shared). The test checks
+Timings are not asserted (the reference machine is shared). The dense
+architecture's record gets the full checks; the DeepSeek-V4 one (the model
+list's ``v4``, one teacher to keep its compile short) the row fields and the
+same-loss check with a bound for its deeper layers. The test checks
 the JSON record and that the three measured steps (fused OPD on cached
 hidden states, materialised logits from a logit cache, teachers recomputed
 in the step) compute the same first-step loss from the same state and
@@ -25,7 +28,7 @@ EPS = 2.0 ** -23  # float32
 def record(tmp_path_factory):
   out = tmp_path_factory.mktemp("opd_step")
   payload = bench.main(["--quick", "--teachers", "3", "--cache_dtype", "float32",
-                        "--tunix", "off", "--out", str(out)])
+                        "--tunix", "off", "--archs", "dense", "--out", str(out)])
   saved = json.loads((out / "opd_step_quick.json").read_text())
   assert saved["rows"] == json.loads(json.dumps(payload["rows"]))
   return saved
@@ -88,11 +91,18 @@ def test_three_steps_compute_the_same_loss(record):
   temperature, move it by tens of percent.
   """
   s = record["sizes"]
-  mat = record["rows"][1]
+  d, f, t, n_layers = s["d_model"], s["d_ff"], s["seq"], s["n_layers"]
+  _same_loss(record, math.sqrt(d) + math.sqrt(n_layers * max(d, f, t)))
+
+
+def _same_loss(record, growth):
+  """The three rows' first-step losses agree within the bound derived above (``growth``:
+  the relative rounding growth of the logits, in units of 4·eps·S)."""
+  s = record["sizes"]
+  mat = next(r for r in record["rows"] if r["method"] == "materialised")
   sc = mat["scales"]
-  d, f, t, n_layers, v = s["d_model"], s["d_ff"], s["seq"], s["n_layers"], s["vocab"][0]
+  v = s["vocab"][0]
   m = sc["student_logit_absmax"] + sc["teacher_logit_absmax"]
-  growth = math.sqrt(d) + math.sqrt(n_layers * max(d, f, t))
   dz = 4 * EPS * sc["student_hw_bound"] * growth
   dx = 4 * EPS * sc["teacher_hw_bound"] * growth
   tol = 2 * m * dz + 2 * dx + 4 * math.sqrt(v) * EPS * (m + 2)
@@ -102,3 +112,34 @@ def test_three_steps_compute_the_same_loss(record):
   assert abs(losses["recompute"] - losses["opd"]) <= tol, (losses, tol)
   # Same trained tokens in every row (the mask and the weights agree).
   assert len({r["opd_tokens"] for r in record["rows"]}) == 1
+
+
+@pytest.fixture(scope="module")
+def record_v4(tmp_path_factory):
+  out = tmp_path_factory.mktemp("opd_step_v4")
+  bench.main(["--quick", "--teachers", "1", "--cache_dtype", "float32", "--tunix", "off",
+              "--archs", "v4", "--out", str(out)])
+  return json.loads((out / "opd_step_quick.json").read_text())
+
+
+def test_v4_rows(record_v4):
+  s = record_v4["sizes"]
+  assert s["archs"] == ["v4"]
+  cfg = bench.model_config(s, s["vocab"][0], "v4")
+  assert cfg.v4 is not None and cfg.moe.moe_d_ff * 3 == s["d_ff"]
+  assert [(r["method"], r["arch"]) for r in record_v4["rows"]] == [
+      (m, "v4") for m in bench.METHODS]
+  for r in record_v4["rows"]:
+    assert r["ran"] and r["K"] == 1 and r["step_median_s"] > 0
+    assert r["flops_per_token"] == cfg.flops_per_token(s["seq"])
+    assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
+  (ratio,) = record_v4["ratios"]
+  assert ratio["arch"] == "v4" and "vs_materialised" in ratio
+
+
+def test_v4_three_steps_compute_the_same_loss(record_v4):
+  # As the dense bound, with V4's reductions per layer: two mHC sites over N·D terms,
+  # attention and MoE (D, F, T terms): four stages of at most n = max(N·D, D, F, T).
+  s = record_v4["sizes"]
+  n = max(4 * s["d_model"], s["d_ff"], s["seq"])  # N = 4 streams (opd_step.model_config)
+  _same_loss(record_v4, math.sqrt(s["d_model"]) + math.sqrt(4 * s["n_layers"] * n))
