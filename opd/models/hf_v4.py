@@ -12,11 +12,16 @@ expert ``ffn.experts.{e}.w{1,2,3}`` (gate, down, up) and ``ffn.shared_experts.w{
 then ``model.hc_head.hc_{fn,base,scale}``, ``model.norm``, ``head``. ``_rows`` is
 the full table: the HF shape, ours, and the two maps between them.
 Multi-token-prediction layers (``num_nextn_predict_layers``) are not built: their
-``model.layers.{n_layers + j}`` tensors are dropped on load (they do not change
-the causal-LM logits) and never written.
+``model.layers.{n_layers + j}`` tensors (``opd.models.hf``) and DeepSeek's own
+``mtp.{j}.*`` ones (which transformers ignores too) are dropped on load with a
+warning (they do not change the causal-LM logits) and never written. A config
+that needs anything else not built (quantised fp8 / fp4 weights, a layer or MLP
+type, router or activation other than V4's) fails naming the field.
 """
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
@@ -25,11 +30,14 @@ import numpy as np
 
 from opd.models.config import ModelConfig, YaRNConfig
 from opd.models.mla import yarn_frequencies
-from opd.models.moe import MoEConfig
-from opd.models.v4.config import V4Config, V4YaRN
+from opd.models.moe import ROUTERS, MoEConfig
+from opd.models.v4.config import LAYER_TYPES, MLP_LAYER_TYPES, V4Config, V4YaRN
 from opd.models.v4.model import layer_configs
 
+log = logging.getLogger(__name__)
+
 MODEL_TYPE = "deepseek_v4"
+_MTP = re.compile(r"(^|\.)mtp\.")  # DeepSeek's multi-token-prediction tensors
 HF_CLASS = "DeepseekV4ForCausalLM"
 _CSA, _HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -99,12 +107,24 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str, param_dtype: str) -> Mo
     ValueError: naming the HF field and value of anything not built (YaRN, several
       key/value heads, biases, other activations) or a missing required field.
   """
+  quant = hf.get("quantization_config")
+  if quant is not None:
+    method = quant.get("quant_method", "?") if isinstance(quant, Mapping) else quant
+    raise ValueError(f"HF config quantization_config (quant_method={method!r}) is not "
+                     f"supported for {MODEL_TYPE}: the fp8 / fp4 weights and their scales "
+                     "are not dequantised here; convert the checkpoint to bf16 / fp32 first")
   for name, ok in (("hidden_act", ("silu", "swish")), ("attention_bias", (False,)),
                    ("mlp_bias", (False,)), ("num_key_value_heads", (1,)),
-                   ("n_shared_experts", (1,)), ("norm_topk_prob", (True,))):
+                   ("n_shared_experts", (1,)), ("norm_topk_prob", (True,)),
+                   ("scoring_func", ROUTERS)):
     if name in hf and hf[name] not in ok:
       raise ValueError(f"HF config {name}={hf[name]!r} is not supported for {MODEL_TYPE} "
                        f"(expected one of {ok})")
+  for name, ok in (("layer_types", LAYER_TYPES), ("mlp_layer_types", MLP_LAYER_TYPES)):
+    for i, value in enumerate(_need(hf, name)):
+      if value not in ok:
+        raise ValueError(f"HF config {name}[{i}]={value!r} is not supported for "
+                         f"{MODEL_TYPE} (built: {ok})")
   Dh = _need(hf, "head_dim")
   main, compress = _rope_dicts(hf)
   for kind, rp in (("main", main), ("compress", compress)):
@@ -285,10 +305,16 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, Any], dtype) -> dict[
   """``{hf_name: array}`` (possibly lazy: ``keys``, ``shape_of``, ``__getitem__``) → params.
 
   Raises:
-    ValueError: naming missing / unexpected tensors or a tensor of the wrong shape.
+    ValueError: naming missing / unexpected tensors or a tensor of the wrong shape
+      (DeepSeek's ``mtp.*`` tensors are dropped with a warning).
   """
   rows = _rows(cfg)
   expected, names = {r.hf_name for r in rows}, set(tensors.keys())
+  mtp = sorted(n for n in names if _MTP.search(n))
+  if mtp:
+    log.warning("dropping %d multi-token-prediction tensors (%s, ...): they do not affect the "
+                "causal-LM logits", len(mtp), mtp[0])
+    names -= set(mtp)
   missing, unexpected = sorted(expected - names), sorted(names - expected)
   if missing or unexpected:
     raise ValueError(f"{MODEL_TYPE} checkpoint tensors do not match the config (layer_types / "

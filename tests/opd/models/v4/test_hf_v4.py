@@ -76,7 +76,15 @@ def test_unsupported_checkpoints_fail_naming_the_field(saved, tmp_path):
                                       "rope_type": "yarn", "factor": 4.0}}}
   for change, match in ((bad, r"rope_parameters\['main'\].rope_type='yarn'"),
                         ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
-                        ({"n_shared_experts": 2}, "n_shared_experts=2")):
+                        ({"n_shared_experts": 2}, "n_shared_experts=2"),
+                        ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}},
+                         r"quantization_config \(quant_method='fp8'\) is not supported"),
+                        ({"layer_types": [hf["layer_types"][0], "linear_attention",
+                                          hf["layer_types"][2]]},
+                         r"layer_types\[1\]='linear_attention' is not supported"),
+                        ({"mlp_layer_types": ["hash_moe", "moe", "dense"]},
+                         r"mlp_layer_types\[2\]='dense' is not supported"),
+                        ({"scoring_func": "relu"}, "scoring_func='relu' is not supported")):
     d = tmp_path / str(len(os.listdir(tmp_path)))
     d.mkdir()
     json.dump({**hf, **change}, open(d / "config.json", "w"))
@@ -91,3 +99,27 @@ def test_unsupported_checkpoints_fail_naming_the_field(saved, tmp_path):
   with pytest.raises(ValueError, match=r"missing \['model.layers.0.ffn.gate.bias'\].*"
                                        r"unexpected \['model.layers.0.ffn.gate.tid2eid'\]"):
     load_hf(str(d))
+
+
+def test_mtp_tensors_are_dropped_with_a_warning(saved, tmp_path, caplog):
+  # A checkpoint with one multi-token-prediction layer, in both namings: transformers'
+  # model.layers.{n_layers} (num_nextn_predict_layers = 1) and DeepSeek's own mtp.0.*.
+  from safetensors.numpy import load_file, save_file
+  c, _, path, ids, logits_t = saved
+  tensors = load_file(os.path.join(path, "model.safetensors"))
+  extra = {"model.layers.3.attn.wq_a.weight": np.ones((4, 4), np.float32),
+           "mtp.0.enorm.weight": np.ones(4, np.float32),
+           "mtp.0.ffn.experts.0.w1.weight": np.ones((4, 4), np.float32)}
+  save_file({**tensors, **extra}, str(tmp_path / "model.safetensors"))
+  hf = json.load(open(os.path.join(path, "config.json")))
+  json.dump({**hf, "num_nextn_predict_layers": 1}, open(tmp_path / "config.json", "w"))
+  with caplog.at_level("WARNING"):
+    cfg, params = load_hf(str(tmp_path))
+  assert "dropping 1 multi-token-prediction" in caplog.text  # model.layers.3
+  assert "dropping 2 multi-token-prediction tensors (mtp.0." in caplog.text
+  assert rel_err(forward(cfg, params, jnp.asarray(ids)).logits, logits_t) <= TOL
+  # Any other stray tensor is still refused, named.
+  save_file({**tensors, "model.extra.weight": np.ones(4, np.float32)},
+            str(tmp_path / "model.safetensors"))
+  with pytest.raises(ValueError, match=r"unexpected \['model.extra.weight'\]"):
+    load_hf(str(tmp_path))
