@@ -76,6 +76,9 @@ def check(config) -> None:
   if unknown:
     raise ValueError(f"config.positive_control.domains names {sorted(unknown)}, not among the "
                      f"specialists' domains {tuple(config.specialists.domains)}")
+  if pc.get("only") and not pc.steps:
+    raise ValueError("config.positive_control.only=True stops after the control, but "
+                     "config.positive_control.steps=0 runs none")
   if pc.steps and (pc.eval_every < 1 or pc.steps % pc.eval_every):
     raise ValueError(f"config.positive_control.eval_every={pc.eval_every}: must be >= 1 and "
                      f"divide steps={pc.steps}")

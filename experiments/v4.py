@@ -252,6 +252,19 @@ def evaluate_models(config, stages: common.Stages, models: dict[str, pathlib.Pat
   return results
 
 
+def _control_only(root: pathlib.Path, control: dict, timer) -> dict:
+  """``positive_control.only``: the control's report, nothing after it."""
+  out_dir = root / "v4"
+  out_dir.mkdir(parents=True, exist_ok=True)
+  common.write_json(out_dir / "positive_control.json", control)
+  report = positive_control.render(control)
+  (out_dir / "report.md").write_text(report)
+  print(report, flush=True)
+  return {"wall_s": timer.seconds, "report": str(out_dir / "report.md"),
+          **{f"steps_to_90_{m}/{d}": -1 if s[f"steps_to_90_{m}"] is None else s[f"steps_to_90_{m}"]
+             for d, s in control.items() for m in ("greedy", "sampled")}}
+
+
 def run(config, workdir: str) -> dict:
   timer = common.Timer()
   positive_control.check(config)  # before any work (the other checks: experiments.job_checks)
@@ -266,6 +279,8 @@ def run(config, workdir: str) -> dict:
   cold0 = run_student_stage(config, stages, grpo_dirs, "cold_start", student_base,
                             config.student_seeds[0])
   control = positive_control.run(config, stages, grpo_dirs, cold0, student_stage_config)
+  if config.positive_control.get("only"):
+    return _control_only(root, control, timer)
   students = run_students(config, stages, grpo_dirs, student_base)
   first = students[config.student_seeds[0]]
   base_rows = run_baselines(config, stages, grpo_dirs, base_dir, first["cold_start"],

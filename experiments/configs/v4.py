@@ -83,8 +83,10 @@ def get_config(arg=None):
     setattr(c, name, group)
   # Single-teacher OPD per domain from the first seed's cold start, scored at
   # every checkpoint (experiments/positive_control.py); 0 steps: none.
+  # only=True: stop after the control (an estimator or loss-form arm in its
+  # own workdir: --config.positive_control.domains=code --config.opd.estimator=token).
   c.positive_control = ml_collections.ConfigDict(dict(steps=0, eval_every=40, domains=(),
-                                                      prompts_per_step=0))
+                                                      prompts_per_step=0, only=False))
   if arg["strong"] and arg["tiny"]:
     c.positive_control.update(steps=2, eval_every=1)
   elif arg["strong"]:

@@ -72,6 +72,7 @@ def test_a_teacher_scoring_zero_gives_no_ratio_and_no_crossing():
     (dict(steps=100, eval_every=40), "divide steps=100"),
     (dict(steps=80, eval_every=0), "eval_every=0"),
     (dict(steps=80, eval_every=True), "eval_every=True"),
+    (dict(steps=0, eval_every=40, only=True), "only=True stops after the control"),
 ])
 def test_bad_fields_are_refused_naming_them(group, match):
   config = ml_collections.ConfigDict(dict(positive_control=group,

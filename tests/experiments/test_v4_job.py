@@ -140,3 +140,19 @@ def test_v4_tiny_strong_world_runs_with_bpe_shared_sft_and_the_positive_control(
     assert s["student_greedy"] == [r.score(d, "reward@1").value for r in results[1:]]
     assert s["teacher_sampled"] == results[0].score(d, "mean@2").value
   assert "## Positive control" in (workdir / "v4" / "report.md").read_text()
+  # An arm of the control alone (positive_control.only) in its own workdir:
+  # the cold start is read from the first run, the control reruns under the
+  # arm's estimator, and nothing after it runs.
+  arm = tmp_path / "arm"
+  proc = subprocess.run(cmd[:-1] + [f"--workdir={arm}", f"--config.reuse_from={workdir}",
+                                    "--config.positive_control.only=True",
+                                    "--config.positive_control.domains=math",
+                                    "--config.opd.estimator=token"],
+                        capture_output=True, text=True, env=one_device_env(), timeout=1200,
+                        cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert json.loads((arm / "positive_control" / "math" / "opd" / "config.json").read_text())[
+      "opd"]["estimator"] == "token"
+  assert not (arm / "student" / "seed0" / "cold_start").exists()  # reused from the first run
+  assert not (arm / "student" / "seed0" / "opd").exists() and not (arm / "baselines").exists()
+  assert sorted(json.loads((arm / "v4" / "positive_control.json").read_text())) == ["math"]
