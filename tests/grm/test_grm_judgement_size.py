@@ -8,7 +8,7 @@ import pytest
 from grm.data import PRINCIPLES, downsample_rating1, rule_judgement, truth_scores
 from grm.format import Principle, build_prompt, format_judgement, shuffle
 from grm.parse import parse_judgement
-from tests.grm.grm_groups import random_groups
+from grm_groups import random_groups  # tests/grm/grm_groups.py
 
 
 def _old_rule_judgement(group, *, seed, noise, shuffle_seed):
