@@ -153,7 +153,7 @@ def run_opd(config, workdir: str) -> dict:
     asked = pool if len(plain) == len(teachers) else teachers
     out = train_opd(student_cfg, student, asked, prompts, cfg, common.optim_config(config.optim),
                     LoopConfig(config.train.steps, save_every=config.train.save_every,
-                               eval_every=config.train.eval_every,
+                               eval_every=config.train.eval_every if evaluate else 0,
                                keep_checkpoints=config.train.keep_checkpoints),
                     RunIO(writer=writer, checkpoint_dir=root / "checkpoints",
                           config={"experiment": config_to_dict(config)}, eval_fn=evaluate,
