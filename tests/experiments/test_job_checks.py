@@ -224,3 +224,25 @@ def test_device_bytes_is_the_host_memory_shared_by_the_cpu_devices():
   got = memory.device_bytes()
   # MemAvailable moves between the two reads: within 5% of the host's memory.
   assert abs(got * jax.local_device_count() - avail) <= 0.05 * avail
+
+
+@pytest.mark.parametrize("name", [n for n, *_ in __import__(
+    "experiments.replicate", fromlist=["RUNS"]).RUNS])
+def test_every_replication_run_builds_and_passes_its_job_start_check(one_device, name):
+  """``experiments.replicate``: each run's config spec and ``--config.*``
+  overrides name real fields of the right type, and the result passes the
+  job-start checks the launcher runs."""
+  from experiments import replicate  # noqa: PLC0415
+  (_, argv), = replicate.commands("workdirs", only=[name])
+  spec = next(a.split("=", 1)[1] for a in argv if a.startswith("--config="))
+  overrides = [a[len("--config."):] for a in argv if a.startswith("--config.")]
+  config = config_utils.load_config(spec)
+  config_utils.apply_overrides(config, overrides)
+  assert all(a.startswith(("--config", "--workdir=workdirs/")) for a in argv[3:])
+  jobs.validate(config)
+
+
+def test_replicate_refuses_an_unknown_run_name():
+  from experiments import replicate  # noqa: PLC0415
+  with pytest.raises(ValueError, match=r"--only names \['nope'\]"):
+    replicate.commands("workdirs", only=["nope"])
