@@ -451,10 +451,11 @@ def grm_model(config) -> ml_collections.ConfigDict:
 
 
 def saved_run_context(run_dir: pathlib.Path, ks: tuple[int, ...], *,
-                      content_blind: bool | None = None) -> common.JobContext:
+                      content_blind: bool | None = None,
+                      constrained: bool | None = None) -> common.JobContext:
   """A finished grm run's saved config (voting at ``ks`` for every stage;
-  ``benchmark.content_blind`` set when not None) and its job context (GRM
-  model), for the tools that rescore a run (``experiments.grm_compare``,
+  ``benchmark.content_blind`` and ``benchmark.constrained`` set when not None)
+  and its job context (GRM model), for the tools that rescore a run (``experiments.grm_compare``,
   ``experiments.grm_yardstick``)."""
   path = pathlib.Path(run_dir) / "config.json"
   if not path.exists():
@@ -466,6 +467,8 @@ def saved_run_context(run_dir: pathlib.Path, ks: tuple[int, ...], *,
   config.benchmark.ks_by_stage = ml_collections.ConfigDict()
   if content_blind is not None:
     config.benchmark.content_blind = content_blind
+  if constrained is not None:
+    config.benchmark.constrained = constrained
   ctx = common.JobContext.for_run(config, run_dir)
   return dataclasses.replace(ctx, model_cfg=to_model_config(grm_model(config)))
 

@@ -1,7 +1,8 @@
 """The GRM yardstick on any ``grm`` run's GRM stages, without a meta-RM (docs/DESIGN.md §6).
 
   python -m experiments.grm_yardstick --workdir=workdirs/grm_control \\
-      [--stages=cold_start,rft,rule_rl] [--ks=1,4] [--out=<workdir>/yardstick]
+      [--stages=cold_start,rft,rule_rl] [--ks=1,4] [--out=<workdir>/yardstick] \\
+      [--constrained=true|false]
 
 For each finished GRM stage of the run: greedy and the first k of
 ``max(ks)`` samples at the run's ``benchmark.temperature`` on its test groups
@@ -10,6 +11,9 @@ as the benchmark stage samples them (``experiments.grm_benchmark.grm_results``,
 with the run's ``benchmark`` sampling settings), but with no meta-RM, so a
 run that skipped the ``meta_rm`` and ``benchmark`` stages (the
 positive-control run, ``experiments/configs/grm.py:control``) is measured too.
+``--constrained`` overrides the run's ``benchmark.constrained`` (the score line
+decoded under its grammar, so no judgement has the wrong count of scores;
+default: the run's setting); give such a measurement its own ``--out``.
 Writes ``results_<stage>_k<ks>.json`` (per-group records; cached, so a rerun
 resumes), ``yardstick.json`` (``experiments.grm_benchmark.yardstick_table``:
 strict and chance-credit accuracy, valid and tie rates, n >= 2 and n = 1
@@ -36,6 +40,8 @@ def define_flags() -> None:
   flags.DEFINE_string("stages", "cold_start,rft,rule_rl", "comma-separated GRM stages")
   flags.DEFINE_string("ks", "1,4", "comma-separated k of voting@k")
   flags.DEFINE_string("out", None, "where the results go (default <workdir>/yardstick)")
+  flags.DEFINE_enum("constrained", None, ["true", "false"],
+                    "decode the score line under its grammar (default: the run's setting)")
 
 
 def parse_ks(text: str) -> tuple[int, ...]:
@@ -49,8 +55,9 @@ def parse_ks(text: str) -> tuple[int, ...]:
   return ks
 
 
-def measure(run_dir, stages, ks, out) -> dict:
-  """The yardstick table of ``stages`` of ``run_dir`` (module docstring); writes ``out``."""
+def measure(run_dir, stages, ks, out, constrained: bool | None = None) -> dict:
+  """The yardstick table of ``stages`` of ``run_dir`` (module docstring); writes ``out``
+  (``constrained``: the run's ``benchmark.constrained`` overridden when not None)."""
   from experiments.grm_benchmark import grm_results, yardstick_table  # noqa: PLC0415
   from experiments import grm as grm_job  # noqa: PLC0415
   from experiments.grm_common import GRM_STAGES, load_groups, load_test_subsets  # noqa: PLC0415
@@ -64,7 +71,8 @@ def measure(run_dir, stages, ks, out) -> dict:
   if missing:
     raise FileNotFoundError(f"{run_dir}: stages {missing} have not finished (no "
                             f"{common.FINAL})")
-  ctx = grm_job.saved_run_context(run_dir, ks, content_blind=True)  # the control on
+  ctx = grm_job.saved_run_context(run_dir, ks, content_blind=True,  # the control on
+                                  constrained=constrained)
   subsets = load_test_subsets(ctx)
   out.mkdir(parents=True, exist_ok=True)
   tag = "-".join(map(str, ks))
@@ -85,7 +93,8 @@ def main(argv):
     raise app.UsageError("--workdir is required")
   run_dir = pathlib.Path(FLAGS.workdir)
   measure(run_dir, tuple(s for s in FLAGS.stages.split(",") if s), parse_ks(FLAGS.ks),
-          FLAGS.out or run_dir / "yardstick")
+          FLAGS.out or run_dir / "yardstick",
+          None if FLAGS.constrained is None else FLAGS.constrained == "true")
   sys.stdout.write((pathlib.Path(FLAGS.out or run_dir / "yardstick") / "yardstick.md")
                    .read_text())
 

@@ -92,3 +92,14 @@ def test_copies_principles_and_critique_reach_the_cold_start(tmp_path, monkeypat
       j = parse_judgement(text, len(g["responses"]))
       assert j.valid and len(j.principles) == k
       assert bool(j.critique) == critique
+
+
+def test_saved_run_context_overrides_constrained_only_when_asked(tmp_path):
+  """experiments.grm_yardstick --constrained: the run's benchmark.constrained replaced,
+  or kept when the flag is not given."""
+  c = grm_config.get_config("tiny")
+  (tmp_path / "config.json").write_text(json.dumps(c.to_dict()))
+  assert grm_job.saved_run_context(tmp_path, (1,)).config.benchmark.constrained is False
+  for want in (True, False):
+    ctx = grm_job.saved_run_context(tmp_path, (1, 4), constrained=want)
+    assert ctx.config.benchmark.constrained is want and tuple(ctx.config.benchmark.ks) == (1, 4)
