@@ -8,7 +8,13 @@ token ids, but the advantage form (``opd.distill.advantage``) only needs
    student's tokenizer) is cut at its special tokens; each special token
    maps to the teacher's special token of the same string, and each plain
    run of bytes is re-encoded by the teacher's tokenizer (its canonical
-   tokenization; the byte tokenizer takes the bytes as they are). A teacher
+   tokenization; the byte tokenizer takes the bytes as they are). Bytes
+   that are not UTF-8 (a student sampling at T = 1 can end a response
+   inside a multi-byte character, or put two such halves together) are
+   spelled by a byte-level BPE's single-byte tokens, the valid text around
+   them encoded as text: a tokenization of the same bytes, not necessarily
+   the canonical one at those bytes (a run of a strong-world OPD stopped on
+   such a sample within its first steps when they were refused). A teacher
    of the student's own tokenizer (same object, or same ``spec``) reads the
    student's ids unchanged: that is what the same-tokenizer path scores.
 2. **Alignment.** Each token of either tokenization covers a byte span of
@@ -48,8 +54,8 @@ full-vocabulary reverse KL needs the student's vocabulary, and
 ``opd.distill.loss.make_opd_loss`` refuses it naming the teacher.
 
 Bad input is refused before any teacher runs, naming the teacher and the
-example: student bytes that are not UTF-8 text for a teacher whose
-tokenizer encodes strings, a plain run of text that the teacher's
+example: student bytes that are not UTF-8 text for a teacher without a
+single-byte token for them, a plain run of text that the teacher's
 tokenizer would read as a special token, a student special token the
 teacher's tokenizer does not have, a tokenizer that is not byte-level.
 
@@ -222,10 +228,12 @@ def _encode_plain(teacher_tok, data: bytes, *, teacher: str, example: str) -> li
   try:
     text = data.decode("utf-8")
   except UnicodeDecodeError as e:
-    raise ValueError(f"{_where(teacher, example)}: the teacher's tokenizer cannot encode the "
-                     f"student's text: bytes {data[e.start:e.end]!r} at offset {e.start} of a "
-                     "plain run are not UTF-8") from None
-  ids = teacher_tok.encode(text)
+    # The valid text before, the bad bytes as single-byte tokens, the rest likewise.
+    ids = _encode_plain(teacher_tok, data[:e.start], teacher=teacher, example=example)
+    for b in data[e.start:e.end]:
+      ids.append(_single_byte_id(teacher_tok, b, teacher=teacher, example=example, offset=e.start))
+    return ids + _encode_plain(teacher_tok, data[e.end:], teacher=teacher, example=example)
+  ids = teacher_tok.encode(text) if text else []
   special = [i for i in ids if i in teacher_tok.special_ids]
   if special:
     raise ValueError(f"{_where(teacher, example)}: the student's plain text spells the "
@@ -235,6 +243,20 @@ def _encode_plain(teacher_tok, data: bytes, *, teacher: str, example: str) -> li
     raise ValueError(f"{_where(teacher, example)}: the teacher's tokenizer cannot encode the "
                      f"student's text {text[:40]!r}: its tokens spell other bytes")
   return ids
+
+
+def _single_byte_id(teacher_tok, b: int, *, teacher: str, example: str, offset: int) -> int:
+  """A byte-level BPE's token for the one byte ``b`` (its alphabet's character)."""
+  char = {v: k for k, v in _byte_decoder().items()}[b]
+  try:
+    j = teacher_tok.token_to_id(char) if _is_byte_level(teacher_tok) else None
+  except ValueError:  # not in its vocabulary
+    j = None
+  if j is None:
+    raise ValueError(f"{_where(teacher, example)}: the teacher's tokenizer cannot encode the "
+                     f"student's text: byte {bytes([b])!r} at offset {offset} of a plain run is "
+                     "not UTF-8 and the teacher has no single-byte token for it")
+  return j
 
 
 @dataclasses.dataclass(frozen=True)
