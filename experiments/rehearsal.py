@@ -20,11 +20,14 @@ accelerator: the mesh is ``(1, n, 1)`` over the visible devices (fsdp).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
+import sys
 import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,12 +35,13 @@ import numpy as np
 from opd.distill.cache import HiddenStateCache, loss_batch
 from opd.distill.faults import TeacherAnswers
 from opd.distill.loss import OPDLossConfig, make_opd_loss
-from opd.models import ModelConfig, forward, head_matrix, init_params
+from opd.models import ModelConfig, forward, head_matrix, init_kind, init_params
+from opd.models.layers import INIT_STD
 from opd.parallel import memory
-from opd.parallel.sharding import make_mesh
+from opd.parallel.sharding import DEFAULT_RULES, make_mesh
 from opd.rollout.sampler import SamplingConfig, generate
 from opd.training.optim import OptimConfig, make_optimizer
-from opd.training.train_step import init_train_state, make_train_step
+from opd.training.train_step import abstract_train_state, init_train_state, make_train_step
 
 _QWEN3 = dict(vocab_size=151936, n_heads=16, n_kv_heads=8, head_dim=128, qk_norm=True,
               tie_embeddings=True, rope_theta=1_000_000.0, norm_eps=1e-6)
@@ -62,16 +66,51 @@ def _rss_gib() -> dict[str, float]:
   return {"now": resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**30, "peak": _peak_rss_gib()}
 
 
+def _record(stage: str, t0: float, times: dict, rss: dict) -> None:
+  """Stores the stage's seconds and resident set, and reports them on stderr as it goes."""
+  times[stage] = time.perf_counter() - t0
+  rss[stage] = _rss_gib()
+  print(f"rehearsal: {stage} {times[stage]:.1f} s, resident {rss[stage]['now']:.2f} GiB "
+        f"(peak {rss[stage]['peak']:.2f})", file=sys.stderr, flush=True)
+
+
 def _configs(full: bool, dtype: str) -> dict[str, ModelConfig]:
   shapes = FULL if full else REDUCED
   return {name: ModelConfig(**kw, dtype=dtype, param_dtype="float32" if name == "student"
                             else dtype) for name, kw in shapes.items()}
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _draw(key, kind: str, shape: tuple[int, ...], dtype):
+  if kind == "normal":
+    return (jax.random.normal(key, shape, jnp.float32) * INIT_STD).astype(dtype)
+  return (jnp.ones if kind == "ones" else jnp.zeros)(shape, dtype)
+
+
+def random_weights(cfg: ModelConfig, key) -> dict:
+  """Random weights of ``cfg`` as ``init_params`` draws them (N(0, 0.02²), norm
+  scales ones), one parameter per program.
+
+  ``init_params`` draws a whole model in one XLA program; on the CPU backend
+  that program holds every parameter's fp32 draw at once (compiled temp
+  15.1 GB for the Qwen3-1.7B shape, more than the teacher's 3.4 GB of bf16
+  weights), so the rehearsal's teachers are drawn a parameter at a time: the
+  transient is the largest parameter's fp32 draw.
+  """
+  abstract = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+  values = [_draw(jax.random.fold_in(key, i), init_kind(path[-1].key), x.shape, x.dtype)
+            for i, (path, x) in enumerate(leaves)]
+  return jax.tree_util.tree_unflatten(treedef, values)
+
+
 def run(*, full: bool = False, batch: int = 4, prompt_len: int = 16, new_tokens: int = 16,
         steps: int = 2, dtype: str = "bfloat16", seed: int = 0, devices=None,
-        device_gib: float | None = None) -> dict:
+        device_gib: float | None = None, master_dtype: str = "float32") -> dict:
   """Runs the rehearsal and returns its table (see the module docstring).
+
+  ``master_dtype``: the student's stored weights and AdamW moments (float32,
+  or bfloat16 to halve the step's state where host memory is short).
 
   ``device_gib``: refuse (``opd.parallel.memory.DoesNotFitError``, before
   anything is created or compiled) when the memory model's per-device
@@ -79,19 +118,22 @@ def run(*, full: bool = False, batch: int = 4, prompt_len: int = 16, new_tokens:
 
   Raises:
     ValueError: naming a non-positive ``batch``, ``prompt_len``, ``new_tokens``
-      or ``steps``, or a ``batch`` the devices do not divide.
+      or ``steps``, a ``batch`` the devices do not divide, or a
+      ``master_dtype`` other than float32 / bfloat16.
   """
+  if master_dtype not in ("float32", "bfloat16"):
+    raise ValueError(f"rehearsal: master_dtype={master_dtype!r} must be float32 or bfloat16")
   for name, value in (("batch", batch), ("prompt_len", prompt_len),
                       ("new_tokens", new_tokens), ("steps", steps)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"rehearsal: {name}={value!r} must be a positive int")
   cfgs = _configs(full, dtype)
-  student = cfgs.pop("student")
+  student = cfgs.pop("student").replace(param_dtype=master_dtype)
   devices = list(jax.devices() if devices is None else devices)
   if batch % len(devices):
     raise ValueError(f"rehearsal: batch={batch} is not divisible by the {len(devices)} devices")
   seq_len = prompt_len + new_tokens - 1
-  model_kw = dict(fused_loss=True,
+  model_kw = dict(fused_loss=True, master_bytes=jnp.dtype(master_dtype).itemsize,
                   teachers=memory.TeacherMemory(dims=tuple(c.d_model for c in cfgs.values())),
                   rollout=memory.RolloutMemory(batch=batch, cache_len=seq_len + 1))
   if device_gib is not None:
@@ -102,10 +144,10 @@ def run(*, full: bool = False, batch: int = 4, prompt_len: int = 16, new_tokens:
   rss: dict[str, dict[str, float]] = {}  # after each stage
   t0 = time.perf_counter()
   optimizer = make_optimizer(OptimConfig(lr=1e-5))
-  state, shardings = init_train_state(student, optimizer, mesh, rng=seed)
+  state, shardings = init_train_state(student, optimizer, mesh, rng=seed,
+                                      master_dtype=jnp.dtype(master_dtype))
   jax.block_until_ready(state)
-  times["init_student"] = time.perf_counter() - t0
-  rss["init_student"] = _rss_gib()
+  _record("init_student", t0, times, rss)
 
   t0 = time.perf_counter()
   rng = np.random.default_rng(seed)
@@ -115,8 +157,7 @@ def run(*, full: bool = False, batch: int = 4, prompt_len: int = 16, new_tokens:
                     SamplingConfig(max_new_tokens=new_tokens, temperature=1.0), mesh=mesh)
   seq = np.concatenate([np.asarray(prompts), np.asarray(sample.tokens)], axis=1)
   seq_mask = np.concatenate([np.ones((batch, prompt_len), bool), np.asarray(sample.mask)], 1)
-  times["rollout"] = time.perf_counter() - t0
-  rss["rollout"] = _rss_gib()
+  _record("rollout", t0, times, rss)
   arrays = {"tokens": seq[:, :-1], "targets": seq[:, 1:], "mask": seq_mask[:, :-1],
             "loss_mask": (np.arange(seq.shape[1] - 1)[None] >= prompt_len - 1)
             * seq_mask[:, 1:].astype(np.float32)}
@@ -128,11 +169,10 @@ def run(*, full: bool = False, batch: int = 4, prompt_len: int = 16, new_tokens:
     hidden = {}
     for k, (name, cfg) in enumerate(cfgs.items()):
       t_teacher = time.perf_counter()
-      params = init_params(cfg, jax.random.key(seed + 1 + k))
+      params = random_weights(cfg, jax.random.key(seed + 1 + k))
       out = forward(cfg, params, tokens, mask=mask, return_logits=False, return_hidden=True)
       hidden[name] = jax.block_until_ready(out.hidden)
-      times[f"teacher/{name}"] = time.perf_counter() - t_teacher
-      rss[f"teacher/{name}"] = _rss_gib()
+      _record(f"teacher/{name}", t_teacher, times, rss)
       heads[name] = head_matrix(cfg, params)
       del params, out  # the next teacher's weights are created after this one's are gone
     return TeacherAnswers(hidden=hidden, available=np.ones((tokens.shape[0], len(cfgs)), bool),
@@ -141,8 +181,7 @@ def run(*, full: bool = False, batch: int = 4, prompt_len: int = 16, new_tokens:
   t0 = time.perf_counter()
   cache = HiddenStateCache(teachers, dtype="bfloat16")
   cached = cache.get(0, jnp.asarray(arrays["tokens"]), jnp.asarray(arrays["mask"]))
-  times["teachers"] = time.perf_counter() - t0
-  rss["teachers"] = _rss_gib()
+  _record("teachers", t0, times, rss)
   weights = np.full(arrays["tokens"].shape + (len(cfgs),), 1.0 / len(cfgs), np.float32)
   opd_batch, _ = loss_batch(arrays, cached, weights)
 
@@ -156,21 +195,103 @@ def run(*, full: bool = False, batch: int = 4, prompt_len: int = 16, new_tokens:
     state, metrics = step(state, opd_batch)
     losses.append(float(metrics["loss"]))
     step_seconds.append(time.perf_counter() - t_step)  # the first one compiles
-  times["opd_steps"] = time.perf_counter() - t0
-  rss["opd_steps"] = _rss_gib()
+  _record("opd_steps", t0, times, rss)
 
   per_token = cache.bytes_per_token(student.vocab_size)
   tokens = int(np.prod(arrays["tokens"].shape))
   cache_bytes = tokens * sum(v for k, v in per_token.items() if k.startswith("cache/"))
   logit_bytes = tokens * per_token["logits"] * len(cfgs)
   est = memory.estimate_memory(student, (1, len(devices), 1), batch, seq_len, **model_kw)
-  return {"shape": "full" if full else "reduced", "student_params": student.num_params(),
+  return {"shape": "full" if full else "reduced", "master_dtype": master_dtype,
+          "student_params": student.num_params(),
           "teacher_params": {n: c.num_params() for n, c in cfgs.items()},
-          "tokens": tokens, "seconds": times, "step_seconds": step_seconds,
+          "tokens": tokens, "xla_flags": os.environ.get("XLA_FLAGS", ""), "seconds": times, "step_seconds": step_seconds,
           "rss_gib_after": rss, "peak_rss_gib": _peak_rss_gib(),
           "hidden_cache_bytes": cache_bytes, "logit_cache_bytes": logit_bytes,
           "losses": losses, "steps_applied": int(state.step),
           "model_estimate_gib": {k: v / 2**30 for k, v in est.terms().items()}}
+
+
+def _xla_bytes(compiled, constant_bytes: int = 0) -> dict[str, int]:
+  m = compiled.memory_analysis()
+  out = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
+         "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
+         "constant": constant_bytes}
+  out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"] + constant_bytes
+  return out
+
+
+def compiled_memory(*, full: bool = False, batch: int = 4, prompt_len: int = 16,
+                    new_tokens: int = 16, dtype: str = "bfloat16") -> dict:
+  """XLA's compiled memory of the rehearsal's programs against the memory model.
+
+  Compile only, one device, nothing but the teachers' heads created: the OPD
+  step (the step ``run`` takes, from an abstract ``TrainState``) and each
+  teacher's hidden-state forward. The heads are closure constants that
+  ``memory_analysis()`` leaves out, so the step's peak adds their bytes
+  (``constant``). Predicted: ``estimate_memory``'s total for the step
+  (minus ``teacher_params``, 0 here), and for a teacher forward
+  ``forward_memory``'s weights + hidden states + one layer's transient.
+  """
+  cfgs = _configs(full, dtype)
+  student = cfgs.pop("student")
+  seq_len = prompt_len + new_tokens - 1
+  mesh = make_mesh((1, 1, 1), jax.devices()[:1])
+  optimizer = make_optimizer(OptimConfig(lr=1e-5))
+  state, shardings = abstract_train_state(student, optimizer, mesh)
+  heads = [jnp.zeros((c.d_model, student.vocab_size), c.storage_dtype) for c in cfgs.values()]
+  loss_fn = make_opd_loss(student, heads, OPDLossConfig(estimator="full"),
+                          teacher_names=tuple(cfgs))
+  step = make_train_step(loss_fn, optimizer, mesh, shardings)
+  shape = (batch, seq_len)
+  opd_batch = {"tokens": np.zeros(shape, np.int32), "targets": np.zeros(shape, np.int32),
+               "mask": np.ones(shape, bool), "loss_mask": np.ones(shape, np.float32),
+               "teacher_hidden": tuple(jnp.zeros(shape + (c.d_model,), jnp.bfloat16)
+                                       for c in cfgs.values()),
+               "teacher_weights": np.full(shape + (len(cfgs),), 1 / len(cfgs), np.float32)}
+  out = {}
+  t0 = time.perf_counter()
+  with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
+    compiled = step.jitted_for(opd_batch).lower(state, opd_batch).compile()
+  est = memory.estimate_memory(student, (1, 1, 1), batch, seq_len, fused_loss=True,
+                               teachers=memory.TeacherMemory(dims=tuple(c.d_model
+                                                                        for c in cfgs.values())))
+  measured = _xla_bytes(compiled, sum(h.size * h.dtype.itemsize for h in heads))
+  predicted = est.total + measured["constant"]
+  out["opd_step"] = {"xla": measured, "predicted": predicted,
+                     "terms": est.terms(), "ratio": predicted / measured["peak"],
+                     "compile_s": time.perf_counter() - t0}
+  del heads, loss_fn, step, compiled
+  for name, cfg in cfgs.items():
+    t0 = time.perf_counter()
+    params = jax.eval_shape(lambda c=cfg: init_params(c, jax.random.key(0)))
+    fwd = jax.jit(lambda p, t, m, c=cfg: forward(c, p, t, mask=m, return_logits=False,
+                                                 return_hidden=True).hidden)
+    compiled = fwd.lower(params, jax.ShapeDtypeStruct(shape, jnp.int32),
+                         jax.ShapeDtypeStruct(shape, jnp.bool_)).compile()
+    measured = _xla_bytes(compiled)
+    fm = memory.forward_memory(cfg, (1, 1, 1), batch, seq_len)
+    predicted = fm.total + batch * seq_len * (4 + 1)  # + the int32 tokens and bool mask
+    out[f"forward/{name}"] = {"xla": measured, "predicted": predicted, "terms": fm.terms(),
+                              "ratio": predicted / measured["peak"],
+                              "compile_s": time.perf_counter() - t0}
+  return out
+
+
+# XLA's CPU backend schedules for concurrency by default, which starts every
+# bf16 weight's conversion to fp32 (its matmuls run in fp32) before the first
+# layer: 1.76 GB of compiled temp for the Qwen3-0.6B shape's forward at 4 x 31
+# tokens, 17 MB with this scheduler off (docs/SCALING.md). xla_cpu_ flags are
+# DebugOptions every backend parses and only the CPU one reads.
+CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def _set_cpu_scheduler_flag() -> None:
+  """Adds ``CPU_SCHEDULER_FLAG`` to XLA_FLAGS unless the flag is set there
+  (read when the backend starts: call before anything runs)."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if CPU_SCHEDULER_FLAG.split("=")[0] not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {CPU_SCHEDULER_FLAG}".strip()
 
 
 def main(argv=None):
@@ -183,9 +304,20 @@ def main(argv=None):
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--device_gib", type=float, default=None,
                       help="refuse before compiling if the memory model exceeds this")
+  parser.add_argument("--master_dtype", default="float32", choices=("float32", "bfloat16"),
+                      help="the student's stored weights and AdamW moments")
+  parser.add_argument("--compile_only", action="store_true",
+                      help="XLA's compiled memory of the step and teacher forwards vs the model")
   args = parser.parse_args(argv)
+  _set_cpu_scheduler_flag()
+  if args.compile_only:
+    table = compiled_memory(full=args.full, batch=args.batch, prompt_len=args.prompt_len,
+                            new_tokens=args.new_tokens, dtype=args.dtype)
+    print(json.dumps(table, indent=1))
+    return table
   table = run(full=args.full, batch=args.batch, prompt_len=args.prompt_len,
               new_tokens=args.new_tokens, steps=args.steps, dtype=args.dtype,
+              master_dtype=args.master_dtype,
               device_gib=args.device_gib)
   print(json.dumps(table, indent=1))
   return table

@@ -280,6 +280,67 @@ def estimate_memory(cfg: ModelConfig, mesh_shape, batch: int, seq: int, *,
                         shards=shards)
 
 
+@dataclasses.dataclass(frozen=True)
+class ForwardMemory:
+  """Bytes per device of a forward-only pass (a frozen teacher's hidden states).
+
+  Attributes:
+    params: the weights the pass reads, in their storage dtype, split over
+      fsdp × tensor (an untied LM head is not read: no logits).
+    hidden: the returned last hidden states ``[N, D]`` in the compute dtype.
+    transient: the largest set one block holds at once (``forward_transient_bytes``
+      per token): nothing is kept for a backward, so blocks reuse buffers.
+  """
+  params: int
+  hidden: int
+  transient: int
+
+  @property
+  def total(self) -> int:
+    """Bytes per device, all terms."""
+    return self.params + self.hidden + self.transient
+
+  def terms(self) -> dict[str, int]:
+    """``{term: bytes}``, largest first."""
+    named = (("params", self.params), ("hidden", self.hidden), ("transient", self.transient))
+    return dict(sorted(named, key=lambda kv: -kv[1]))
+
+
+def forward_transient_bytes(cfg: ModelConfig, keys: int, tensor: int = 1) -> int:
+  """Bytes per token a forward-only block holds at its peak:
+  ``max(3·F·b, 4·3·H·S) + 2·D·b``, the larger of the MLP's three F-wide
+  tensors (gate, up, their product) and attention's three fp32 ``[H, S]``
+  score tensors, plus the residual stream and its normed copy. Arguments as
+  ``layer_activation_bytes``."""
+  b = 2 if cfg.dtype in ("bfloat16", "float16") else 4
+  split = lambda n: _ceil_div(n, tensor)
+  return max(3 * split(_dense_width(cfg)) * b, 4 * 3 * split(cfg.n_heads) * keys) \
+      + 2 * cfg.d_model * b
+
+
+def forward_memory(cfg: ModelConfig, mesh_shape, batch: int, seq: int) -> ForwardMemory:
+  """Per-device bytes of ``forward(cfg, ..., return_logits=False, return_hidden=True)``.
+
+  Args:
+    cfg: the model (its ``param_dtype`` sizes the weights, ``dtype`` the activations).
+    mesh_shape, batch, seq: as ``estimate_memory``.
+
+  Raises:
+    ValueError: naming a non-positive batch / seq or a bad mesh shape.
+  """
+  for name, value in (("batch", batch), ("seq", seq)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name}={value!r} must be a positive int")
+  shards = _mesh(mesh_shape)
+  tokens = _ceil_div(batch, shards["data"] * shards["fsdp"]) * seq
+  weight = 2 if cfg.param_dtype in ("bfloat16", "float16") else 4
+  b = 2 if cfg.dtype in ("bfloat16", "float16") else 4
+  read = cfg.num_params() - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
+  return ForwardMemory(
+      params=_ceil_div(read * weight, shards["fsdp"] * shards["tensor"]),
+      hidden=tokens * cfg.d_model * b,
+      transient=tokens * forward_transient_bytes(cfg, seq, shards["tensor"]))
+
 def hidden_vs_logit_cache(teacher_dims: Sequence[int], vocab_size: int,
                           hidden_bytes: int = 2) -> tuple[int, int]:
   """Bytes per token of the teachers' hidden-state cache and of an fp32 logit cache."""
@@ -342,6 +403,7 @@ def step_seconds(cfg: ModelConfig, batch: int, seq: int, chips: int, peak_flops:
   return step_flops(cfg, batch, seq) / (chips * peak_flops * mfu)
 
 
-__all__ = ["DoesNotFitError", "device_bytes", "LoRAMemory", "MemoryEstimate", "RolloutMemory", "TeacherMemory",
-           "check_fits", "estimate_memory", "hidden_vs_logit_cache", "layer_activation_bytes",
+__all__ = ["DoesNotFitError", "device_bytes", "ForwardMemory", "LoRAMemory", "MemoryEstimate",
+           "RolloutMemory", "TeacherMemory", "check_fits", "estimate_memory", "forward_memory",
+           "forward_transient_bytes", "hidden_vs_logit_cache", "layer_activation_bytes",
            "step_flops", "step_seconds"]

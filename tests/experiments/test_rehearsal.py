@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from experiments import rehearsal
+from opd.models import ModelConfig, decoder, init_params
 from opd.parallel import memory
 
 
@@ -36,8 +37,25 @@ def test_full_shape_refused_before_compiling():
     rehearsal.run(full=True, device_gib=1.0, devices=jax.devices()[:1])
 
 
+def test_random_weights_equal_init_params_drawn_a_parameter_at_a_time(monkeypatch):
+  """The teachers' leaf-by-leaf weights are init_params' own draws when it draws
+  per parameter (above its flat-draw size; forced here by a zero threshold):
+  same keys (fold_in by leaf index), N(0, 0.02²) cast to the storage dtype, ones."""
+  monkeypatch.setattr(decoder, "_FLAT_INIT_MAX_ELEMENTS", 0)
+  cfg = ModelConfig(vocab_size=96, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=80,
+                    qk_norm=True, param_dtype="bfloat16")  # a shape no other test jits
+  key = jax.random.key(3)
+  want, got = init_params(cfg, key), rehearsal.random_weights(cfg, key)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.dtype == w.dtype and g.shape == w.shape
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
 def test_bad_arguments():
   with pytest.raises(ValueError, match="steps=0"):
     rehearsal.run(steps=0)
+  with pytest.raises(ValueError, match="master_dtype='float16'"):
+    rehearsal.run(master_dtype="float16")
   with pytest.raises(ValueError, match="batch=3 is not divisible by the 2 devices"):
     rehearsal.run(batch=3, devices=jax.devices()[:2])
