@@ -305,15 +305,33 @@ def _byte_host(responses):
   return host
 
 
+def _without_single_bytes(monkeypatch, tok):
+  """``tok`` with no single-byte token (``token_to_id`` of a one-character
+  string fails as for a token outside its vocabulary); special tokens kept."""
+  real = tok.token_to_id
+
+  def token_to_id(token):
+    if len(token) == 1:
+      raise ValueError(f"{token!r} is not a token of this tokenizer")
+    return real(token)
+
+  monkeypatch.setattr(tok, "token_to_id", token_to_id)
+
+
 @pytest.mark.parametrize("response, teacher_kind, match", [
-    (b"ok \xff\xfe", "bpe", "cannot encode the student's text: bytes b'\\\\xff'"),
+    # Bytes that are not UTF-8 are refused only by a teacher without single-byte tokens.
+    (b"ok \xff\xfe", "bpe_without_single_bytes",
+     "cannot encode the student's text: byte b'\\\\xff' at offset 3 .* no single-byte token"),
     ("say <|end|> now".encode(), "bpe", "spells the teacher's special token '<\\|end\\|>'"),
     ([*b"ok", BYTE.token_to_id(THINK_OPEN)], "few_specials",
      "special token '<think>' \\(id 264\\) is not a special"),
 ])
-def test_bad_rows_are_refused_naming_teacher_and_example(bpe, response, teacher_kind, match):
-  teacher_tok = bpe if teacher_kind == "bpe" else ByteTokenizer(
+def test_bad_rows_are_refused_naming_teacher_and_example(bpe, response, teacher_kind, match,
+                                                         monkeypatch):
+  teacher_tok = bpe if teacher_kind.startswith("bpe") else ByteTokenizer(
       special_tokens=(BOS, EOS, PAD, USER, ASSISTANT, END))
+  if teacher_kind == "bpe_without_single_bytes":
+    _without_single_bytes(monkeypatch, teacher_tok)
   host = _byte_host([b"good", response])
   snapshot = {k: v.copy() for k, v in host.items()}
   with pytest.raises(ValueError, match=f"teacher 'math_t', example ex-1: .*{match}"):
@@ -321,6 +339,22 @@ def test_bad_rows_are_refused_naming_teacher_and_example(bpe, response, teacher_
                                   example_ids=["ex-0", "ex-1"])
   for k, v in snapshot.items():  # the batch is left as it was
     np.testing.assert_array_equal(host[k], v)
+
+
+def test_bytes_that_are_not_utf8_get_the_byte_level_teachers_single_byte_tokens(bpe):
+  """A T = 1 sample can end inside a multi-byte character: the valid text
+  around such bytes is the teacher's encoding of that text, each bad byte its
+  one-byte token (GPT-2's alphabet: 0xff is 'ÿ', 0xfe 'þ', 0x80 'Ģ')."""
+  data = b"ok \xff\xfe end \xe2\x80"  # \xe2\x80: the first two bytes of a 3-byte character
+  want = (bpe.encode("ok ") + [bpe.token_to_id("ÿ"), bpe.token_to_id("þ")] + bpe.encode(" end ")
+          + [bpe.token_to_id("â"), bpe.token_to_id("Ģ")])
+  got = crosstok.transcode(BYTE, bpe, list(data), teacher="math_t", example="ex-0")
+  assert got == want
+  assert b"".join(crosstok.token_bytes(bpe, got)) == data
+  # A whole row with such a response aligns and trains like any other.
+  rows = crosstok.cross_tokenizer_rows(BYTE, bpe, _byte_host([b"good", b"ok \xff\xfe"]),
+                                       teacher="math_t", example_ids=["ex-0", "ex-1"])
+  assert rows.trained[1].sum() > 0
 
 
 def test_a_tokenizer_without_byte_spans_is_refused(tmp_path):

@@ -34,8 +34,9 @@ def _counting(fn):
 def test_a_refused_batch_calls_no_teacher_and_counts_nothing(bpe):
   fn, calls = _counting(lambda tok, m: np.zeros(tok.shape + (8,), np.float32))
   pool = CrossTokenizerPool([CrossTokenizerTeacher("bpe_t", bpe, fn, 8)], BYTE, deadline_s=30)
-  with pytest.raises(ValueError, match="teacher 'bpe_t', example ex-1: .*cannot encode"):
-    pool.answer(_byte_host([b"fine", b"\xff"]), example_ids=["ex-0", "ex-1"])
+  with pytest.raises(ValueError, match="teacher 'bpe_t', example ex-1: .*spells the teacher's "
+                                      "special token"):
+    pool.answer(_byte_host([b"fine", b"say <|end|> now"]), example_ids=["ex-0", "ex-1"])
   assert calls == [] and sum(pool.metrics().values()) == 0
   pool.answer(_byte_host([b"fine", b"ok"]))  # the next good batch is answered
   assert len(calls) == 1

@@ -7,7 +7,7 @@
   ``cross_tokenizer_rows`` computes from the batch's own rows, and the
   advantage-form loss trains on every row.
 * A byte student whose samples are not UTF-8 text (random bytes) against a
-  BPE teacher: ``next_batch`` refuses the batch naming the teacher and the
+  BPE teacher without single-byte tokens: ``next_batch`` refuses the batch naming the teacher and the
   example before any teacher runs (no cache compute, no call).
 """
 import types
@@ -27,7 +27,7 @@ from opd.models import ModelConfig, head_matrix, init_params
 from opd.training.loop_config import LoopConfig, Runtime
 from opd.training.optim import OptimConfig
 
-from test_distill_crosstok import BYTE, T_BYTE, bpe  # noqa: F401
+from test_distill_crosstok import BYTE, T_BYTE, _without_single_bytes, bpe  # noqa: F401
 from test_distill_loss import _hidden
 from test_distill_source import STUDENT as BYTE_STUDENT, mesh, prompts  # noqa: F401
 
@@ -83,7 +83,11 @@ def test_a_routed_pool_of_two_tokenizers_gives_a_batch_the_advantage_form_trains
   assert np.isfinite(float(loss)) and float(m["opd_rows"]) == OPD.batch_size
 
 
-def test_a_batch_the_teacher_cannot_read_is_refused_before_any_teacher_runs(bpe, mesh):
+def test_a_batch_the_teacher_cannot_read_is_refused_before_any_teacher_runs(bpe, mesh,
+                                                                            monkeypatch):
+  # The random student's bytes are not UTF-8; a teacher without single-byte
+  # tokens cannot spell them (a byte-level BPE with them would).
+  _without_single_bytes(monkeypatch, bpe)
   same = Teacher.random("ta", BYTE_STUDENT, 1, domain="alpha")
   bpe_teacher = ModelConfig(vocab_size=400, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
                             d_ff=32, tokenizer="bpe:400")
