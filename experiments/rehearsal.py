@@ -93,7 +93,8 @@ def random_weights(cfg: ModelConfig, key) -> dict:
 
   ``init_params`` draws a whole model in one XLA program; on the CPU backend
   that program holds every parameter's fp32 draw at once (compiled temp
-  15.1 GB for the Qwen3-1.7B shape, more than the teacher's 3.4 GB of bf16
+  15.1 GB for the Qwen3-1.7B shape under XLA CPU's default scheduler, more
+  than the teacher's 3.4 GB of bf16
   weights), so the rehearsal's teachers are drawn a parameter at a time: the
   transient is the largest parameter's fp32 draw.
   """
