@@ -9,6 +9,8 @@ See docs/DESIGN.md §6 and ``experiments/grm.py``.
   python -m experiments.launch --config=experiments/configs/grm.py:control \
       --workdir=workdirs/grm_control          # positive control (grm.control_set)
   python -m experiments.grm_yardstick --workdir=workdirs/grm_control --ks=1,4
+  python -m experiments.launch --config=experiments/configs/grm.py:strong \
+      --workdir=workdirs/grm_strong           # on workdirs/strong (specialists.py:strong)
 
 Shared backbone against a separate GRM + meta-RM pair of the same parameter
 count (docs/RESULTS.md, "Shared backbone vs separate"): the pair at width 88
@@ -217,7 +219,18 @@ def _strong(c) -> None:
   critique names each one's verifier reason), four cold-start copies per group,
   a quarter of the rating-1 single-response train groups, and more test examples.
   The judgement's text is not the tokenizer's corpus: 119 tokens at the median,
-  169 at most (1.7x fewer than bytes); SFT rows 393 median, 596 at most."""
+  169 at most (1.7x fewer than bytes); SFT rows 393 median, 596 at most.
+
+  Measured (2026-12-03, 2-core machine beside 5 other jobs; data 4.9 min, cold
+  start 7.2, RFT 7.0, rule RL 17.6; yardstick at k = 4 ~8 min a stage; 319 test
+  groups, 234 with n >= 2, chance 38.2 ± 3.1), n >= 2 strict greedy / vote@4 (%):
+  cold start 6.0 / 27.4, RFT 9.0 / 29.5, rule RL 8.1 / 23.5; credit 31-40 (chance);
+  valid 0.71-0.76, greedy ties 0.57-0.65 (the critique names reasons that are not
+  the responses', and equal scores follow); content-blind control 4.7-30.3. With
+  the judgement cut to its score line (``--config.sft.principles=0
+  --config.sft.critique=False``, budgets ``rft/grpo/benchmark.max_new_tokens=64``):
+  valid 0.98-1.00, greedy ties 0.49-0.82; strict greedy / vote@4 7.7 / 32.1, 13.2 /
+  31.2, 20.9 / 35.5, credit 36.9-41.8: at chance, format no longer the cause."""
   c.model.update(tokenizer="bpe:1024", vocab_size=1024)  # as specialists.strengthen
   c.models = ml_collections.ConfigDict(STRONG_MODELS)
   c.data.update(max_new_tokens=64, num_train=96, num_test=40, keep_rating1_n1=0.25)
