@@ -54,12 +54,22 @@ from opd.training.checkpoints import CheckpointManager, load_params
 from opd.training.metrics_writer import read_metrics
 
 COLD = f"{v4_report.STUDENT_ROWS['cold_start']}#0"
-ADVANTAGE_ARMS = ("advantage", "advantage_outcome", "cross_tokenizer")
+ADVANTAGE_ARMS = ("advantage", "advantage_outcome", "advantage_g1", "cross_tokenizer",
+                  "cross_tokenizer_g1")
+CROSS_ARMS = ("cross_tokenizer", "cross_tokenizer_g1")
+GAMMA1_ARMS = ("advantage_g1", "cross_tokenizer_g1")  # γ = 1 instead of config.advantage's
 # (arm, baseline arm) paired on the own domain at the last step.
 COMPARISONS = (("advantage", "exact"), ("advantage_outcome", "exact"),
-               ("advantage_outcome", "advantage"), ("cross_tokenizer", "advantage"),
-               ("cross_tokenizer", "cold_start"), ("exact", "cold_start"),
-               ("advantage", "cold_start"))
+               ("advantage_outcome", "advantage"), ("advantage_g1", "exact"),
+               ("advantage_g1", "advantage"), ("cross_tokenizer", "advantage"),
+               ("cross_tokenizer_g1", "advantage_g1"), ("cross_tokenizer_g1", "cross_tokenizer"),
+               ("cross_tokenizer", "cold_start"), ("cross_tokenizer_g1", "cold_start"),
+               ("exact", "cold_start"), ("advantage", "cold_start"),
+               ("advantage_g1", "cold_start"))
+# Differences of two comparisons, paired over examples: the tokenizer control
+# (the cross-tokenizer deficit at γ = 1, where a span's credit placement does
+# not matter, minus the deficit at γ = 0).
+INTERACTIONS = ((("cross_tokenizer_g1", "advantage_g1"), ("cross_tokenizer", "advantage")),)
 
 
 def _copy(group) -> ml_collections.ConfigDict:
@@ -83,7 +93,8 @@ def arm_stage_config(config, arm: str, domain: str, seed: int, teacher_dir: path
   """The OPD stage config of one arm and seed: the positive control's
   (``positive_control.stage_config``) with the arm's loss form, the OPD seed
   ``seed``, and for ``cross_tokenizer`` the teacher's own model group.
-  ``steps`` > 0: that many steps, one checkpoint at the end (the α sweep)."""
+  ``GAMMA1_ARMS`` take γ = 1. ``steps`` > 0: that many steps, one checkpoint
+  at the end (the α sweep)."""
   if arm not in ("exact", *ADVANTAGE_ARMS):
     raise ValueError(f"arm={arm!r}: expected one of {('exact', *ADVANTAGE_ARMS)}")
   world = config.world
@@ -96,9 +107,11 @@ def arm_stage_config(config, arm: str, domain: str, seed: int, teacher_dir: path
   if arm in ADVANTAGE_ARMS:
     c.opd.update(loss_form="advantage", **config.advantage.to_dict())
     c.opd.adv_alpha = alpha if arm == "advantage_outcome" else 0.0
-  if arm == "cross_tokenizer":
+    if arm in GAMMA1_ARMS:
+      c.opd.adv_gamma = 1.0
+  if arm in CROSS_ARMS:
     if teacher_model is None:
-      raise ValueError("arm 'cross_tokenizer' needs teacher_model (the other tokenizer's model)")
+      raise ValueError(f"arm {arm!r} needs teacher_model (the other tokenizer's model)")
     c.teachers[domain].model = _copy(teacher_model)
   return c
 
@@ -181,7 +194,7 @@ def run(config, workdir: str) -> dict:
   refs = v4.evaluate_models(world, stages, {COLD: cold, **{f"{d}-specialist": grpo_dirs[d]
                                                           for d in config.domains}}, {COLD})
   ref = {r.name: r for r in refs}
-  xcfg = cross_specialists_config(config) if "cross_tokenizer" in config.arms else None
+  xcfg = (cross_specialists_config(config) if set(CROSS_ARMS) & set(config.arms) else None)
   xreuse = [r / "cross_tokenizer" for r in stages.reuse if (r / "cross_tokenizer").is_dir()]
   xdirs = (specialists_job.run(xcfg, str(root / "cross_tokenizer"), reuse=xreuse)["dirs"]
            if xcfg is not None else {})
@@ -205,8 +218,8 @@ def run(config, workdir: str) -> dict:
           summary["alpha"], summary["alpha_sweep"] = _sweep(config, stages, config.domains[0],
                                                             grpo_dirs[config.domains[0]], cold)
         alpha = summary["alpha"]
-      seeds = config.cross.seeds if arm == "cross_tokenizer" else config.seeds
-      t_dir = xteacher if arm == "cross_tokenizer" else teacher
+      seeds = config.cross.seeds if arm in CROSS_ARMS else config.seeds
+      t_dir = xteacher if arm in CROSS_ARMS else teacher
       model = world.specialists.model
       for s in seeds:
         cfg = arm_stage_config(config, arm, d, s, t_dir, cold, alpha=alpha,
@@ -324,6 +337,17 @@ def summarize(runs, walls, cold, teacher, cross_teacher, domain: str, others, sa
            _seed_mean([finals[base][s] for s in seeds], domain, mode))
       row[mode] = _paired(x, y, num_resamples)
     out["comparisons"][f"{arm} − {base}"] = row
+  for (a, b), (c, d) in INTERACTIONS:
+    if not {a, b, c, d} <= set(finals):
+      continue
+    seeds = sorted(set.intersection(*(set(finals[k]) for k in (a, b, c, d))))
+    if not seeds:
+      continue
+    row = {"seeds": seeds}
+    for mode in metric:
+      m = {k: _seed_mean([finals[k][s] for s in seeds], domain, mode) for k in (a, b, c, d)}
+      row[mode] = _paired(m[a] - m[b], m[c] - m[d], num_resamples)
+    out["comparisons"][f"({a} − {b}) − ({c} − {d})"] = row
   return out
 
 

@@ -9,24 +9,43 @@
 Single-teacher OPD from the V4 student's seed-0 cold start towards one
 specialist on its own domain (the positive control's setting,
 ``experiments/positive_control.py``: equal updates and equal sampled tokens
-by construction), in four arms:
+by construction), in these arms:
 
   exact              the full-vocabulary reverse KL (the positive control itself)
   advantage          the sampled-token advantage form (``loss_form="advantage"``)
   advantage_outcome  advantage + α · GRPO's outcome advantage, α from ``alpha_sweep``
+                     (run on the first of ``domains``, its α used on every domain)
   cross_tokenizer    the advantage form towards a specialist of the same
                      recipe trained with ``cross.tokenizer`` (another tokenizer)
 
 ``world``: the strong world's V4 config (``experiments/configs/v4.py:strong``),
 whose specialists, cold start, OPD group, evaluation and positive-control
 length are reused as they are.
+
+Two more arms take γ = 1 (the unbiased sequence-level form) instead of
+``advantage.adv_gamma``:
+
+  advantage_g1        the advantage form with γ = 1
+  cross_tokenizer_g1  the cross-tokenizer arm with γ = 1
+
+With γ = 1 the return of every token of an aligned span holds that span's
+log-ratio wherever in the span it sits, so {advantage, cross_tokenizer} ×
+{γ = 0, γ = 1} separates the span alignment's credit placement (γ = 0 puts a
+span's signal on its last student token only) from the other tokenizer's
+teacher itself: the tokenizer control of the cross-tokenizer arm.
+
+The math domain reuses every finished stage and the code sweep's α:
+  python -m experiments.launch --config=experiments/configs/opd_forms.py \\
+      --workdir=workdirs/opd_forms_h4 --config.domains="('code','math')" --config.cross.seeds='(0,1,2)' \\
+      --config.reuse_from=workdirs/opd_forms_A,workdirs/opd_forms_B,workdirs/v4_strong,workdirs/strong
 """
 import ml_collections
 
 from experiments.configs import v4 as v4_config
 from opd.config import overrides as config_utils
 
-ARMS = ("exact", "advantage", "advantage_outcome", "cross_tokenizer")
+ARMS = ("exact", "advantage", "advantage_outcome", "advantage_g1", "cross_tokenizer",
+        "cross_tokenizer_g1")
 
 
 def get_config(arg=None):

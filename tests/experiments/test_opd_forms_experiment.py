@@ -34,18 +34,21 @@ def test_exact_arm_is_the_positive_control_stage_and_the_others_change_only_thei
                                           v4.student_stage_config).to_dict()
   assert forms.arm_stage_config(config, "exact", "code", 0, TEACHER, COLD).to_dict() == control
   xmodel = forms.cross_specialists_config(config).model
-  for arm, alpha in (("advantage", 0.0), ("advantage_outcome", 0.5), ("cross_tokenizer", 0.0)):
+  for arm, alpha, gamma in (("advantage", 0.0, 0.0), ("advantage_outcome", 0.5, 0.0),
+                            ("advantage_g1", 0.0, 1.0), ("cross_tokenizer", 0.0, 0.0),
+                            ("cross_tokenizer_g1", 0.0, 1.0)):
     got = forms.arm_stage_config(config, arm, "code", 2, TEACHER, COLD, alpha=0.5,
                                  teacher_model=xmodel).to_dict()
     want = copy.deepcopy(control)
     want["seed"] = 2
-    want["opd"].update(loss_form="advantage", adv_gamma=0.0, adv_beta=1.0, is_cap=0.0,
+    want["opd"].update(loss_form="advantage", adv_gamma=gamma, adv_beta=1.0, is_cap=0.0,
                        adv_alpha=alpha)
-    if arm == "cross_tokenizer":
+    if arm.startswith("cross_tokenizer"):
       want["teachers"]["code"]["model"].update(tokenizer="bpe:512", vocab_size=512)
     assert got == want, arm
-  with pytest.raises(ValueError, match="teacher_model"):
-    forms.arm_stage_config(config, "cross_tokenizer", "code", 0, TEACHER, COLD)
+  for arm in forms.CROSS_ARMS:
+    with pytest.raises(ValueError, match=f"arm '{arm}' needs teacher_model"):
+      forms.arm_stage_config(config, arm, "code", 0, TEACHER, COLD)
   with pytest.raises(ValueError, match="arm='token'"):
     forms.arm_stage_config(config, "token", "code", 0, TEACHER, COLD)
 
@@ -144,6 +147,31 @@ def test_summary_against_numpy():
   assert "advantage_outcome − exact" not in out["comparisons"]  # that arm did not run
   text = forms.render({"domains": {"code": out}, "alpha": None, "alpha_sweep": {}})
   assert "| exact | 3 |" in text and "| cross_tokenizer − advantage | 1 |" in text
+  assert not any(k.startswith("(") for k in out["comparisons"])  # no γ = 1 arms: no interaction
+
+
+def test_the_tokenizer_control_interaction_against_numpy():
+  rng = np.random.default_rng(1)
+  cold, teacher = _result("cold", rng, 0.3), _result("teacher", rng, 0.8)
+  seeds = {"advantage": (0, 1, 2), "advantage_g1": (0, 1, 2), "cross_tokenizer": (0, 1),
+           "cross_tokenizer_g1": (1, 2)}
+  runs = {arm: {s: [_result("step80", rng, p)] for s in seeds[arm]}
+          for arm, p in (("advantage", 0.6), ("advantage_g1", 0.5), ("cross_tokenizer", 0.4),
+                         ("cross_tokenizer_g1", 0.35))}
+  out = forms.summarize(runs, {}, cold, teacher, None, "code", [], "mean@4", 4000)
+  row = out["comparisons"]["(cross_tokenizer_g1 − advantage_g1) − (cross_tokenizer − advantage)"]
+  assert row["seeds"] == [1]  # the only seed all four arms ran
+
+  def g(arm):
+    return np.asarray(runs[arm][1][-1].domains["code"].greedy_rewards, float)
+
+  d = (g("cross_tokenizer_g1") - g("advantage_g1")) - (g("cross_tokenizer") - g("advantage"))
+  assert row["greedy"]["diff"] == pytest.approx(100 * d.mean())
+  assert row["greedy"]["se"] == pytest.approx(100 * d.std(ddof=1) / np.sqrt(d.size), rel=0.1)
+  c = out["comparisons"]["cross_tokenizer_g1 − advantage_g1"]
+  assert c["seeds"] == [1, 2]
+  text = forms.render({"domains": {"code": out}, "alpha": None, "alpha_sweep": {}})
+  assert "| (cross_tokenizer_g1 − advantage_g1) − (cross_tokenizer − advantage) | 1 |" in text
 
 
 def test_a_cross_tokenizer_teacher_without_its_tokenizer_is_refused(tmp_path):
