@@ -35,6 +35,15 @@ token materialised (fp32 logits, log-softmax, softmax, the logits'
 cotangent; embedding output, final-norm input/output and their cotangents);
 the fused kernel replaces the ``4V`` part by its ``2·C·V·4`` chunk buffers
 (``pallas_kernels.train_loss.default_block_t``).
+
+The optimizer update (``update``): ``make_train_step``'s finite guard selects
+``where(finite, new, old)`` over the whole state, so the new parameters and
+both new Adam moments exist at once, beside the old (donated) ones, before
+the step knows it may overwrite them: ``3·P_train·master`` bytes, sharded like
+the parameters. The gradients' buffer is dead once the moments are computed
+(XLA reuses it) and the activations are dead after the backward, so the step
+peaks at ``params + optimizer + max(grads + activations + loss_head, update)``
+(``MemoryEstimate.total``).
 """
 from __future__ import annotations
 
@@ -48,8 +57,10 @@ from opd.config.fields import check_int, set_field
 from opd.models.config import ModelConfig
 from opd.models.lora import LoRAConfig, lora_param_count
 
-_TERMS = ("params", "grads", "optimizer", "activations", "loss_head", "kv_cache",
+_TERMS = ("params", "grads", "optimizer", "activations", "loss_head", "update", "kv_cache",
           "teacher_cache", "teacher_params")
+# Alive together during the backward; ``update`` replaces them during the optimizer step.
+_BACKWARD = ("grads", "activations", "loss_head")
 
 
 class DoesNotFitError(ValueError):
@@ -67,6 +78,9 @@ class MemoryEstimate:
     activations: what the backward keeps of the L blocks (remat or not).
     loss_head: materialised logits and their cotangent, or the fused
       kernel's chunk buffers.
+    update: the optimizer step's transient: the new trained parameters and
+      both new moments, alive at once while the finite guard decides
+      (``3·P_train·master`` split like the parameters; module docstring).
     kv_cache: the rollout sampler's KV cache (0 when no rollout is asked).
     teacher_cache: the teachers' cached hidden states for the batch.
     teacher_params: resident frozen teacher weights.
@@ -77,6 +91,7 @@ class MemoryEstimate:
   optimizer: int
   activations: int
   loss_head: int
+  update: int
   kv_cache: int
   teacher_cache: int
   teacher_params: int
@@ -84,8 +99,12 @@ class MemoryEstimate:
 
   @property
   def total(self) -> int:
-    """Bytes per device, all terms."""
-    return sum(getattr(self, name) for name in _TERMS)
+    """Peak bytes per device: every term, with the backward's transient
+    (``grads + activations + loss_head``) and ``update`` counted as the larger
+    of the two (they are never alive together)."""
+    backward = sum(getattr(self, name) for name in _BACKWARD)
+    rest = sum(getattr(self, n) for n in _TERMS if n not in _BACKWARD and n != "update")
+    return rest + max(backward, self.update)
 
   def terms(self) -> dict[str, int]:
     """``{term: bytes}``, largest first."""
@@ -248,11 +267,13 @@ def estimate_memory(cfg: ModelConfig, mesh_shape, batch: int, seq: int, *,
     params = _ceil_div(n_params * master_bytes, model_shards)
     grads = _ceil_div(n_params * 4, model_shards)
     optimizer = 2 * params
+    update = 3 * params  # new params, new μ, new ν
   else:
     n_lora = lora_param_count(cfg, lora.config)
     params = _ceil_div(n_params * lora.base_bytes + n_lora * 4, model_shards)
     grads = params
     optimizer = _ceil_div(2 * n_lora * 4, model_shards)
+    update = 3 * _ceil_div(n_lora * 4, model_shards)
   per_layer = layer_activation_bytes(cfg, seq, tensor)
   b = 2 if cfg.dtype in ("bfloat16", "float16") else 4
   if remat:
@@ -275,7 +296,7 @@ def estimate_memory(cfg: ModelConfig, mesh_shape, batch: int, seq: int, *,
     kv_cache = cfg.n_layers * kv_rows * rollout.cache_len * per_slot * b
   teacher_cache = tokens * sum(teachers.dims) * teachers.cache_bytes
   return MemoryEstimate(params=params, grads=grads, optimizer=optimizer, activations=activations,
-                        loss_head=loss_head, kv_cache=kv_cache, teacher_cache=teacher_cache,
+                        loss_head=loss_head, update=update, kv_cache=kv_cache, teacher_cache=teacher_cache,
                         teacher_params=_ceil_div(teachers.param_bytes, model_shards),
                         shards=shards)
 
