@@ -1,7 +1,7 @@
 r"""Each OPD estimator's own noise, measured on the same rollouts (issue #26, item 5).
 
   python -m experiments.estimator_noise \
-      --stage=workdirs/v4_strong/positive_control/code/opd --batches=24
+      --stage=workdirs/v4_strong/positive_control/code/opd --batches=32 --top_ks=10,32
 
 The loss-fluctuation measure of the estimator ablation (``opd.eval.claims.
 domain_fluctuation``, step-to-step noise of the training loss) sees two
@@ -89,18 +89,21 @@ def estimator_terms(z, x, y, estimator: str, top_k: int = 8):
   return loss, jnp.zeros(z.shape, jnp.float32).at[rows, idx].set(g)
 
 
-def batch_comparison(z, x, y, *, top_k: int) -> dict[str, dict[str, float]]:
+def batch_comparison(z, x, y, *, top_ks: Sequence[int]) -> dict[str, dict[str, float]]:
   """One batch: each estimator's token-mean loss and its gradient against full's.
 
-  The batch gradient is ``G = (1/N) Σ_t ∇_z L_t`` laid out over all N tokens'
+  Estimators: ``full``, ``top_<k>`` for each k of ``top_ks``, ``token``. The
+  batch gradient is ``G = (1/N) Σ_t ∇_z L_t`` laid out over all N tokens'
   logits (each token's logits are their own coordinates).
   """
   n = z.shape[0]
   lf, gf = estimator_terms(z, x, y, "full")
   Lf, Gf = float(jnp.mean(lf)), gf / n
   out = {}
-  for name in ESTIMATORS:
-    le, ge = (lf, gf) if name == "full" else estimator_terms(z, x, y, name, top_k)
+  arms = [("full", "full", 0)] + [(f"top_{k}", "top_k", k) for k in top_ks] + [
+      ("token", "token", 0)]
+  for name, estimator, k in arms:
+    le, ge = (lf, gf) if name == "full" else estimator_terms(z, x, y, estimator, k or 1)
     Ge = ge / n
     nf, ne = float(jnp.linalg.norm(Gf)), float(jnp.linalg.norm(Ge))
     out[name] = {"loss": float(jnp.mean(le)),
@@ -133,7 +136,8 @@ def summarize(batches: Sequence[Mapping[str, Mapping[str, float]]]) -> dict[str,
   return out
 
 
-def _measure(stage: pathlib.Path, init: str, n_batches: int, top_k: int, seed: int) -> dict:
+def _measure(stage: pathlib.Path, init: str, n_batches: int, top_ks: Sequence[int],
+             seed: int) -> dict:
   """Samples ``n_batches`` OPD rollout batches from ``init`` and compares the estimators."""
   from experiments import common
   from opd.models import forward, to_model_config
@@ -173,7 +177,7 @@ def _measure(stage: pathlib.Path, init: str, n_batches: int, top_k: int, seed: i
     zs = np.asarray(forward(s_cfg, s_params, host["tokens"], mask=host["mask"]).logits)[keep]
     xs = np.asarray(forward(t_cfg, t_params, host["tokens"], mask=host["mask"]).logits)[keep]
     batches.append(batch_comparison(jnp.asarray(zs), jnp.asarray(xs),
-                                    jnp.asarray(host["targets"][keep]), top_k=top_k))
+                                    jnp.asarray(host["targets"][keep]), top_ks=top_ks))
     tokens += int(keep.sum())
   return {"init": str(init), "tokens_per_batch": tokens / n_batches,
           "summary": summarize(batches), "batches": batches}
@@ -184,8 +188,8 @@ def main() -> None:
 
   flags.DEFINE_string("stage", None, "an OPD stage directory (its config.json names the "
                       "student init, the one teacher and the rollout shape)", required=True)
-  flags.DEFINE_integer("batches", 24, "rollout batches per student")
-  flags.DEFINE_integer("top_k", 10, "k of the top-k estimator")
+  flags.DEFINE_integer("batches", 32, "rollout batches per student")
+  flags.DEFINE_list("top_ks", ["10", "32"], "k of each top-k estimator")
   flags.DEFINE_integer("seed", 0, "prompt draw and sampling seed")
   flags.DEFINE_bool("also_final", True, "also measure the stage's last checkpoint")
   flags.DEFINE_string("out", "workdirs/estimator_noise", "output directory")
@@ -203,15 +207,16 @@ def main() -> None:
       if step is None:
         raise ValueError(f"--also_final: {stage / 'checkpoints'} holds no checkpoint")
       inits[f"step_{step}"] = str(stage / "checkpoints")
-    result = {"stage": str(stage), "top_k": F.top_k, "seed": F.seed,
-              "students": {k: _measure(stage, v, F.batches, F.top_k, F.seed)
+    top_ks = [int(k) for k in F.top_ks]
+    result = {"stage": str(stage), "top_ks": top_ks, "seed": F.seed,
+              "students": {k: _measure(stage, v, F.batches, top_ks, F.seed)
                            for k, v in inits.items()}}
     out = pathlib.Path(F.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "estimator_noise.json").write_text(json.dumps(result, indent=1))
     for who, r in result["students"].items():
       print(f"\n{who} ({r['tokens_per_batch']:.0f} response tokens a batch, "
-            f"{F.batches} batches, top_k={F.top_k})")
+            f"{F.batches} batches)")
       print("| estimator | loss | fluctuation % | own noise % | loss gap % | cos(G, G_full) "
             "(min) | rel. error |")
       print("|---|---:|---:|---:|---:|---:|---:|")

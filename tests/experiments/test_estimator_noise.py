@@ -87,7 +87,11 @@ def test_token_estimator_is_unbiased_for_the_full_gradient(case):
 def test_batch_comparison_against_numpy(case):
   z, x, y = case
   out = en.batch_comparison(jnp.asarray(z, jnp.float32), jnp.asarray(x, jnp.float32),
-                            jnp.asarray(y), top_k=3)
+                            jnp.asarray(y), top_ks=(3, 7))
+  assert set(out) == {"full", "top_3", "top_7", "token"}
+  # k = V keeps every token: top-V is the full estimator.
+  assert out["top_7"]["cos"] == pytest.approx(1.0, abs=1e-6)
+  assert out["top_7"]["loss_gap"] == pytest.approx(0.0, abs=1e-5)
   assert out["full"]["cos"] == pytest.approx(1.0, abs=1e-6)
   assert out["full"]["rel_err"] == pytest.approx(0.0, abs=1e-6)
   lp, lq = _lsm(z), _lsm(x)
