@@ -2,11 +2,14 @@
 
 A pattern is a regular expression over the *text* a row writes. ``outlines-core``
 builds a deterministic automaton over the tokenizer's vocabulary from it
-(``Vocabulary(eos_id, {piece: [ids]})`` with byte-string pieces: the byte
-tokenizer's ids 0..255 are one byte each and UTF-8 is matched byte by byte;
-``Index(regex, vocab).get_transitions()``; the byte tokenizer only, see
-``_vocabulary``). ``compile_patterns`` turns one or more such automata into
-one dense table::
+(``Vocabulary(eos_id, {piece: [ids]})`` with byte-string pieces, UTF-8
+matched byte by byte; ``Index(regex, vocab).get_transitions()``). The
+pieces are ``opd.text.bytelevel.vocabulary_bytes``: the byte tokenizer's
+ids 0..255 are one byte each; a byte-level BPE's token is the byte string
+its byte-level decoder writes, so one token may cover several bytes of the
+pattern, across its groups and alternatives, and a token that would write
+past the end of a match is not allowed. ``compile_patterns`` turns one or
+more such automata into one dense table::
 
   table[s, v] = the state after token v in state s, or -1 (v not allowed)
 
@@ -24,8 +27,10 @@ to advance, so a new pattern of the same table shape never recompiles.
 ``TokenAutomaton.rows`` picks each row's pattern.
 
 Special tokens other than the end ids are never allowed inside a pattern
-(``outlines-core`` sees only the byte pieces). A table is ``S x V`` int32,
-~1 KB per state at the byte tokenizer's V = 270.
+(``outlines-core`` sees only the byte pieces), nor ids at or above the
+tokenizer's vocabulary (a model's V may exceed it), nor a token whose bytes
+hold NUL. A table is ``S x V`` int32, ~1 KB per state at the byte
+tokenizer's V = 270, 4 KB at a BPE's V = 1024.
 """
 from __future__ import annotations
 
@@ -36,13 +41,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from opd.text.bytelevel import vocabulary_bytes
+
 Array = jax.Array
 DEAD = -1  # table entry of a token not allowed
 # Each pattern is compiled followed by a NUL byte; a state is accepting iff
 # NUL leads from it to outlines-core's final state. needed as of
 # outlines-core 0.2.14: its final states drop some continuations (``0(\.5)?``
-# accepts "0" but not "0.5"; ``(a|ab)`` not "ab"). NUL is never allowed.
-_SENTINEL, _SENTINEL_RE = 0, r"\x00"
+# accepts "0" but not "0.5"; ``(a|ab)`` not "ab"). NUL is never allowed: the
+# sentinel is its own id, V (outside every table), and no token holding a NUL
+# byte enters the vocabulary.
+_SENTINEL_BYTES, _SENTINEL_RE = b"\x00", r"\x00"
 
 
 class Constraint(NamedTuple):
@@ -117,18 +126,25 @@ class TokenAutomaton:
     return s
 
 
-def _vocabulary(tokenizer, vocab_size: int, eos_id: int):
-  """outlines-core's ``Vocabulary``: each byte id 0..255 as its one-byte piece.
+def _vocabulary(tokenizer, vocab_size: int, end: tuple[int, ...]):
+  """outlines-core's ``Vocabulary``: every id below ``vocab_size`` that is not a
+  special token nor an end id, as the bytes it writes
+  (``opd.text.bytelevel.vocabulary_bytes``), ids with a NUL byte left out, and
+  the sentinel NUL as id ``vocab_size``; ``end[0]`` is its EOS.
 
-  The special tokens (ids >= 256) never match a pattern's text; the end ids
-  are added per final state by ``compile_patterns``.
+  The end ids are added per final state by ``compile_patterns``.
   """
   from outlines_core import Vocabulary  # noqa: PLC0415  (only constrained callers need it)
-  if type(tokenizer).__name__ != "ByteTokenizer":
-    raise ValueError(f"constrained decoding takes the byte tokenizer, got "
-                     f"{type(tokenizer).__name__}: a tokenizer.json tokenizer's pieces need its "
-                     "byte-level decoder (docs/DESIGN.md §6)")
-  return Vocabulary(eos_id, {bytes([i]): [i] for i in range(min(256, vocab_size))})
+  try:
+    pieces = vocabulary_bytes(tokenizer)
+  except ValueError as e:
+    raise ValueError(f"constrained decoding takes the byte tokenizer or a byte-level BPE: "
+                     f"{e} (docs/DESIGN.md §6)") from e
+  by_piece: dict[bytes, list[int]] = {_SENTINEL_BYTES: [vocab_size]}
+  for i, piece in pieces.items():
+    if i < vocab_size and i not in end and piece and _SENTINEL_BYTES not in piece:
+      by_piece.setdefault(piece, []).append(i)
+  return Vocabulary(end[0], by_piece)
 
 
 def compile_patterns(patterns: Sequence[str], tokenizer, *, end_ids: Sequence[int],
@@ -155,7 +171,8 @@ def compile_patterns(patterns: Sequence[str], tokenizer, *, end_ids: Sequence[in
     raise ValueError(f"end_ids={tuple(end_ids)} must be non-empty ids in [0, {V})")
   if isinstance(state_bucket, bool) or not isinstance(state_bucket, int) or state_bucket < 1:
     raise ValueError(f"state_bucket={state_bucket!r} must be an int >= 1")
-  vocab = _vocabulary(tokenizer, V, end[0])
+  vocab = _vocabulary(tokenizer, V, end)
+  sentinel = V
   rows, finals, starts = [], [], []
   for p, pattern in enumerate(patterns):
     try:  # outlines-core raises its own error types
@@ -169,7 +186,7 @@ def compile_patterns(patterns: Sequence[str], tokenizer, *, end_ids: Sequence[in
     order, seen = [start], {start}
     for s in order:
       for tok, nxt in sorted(trans.get(s, {}).items()):
-        if tok not in (_SENTINEL, end[0]) and nxt not in seen:
+        if tok not in (sentinel, end[0]) and nxt not in seen:
           seen.add(nxt)
           order.append(nxt)
     ids = {s: len(rows) + i for i, s in enumerate(order)}
@@ -177,9 +194,9 @@ def compile_patterns(patterns: Sequence[str], tokenizer, *, end_ids: Sequence[in
     for s in order:
       row = np.full(V, DEAD, np.int32)
       for tok, nxt in trans.get(s, {}).items():
-        if tok not in (_SENTINEL, end[0]):
+        if tok not in (sentinel, end[0]):
           row[tok] = ids[nxt]
-      accepting = trans.get(s, {}).get(_SENTINEL) in final
+      accepting = trans.get(s, {}).get(sentinel) in final
       if accepting:
         row[list(end)] = ids[s]
       if (row == DEAD).all():

@@ -3,8 +3,11 @@
 Python's ``re`` is the independent oracle of what a pattern matches. One
 tiny model, one prompt batch [8, 4] and one table shape [64, 270] serve
 every sampling test, so the sampler compiles once (plus once for the
-unconstrained call).
+unconstrained call). The same properties again with a small byte-level BPE
+trained in the test (tokens of several bytes; a model V past the
+tokenizer's), and hand cases of a token across a pattern's boundary.
 """
+import dataclasses
 import itertools
 import re
 
@@ -18,6 +21,8 @@ from opd.models import ModelConfig, forward, init_params, param_logical_axes
 from opd.parallel import sharding as shd
 from opd.rollout.constraint import DEAD, Constraint, compile_patterns
 from opd.rollout.sampler import SamplingConfig, compiled_programs, generate
+from opd.text.bpe import BPETokenizer, train_bpe_json
+from opd.text.bytelevel import vocabulary_bytes
 from opd.text.tokenizers import END, ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -195,3 +200,155 @@ def test_constrained_sampling_on_a_mesh_matches_one_device(automata):
   np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(single.tokens))
   for b, (text, finished) in enumerate(_texts(out)):
     assert finished and re.fullmatch(FAMILY[rows[b]].encode(), text)
+
+
+# --- A byte-level BPE: tokens of several bytes ---------------------------------------------
+
+# Text of the patterns, so the trained BPE merges inside and across their parts
+# ("ab", "xy", "10", "Better", "ĠA", ...; GPT-2's pre-tokenizer never merges
+# letters with digits or punctuation).
+BPE_CORPUS = ["ab abab aab ba 10 110 1010 11 01", "Better: A", "Better: B", "Score: 0.5",
+              "Score: 1", "xyxyx xy", "abababc", r"Scores: \boxed{3, 10, 7}"] * 40
+
+
+@pytest.fixture(scope="module")
+def bpe():
+  """A small byte-level BPE trained here, and a model over a V 5 ids larger than its
+  vocabulary (ids the tokenizer does not have must never be allowed)."""
+  import tempfile  # noqa: PLC0415
+  path = tempfile.mkdtemp(prefix="bpe_constraint") + "/tokenizer.json"
+  with open(path, "w") as f:
+    f.write(train_bpe_json(BPE_CORPUS, 340))
+  tok = BPETokenizer(path)
+  return tok, dataclasses.replace(CFG, vocab_size=tok.vocab_size + 5)
+
+
+def _bpe_end_ids(tok):
+  return (tok.eos_id, tok.token_to_id(END))
+
+
+def _accepts(auto, ids, pattern=0) -> bool:
+  state = auto.walk(ids, pattern)
+  return state != DEAD and bool(auto.final[state])
+
+
+def test_a_bpe_token_across_a_pattern_boundary(bpe):
+  """Hand cases with the trained BPE's two-byte tokens "ab", "10" and "xy"."""
+  tok, _ = bpe
+  ab, a, b, ten, one, zero, xy, x, y, z = (
+      tok.token_to_id(t) for t in ("ab", "a", "b", "10", "1", "0", "xy", "x", "y", "z"))
+  auto = compile_patterns([r"a", r"a(b|c)", r"(a|x)b", r"1", r"(1|2)0?", r"x(yz)?"], tok,
+                          end_ids=_bpe_end_ids(tok))
+  start = auto.starts
+  # "ab" would write past the end of `a`'s only match: not allowed; "a" alone matches.
+  assert auto.table[start[0], ab] == DEAD and _accepts(auto, [a], 0)
+  # One token covers a literal and the group after it, or a group and the literal after it.
+  for p in (1, 2):
+    assert auto.final[auto.table[start[p], ab]] and _accepts(auto, [a, b], p)
+    assert not _accepts(auto, [a], p)
+  # "10" past the end of `1`; into the optional tail of `(1|2)0?`.
+  assert auto.table[start[3], ten] == DEAD and _accepts(auto, [one], 3)
+  for ids in ([ten], [one, zero], [one]):
+    assert _accepts(auto, ids, 4), ids
+  assert auto.walk([ten, zero], 4) == DEAD
+  # "xy" ends inside the optional group: not accepting until the "z" arrives.
+  assert not auto.final[auto.table[start[5], xy]] and _accepts(auto, [xy, z], 5)
+  assert _accepts(auto, [x], 5) and _accepts(auto, [x, y, z], 5)
+  assert auto.walk([xy, y], 5) == DEAD
+
+
+@pytest.mark.parametrize("pattern", [r"(a|ab)", r"1(0|1)?", r"[ab]{1,3}", r"(ab)*b?",
+                                     r"a(b|10)1?", r"(0|10|1)b?"])
+def test_bpe_table_accepts_exactly_what_re_fullmatch_accepts(bpe, pattern):
+  """Every token sequence writing at most 5 bytes over the tokens of a small alphabet
+  (single bytes and merges): accepting iff ``re.fullmatch`` matches the bytes
+  written; the end ids allowed exactly in accepting states."""
+  tok, model_cfg = bpe
+  auto = compile_patterns([pattern], tok, end_ids=_bpe_end_ids(tok),
+                          vocab_size=model_cfg.vocab_size)
+  pieces = vocabulary_bytes(tok)
+  alphabet = set(b"ab10")
+  tokens = [(i, p) for i, p in pieces.items() if set(p) <= alphabet]
+  assert sum(len(p) > 1 for _, p in tokens) >= 4, tokens  # the BPE merged inside the alphabet
+  stack, checked = [((), b"")], 0
+  while stack:
+    ids, text = stack.pop()
+    accepted = _accepts(auto, ids)
+    assert accepted == bool(re.fullmatch(pattern.encode(), text)), (pattern, text, ids)
+    state = auto.walk(ids)
+    if state != DEAD:
+      assert (auto.table[state, list(_bpe_end_ids(tok))] != DEAD).all() == accepted
+    checked += 1
+    stack.extend((ids + (i,), text + p) for i, p in tokens if len(text) + len(p) <= 5)
+  assert checked > 1000
+  # Special tokens other than the end ids, and ids past the tokenizer's vocabulary, never.
+  others = [i for i in range(model_cfg.vocab_size)
+            if i not in pieces and i not in _bpe_end_ids(tok)]
+  assert (auto.table[:, others] == DEAD).all()
+
+
+@pytest.fixture(scope="module")
+def bpe_automata(bpe):
+  tok, model_cfg = bpe
+  first, second = (compile_patterns(f, tok, end_ids=_bpe_end_ids(tok),
+                                    vocab_size=model_cfg.vocab_size, state_bucket=64)
+                   for f in (FAMILY, FAMILY[::-1]))
+  assert first.table.shape == second.table.shape and first.table.shape[1] == model_cfg.vocab_size
+  return first, second
+
+
+def _bpe_texts(tok, out) -> list[tuple[bytes | None, bool]]:
+  """As ``_texts``, the ids spelled by the BPE's byte strings."""
+  pieces = vocabulary_bytes(tok)
+  toks, mask, fin = map(np.asarray, (out.tokens, out.mask, out.finished))
+  rows = []
+  for t, m, f in zip(toks, mask, fin):
+    ids = t[m][:-1] if f else t[m]
+    ok = all(int(i) in pieces for i in ids)
+    rows.append((b"".join(pieces[int(i)] for i in ids) if ok else None, bool(f)))
+  return rows
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**16), scale=st.sampled_from([1.0, 30.0, 300.0]),
+       temperature=st.sampled_from([0.0, 0.7, 1.5]), which=st.integers(0, 1),
+       rows=st.lists(st.integers(0, len(FAMILY) - 1), min_size=B, max_size=B))
+def test_bpe_constrained_samples_always_match_their_pattern(bpe, bpe_automata, seed, scale,
+                                                           temperature, which, rows):
+  """The byte tokenizer's property with the BPE: every row a full match of its pattern
+  (tokens of several bytes included), no recompile across pattern sets of one shape."""
+  tok, model_cfg = bpe
+  auto = bpe_automata[which]
+  def params(s, head_scale):
+    p = init_params(model_cfg, jax.random.key(s))
+    return {**p, "lm_head": p["lm_head"] * head_scale}
+
+  sampling = SamplingConfig(max_new_tokens=N, temperature=temperature,
+                            eos_ids=_bpe_end_ids(tok))
+  prompts = PROMPTS % tok.vocab_size
+  generate(model_cfg, params(0, 1.0), prompts, PROMPT_MASK, 0, sampling,
+           constraint=auto.rows(rows))
+  before = compiled_programs()
+  out = generate(model_cfg, params(seed, scale), prompts, PROMPT_MASK, seed, sampling,
+                 constraint=auto.rows(rows))
+  assert compiled_programs() == before
+  for b, (text, finished) in enumerate(_bpe_texts(tok, out)):
+    assert finished and text is not None, (rows[b], text)
+    assert re.fullmatch(auto.patterns[rows[b]].encode(), text), (auto.patterns[rows[b]], text)
+
+
+def test_bpe_constrained_samples_use_multi_byte_tokens(bpe, bpe_automata):
+  """The property above is not about single bytes only: near-uniform logits (an
+  unscaled random head) at T = 1.5 pick among the allowed tokens, most of which
+  write several bytes at a pattern's start ("B", "Be", "Bett", "Better")."""
+  tok, model_cfg = bpe
+  pieces = vocabulary_bytes(tok)
+  sampling = SamplingConfig(max_new_tokens=N, temperature=1.5, eos_ids=_bpe_end_ids(tok))
+  rows = list(range(len(FAMILY))) + [0]
+  out = generate(model_cfg, init_params(model_cfg, jax.random.key(7)), PROMPTS % tok.vocab_size,
+                 PROMPT_MASK, 7, sampling, constraint=bpe_automata[0].rows(rows))
+  toks, mask = np.asarray(out.tokens), np.asarray(out.mask)
+  written = [int(t) for t in toks[mask] if int(t) in pieces]
+  assert sum(len(pieces[t]) > 1 for t in written) >= 4, [pieces[t] for t in written]
+  for b, (text, finished) in enumerate(_bpe_texts(tok, out)):
+    assert finished and re.fullmatch(FAMILY[rows[b]].encode(), text), (FAMILY[rows[b]], text)
