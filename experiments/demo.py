@@ -105,14 +105,18 @@ def judge(claim: Claim, diff: float, se: float) -> dict:
 
   ``shown``: the 95% interval excludes 0 on the predicted side. ``chance``:
   the two-sided probability of a difference at least ``|diff|`` from 0 when
-  the two models do not differ (normal approximation, ``erfc(|z| / √2)``).
+  the two models do not differ (normal approximation, ``erfc(|z| / √2)``;
+  with ``se`` 0, every example's difference equal: 0 unless ``diff`` is 0).
   """
-  if not se > 0:
-    raise ValueError(f"claim {claim.name!r}: standard error {se!r} must be > 0")
+  if not se >= 0:
+    raise ValueError(f"claim {claim.name!r}: standard error {se!r} must be >= 0")
   lo, hi = diff - 1.96 * se, diff + 1.96 * se
   shown = lo > 0 if claim.sign > 0 else hi < 0
-  return {"diff": diff, "se": se, "ci": (lo, hi), "shown": shown,
-          "chance": math.erfc(abs(diff / se) / math.sqrt(2))}
+  if se > 0:
+    chance = math.erfc(abs(diff / se) / math.sqrt(2))
+  else:
+    chance = 1.0 if diff == 0 else 0.0
+  return {"diff": diff, "se": se, "ci": (lo, hi), "shown": shown, "chance": chance}
 
 
 def claims_report(workdirs: dict[str, str | pathlib.Path], claims=CLAIMS) -> str:
