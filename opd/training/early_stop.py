@@ -4,8 +4,11 @@
 ``LoopConfig.early_stop_metric`` to an ``EarlyStop``; an eval improves on the
 best so far when it moves in the ``early_stop_mode`` direction ("min" or
 "max") by more than 0 and by at least ``early_stop_min_delta``. After
-``early_stop_patience`` evals in a row without an improvement the run stops:
-the loop saves a checkpoint of that step, logs why, and returns. The
+``early_stop_patience`` evals in a row without an improvement the run stops;
+with ``early_stop_target`` it also stops after the first eval that reaches
+the target (at or below it for "min", at or above for "max"; patience None:
+the target is the only rule). The loop then saves a checkpoint of that
+step, logs why, and returns. The
 tracker's state (best value, its step, evals since, the step it stopped at)
 is saved with every checkpoint, so a resumed run stops where the
 uninterrupted one does, and a run that stopped stays stopped when it is
@@ -30,21 +33,26 @@ class EarlyStop:
   Attributes:
     metric: the eval metric's name as the loop reports it (``eval/...``).
     mode: "min" (lower is better) or "max".
-    patience: evals in a row without an improvement that stop the run.
+    patience: evals in a row without an improvement that stop the run
+      (None: no patience rule).
     min_delta: the smallest change that counts as an improvement.
+    target: stop after the first eval that reaches this value (None: never).
     best: the best value so far (None before the first eval).
     best_step: the step of ``best``.
     bad_evals: evals since the last improvement.
     stopped_at: the step after whose eval the run stopped (None: running).
+    reached: the value that reached ``target`` (None: not reached).
   """
   metric: str
   mode: str
-  patience: int
+  patience: int | None
   min_delta: float
+  target: float | None = None
   best: float | None = None
   best_step: int | None = None
   bad_evals: int = 0
   stopped_at: int | None = None
+  reached: float | None = None
 
   def update(self, step: int, metrics: Mapping[str, float]) -> bool:
     """Takes step ``step``'s eval ``metrics``; True when the run should stop now.
@@ -68,12 +76,18 @@ class EarlyStop:
       self.best, self.best_step, self.bad_evals = value, step, 0
     else:
       self.bad_evals += 1
-    if self.bad_evals >= self.patience:
+    if self.target is not None and (value <= self.target if self.mode == "min"
+                                    else value >= self.target):
+      self.reached, self.stopped_at = value, step
+    elif self.patience is not None and self.bad_evals >= self.patience:
       self.stopped_at = step
     return self.stopped_at is not None
 
   def reason(self) -> str:
     """Why the run stopped, for the log."""
+    if self.reached is not None:
+      return (f"early stop after step {self.stopped_at}: {self.metric} = {self.reached:.6g} "
+              f"reached the target {self.target:g} ({self.mode})")
     return (f"early stop after step {self.stopped_at}: {self.metric} has not improved by >= "
             f"{self.min_delta:g} ({self.mode}) for {self.bad_evals} evals (patience "
             f"{self.patience}); best {self.best:.6g} at step {self.best_step}")
@@ -84,11 +98,11 @@ class EarlyStop:
 
   def restore(self, saved: Mapping[str, Any] | None) -> None:
     """Continues from a checkpoint's ``to_json`` when it tracked the same rule
-    (metric, mode, patience, min_delta); a changed rule starts afresh."""
+    (metric, mode, patience, min_delta, target); a changed rule starts afresh."""
     if not saved:
       return
-    rule = ("metric", "mode", "patience", "min_delta")
+    rule = ("metric", "mode", "patience", "min_delta", "target")
     if any(saved.get(k) != getattr(self, k) for k in rule):
       return
-    for k in ("best", "best_step", "bad_evals", "stopped_at"):
+    for k in ("best", "best_step", "bad_evals", "stopped_at", "reached"):
       setattr(self, k, saved.get(k))

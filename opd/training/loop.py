@@ -48,7 +48,8 @@ Crash safety (docs/DESIGN.md, "Failure model"):
   logs synced, and ``Terminated`` (a ``SystemExit`` with status 143 =
   128 + SIGTERM) is raised with a message naming the step.
 * Early stop (``LoopConfig.early_stop_metric``, ``opd.training.early_stop``):
-  after the eval that exhausts the patience the loop saves a checkpoint of
+  after the eval that exhausts the patience (or reaches
+  ``early_stop_target``) the loop saves a checkpoint of
   that step (with the rule's state), logs why and returns; a relaunch with
   the same rule restores that state and trains no further.
 * A checkpoint that fails its checksums raises ``CheckpointCorruptError``
@@ -239,7 +240,8 @@ def _run(state, step_fn, data_iterator, loop: LoopConfig, *, manager, config, fi
   start = step = done_updates // updates
   firsts = first_metrics if first_metrics is not None else {}
   stopper = (EarlyStop(loop.early_stop_metric, loop.early_stop_mode, loop.early_stop_patience,
-                       loop.early_stop_min_delta) if loop.early_stop_metric else None)
+                       loop.early_stop_min_delta, loop.early_stop_target)
+             if loop.early_stop_metric else None)
   if restored is not None:
     saved_first = restored.extra.get("first_metrics") or {}
     if saved_first:

@@ -52,9 +52,12 @@ class LoopConfig:
       (``opd.training.early_stop``).
     early_stop_mode: "min" (lower is better) or "max".
     early_stop_patience: evals in a row without an improvement that stop
-      the run; the loop then saves a checkpoint of that step and returns.
+      the run; the loop then saves a checkpoint of that step and returns
+      (None: no patience rule; then ``early_stop_target`` is needed).
     early_stop_min_delta: an eval improves on the best when it is better by
       more than 0 and by at least this much.
+    early_stop_target: also stop after the first eval at or below this value
+      ("min"; at or above for "max"); None: no target.
   """
   steps: int
   save_every: int | None = 0
@@ -66,8 +69,9 @@ class LoopConfig:
   progress: bool = True
   early_stop_metric: str | None = None
   early_stop_mode: str = "min"
-  early_stop_patience: int = 1
+  early_stop_patience: int | None = 1
   early_stop_min_delta: float = 0.0
+  early_stop_target: float | None = None
 
   def __post_init__(self):
     owner = type(self).__name__
@@ -94,9 +98,15 @@ class LoopConfig:
                        f"its only input), got eval_every={self.eval_every}")
     check_choice(owner, "early_stop_mode", self.early_stop_mode, MODES)
     set_field(self, "early_stop_patience",
-              check_int(owner, "early_stop_patience", self.early_stop_patience, min_value=1))
+              check_int(owner, "early_stop_patience", self.early_stop_patience, min_value=1,
+                        allow_none=True))
     set_field(self, "early_stop_min_delta",
               check_float(owner, "early_stop_min_delta", self.early_stop_min_delta, min_value=0))
+    set_field(self, "early_stop_target",
+              check_float(owner, "early_stop_target", self.early_stop_target, allow_none=True))
+    if metric is not None and self.early_stop_patience is None and self.early_stop_target is None:
+      raise ValueError(f"{owner}.early_stop_metric={metric!r} has no rule to stop on: "
+                       "early_stop_patience=None and early_stop_target=None")
 
   def replace(self, **changes) -> "LoopConfig":
     return dataclasses.replace(self, **changes)

@@ -133,6 +133,37 @@ def test_a_stopped_run_relaunched_trains_no_further_unless_the_rule_is_off(setup
   assert len(off.history) == 30 - STOP_STEP and int(off.state.step) == 30
 
 
+def test_a_target_stops_at_the_first_eval_that_reaches_it(setup, tmp_path, caplog):
+  # Target 3.9 alone (patience None): #4 (3.90 <= 3.9) is the first eval at or
+  # below it -> stop after the 4th eval. Mode "max" on -values with target -3.9
+  # is the same walk.
+  target_only = dict(early_stop_metric="eval/loss", early_stop_patience=None,
+                     early_stop_target=3.9)
+  manager = CheckpointManager(tmp_path, max_to_keep=3)
+  with caplog.at_level(logging.WARNING, logger="opd.training.loop"):
+    run = _train(setup, 30, _evals(EVALS), manager, **target_only)
+  assert len(run.history) == 4 * EVAL_EVERY and manager.all_steps() == [4 * EVAL_EVERY]
+  assert (f"early stop after step {4 * EVAL_EVERY}: eval/loss = 3.9 reached the target 3.9 "
+          "(min)") in caplog.text
+  assert len(_train(setup, 30, _evals([-v for v in EVALS]), early_stop_mode="max",
+                    **{**target_only, "early_stop_target": -3.9}).history) == 4 * EVAL_EVERY
+  # With the patience rule as well, whichever comes first: target 3.84 is
+  # reached at #6, before the patience rule's stop after #8; target 3.5 is
+  # never reached, so the patience rule stops after #8.
+  assert len(_train(setup, 30, _evals(EVALS), early_stop_target=3.84,
+                    **RULE).history) == 6 * EVAL_EVERY
+  assert len(_train(setup, 30, _evals(EVALS), early_stop_target=3.5,
+                    **RULE).history) == STOP_STEP
+  # Relaunched with the same rule, the stopped run trains no further; with
+  # another target the rule starts afresh: 3.83 is first reached at the
+  # relaunch's 3rd eval (values from #5 on: 3.85, 3.84, 3.83).
+  again = _evals(EVALS, start=4)
+  assert _train(setup, 30, again, manager, **target_only).history == [] and again.calls == []
+  moved = _train(setup, 30, _evals(EVALS, start=4), manager,
+                 **{**target_only, "early_stop_target": 3.83})
+  assert len(moved.history) == 3 * EVAL_EVERY and int(moved.state.step) == 7 * EVAL_EVERY
+
+
 def test_a_missing_metric_names_the_ones_the_eval_has(setup):
   with pytest.raises(ValueError, match=r"early_stop_metric='eval/acc' is not among the eval "
                                        r"metrics at step 2: \['eval/loss'\]"):
@@ -147,6 +178,10 @@ def test_a_missing_metric_names_the_ones_the_eval_has(setup):
                                      r"'max'\), got 'lowest'"),
     (dict(early_stop_patience=0), r"LoopConfig.early_stop_patience"),
     (dict(early_stop_min_delta=-0.1), r"LoopConfig.early_stop_min_delta"),
+    (dict(early_stop_target=float("nan")), r"LoopConfig.early_stop_target"),
+    (dict(early_stop_metric="eval/loss", eval_every=2, early_stop_patience=None),
+     r"early_stop_metric='eval/loss' has no rule to stop on: early_stop_patience=None and "
+     r"early_stop_target=None"),
 ])
 def test_loop_config_refuses_bad_early_stop_fields(kwargs, pattern):
   with pytest.raises(ValueError, match=pattern):
