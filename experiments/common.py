@@ -26,6 +26,7 @@ import ml_collections
 import numpy as np
 
 from opd.config.fields import from_group
+from opd.config.migrations import migrate
 from opd.config.overrides import config_mismatches, config_to_dict
 from opd.parallel import sharding
 from opd.training.files import atomic_write_json, read_json
@@ -266,8 +267,11 @@ RECORD = "stage.json"  # a stage's record: its config's digest and its inputs' r
 # Fields added to a stage config after stages were written, with the value
 # that reproduces what those stages did: a saved ``config.json`` without the
 # field matches a stage config holding exactly that value (and no other).
-ADDED_FIELDS = {"opd.teacher_temperature": 1.0, "generator.refine_fraction": 0.0,
-                "eval.all_if_fewer": False, "opd.anneal_to": "uniform",
+# Paths are today's: a saved config is first brought to today's layout
+# (``opd.config.migrations.migrate``: fields that moved, e.g. the flat OPD
+# group's ``opd.teacher_temperature`` -> ``opd.loss.teacher_temperature``).
+ADDED_FIELDS = {"opd.loss.teacher_temperature": 1.0, "generator.refine_fraction": 0.0,
+                "eval.all_if_fewer": False, "opd.weighting.anneal_to": "uniform",
                 "sft.principles": 2, "sft.critique": True, "data.keep_rating1_n1": 1.0}
 
 
@@ -310,12 +314,12 @@ class StaleStageError(ValueError):
 
 
 def stage_mismatches(saved, cfg) -> list[tuple[str, Any, Any]]:
-  """``config_mismatches`` of a saved stage config against ``cfg``, except
-  fields added later (``_added``) missing from the saved one at their
-  reproducing value. A field only the saved config holds is not a
-  mismatch (a stage config that stops holding a field it never read still
-  matches its old runs)."""
-  bad = config_mismatches(saved, config_to_dict(cfg))
+  """``config_mismatches`` of a saved stage config, brought to today's layout
+  (``opd.config.migrations.migrate``), against ``cfg``, except fields added
+  later (``_added``) missing from the saved one at their reproducing value.
+  A field only the saved config holds is not a mismatch (a stage config
+  that stops holding a field it never read still matches its old runs)."""
+  bad = config_mismatches(migrate(saved), config_to_dict(cfg))
   return [(k, have, want) for k, have, want in bad
           if not (have == "<missing>" and _added(k, want))]
 

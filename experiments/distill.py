@@ -54,7 +54,7 @@ def _build_teacher(config, name: str, group, root: pathlib.Path, mesh, rules) ->
     cfg = to_model_config(group.model)
     data = SFTData(domains=(group.domain,), num_train=config.build_teachers.num_train,
                    num_eval=8, difficulties=tuple(config.data.difficulties),
-                   seq_len=config.opd.seq_len, batch_size=config.build_teachers.batch_size,
+                   seq_len=config.opd.rollout.seq_len, batch_size=config.build_teachers.batch_size,
                    mode=common.sft_mode(cfg))
     train_sft(cfg, None, data, workdir,
               optim=common.optim_config(config.build_teachers.optim),

@@ -126,13 +126,12 @@ def check_opd(config, where: str = "config", optim: str = "config.optim",
   ``optim`` and ``steps`` name the fields the stage's optimizer group and
   step count came from."""
   from opd.distill import OPDConfig  # noqa: PLC0415
-  cfg = from_group(OPDConfig, config.opd, f"{where}.opd")
-  cfg.loss_config()
+  ro = from_group(OPDConfig, config.opd, f"{where}.opd").rollout
   check_schedule(common.optim_config(config.optim, optim), config.train.steps, optim, steps)
   _build_teachers(config.get("build_teachers"), f"{where}.build_teachers")
-  _batch(cfg.batch_size, config, f"{where}.opd.prompts_per_step * {where}.opd.group_size "
-         f"(= {cfg.prompts_per_step} * {cfg.group_size})")
-  _fits(config, cfg.batch_size, cfg.seq_len, f"{where}.opd (batch x seq_len)",
+  _batch(ro.batch_size, config, f"{where}.opd.rollout.prompts_per_step * "
+         f"{where}.opd.rollout.group_size (= {ro.prompts_per_step} * {ro.group_size})")
+  _fits(config, ro.batch_size, ro.seq_len, f"{where}.opd.rollout (batch x seq_len)",
         model=config.student.model if "student" in config else None)
 
 

@@ -55,9 +55,9 @@ def stage_config(config, domain: str, teacher_dir: pathlib.Path, cold_start: pat
   c.train.update(steps=pc.steps, save_every=pc.eval_every, eval_every=pc.eval_every,
                  keep_checkpoints=pc.steps // pc.eval_every + 1)
   # One domain: no balancing; its own batch size when set (0: the OPD stage's).
-  c.opd.domain_balance = False
+  c.opd.rollout.domain_balance = False
   if pc.get("prompts_per_step"):
-    c.opd.prompts_per_step = pc.prompts_per_step
+    c.opd.rollout.prompts_per_step = pc.prompts_per_step
   if c.optim.schedule != "constant":
     c.optim.decay_steps = max(1, pc.steps - c.optim.warmup_steps)
   return c

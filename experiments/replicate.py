@@ -36,7 +36,7 @@ RUNS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
      (f"--config.reuse_from={REUSE}", "--config.teacher_shift=1",
       "--config.positive_control.steps=0")),
     ("anneal_confidence", f"{V4},seeds=3", "v4_strong_conf",
-     (f"--config.reuse_from={REUSE}", "--config.opd.anneal_to=confidence",
+     (f"--config.reuse_from={REUSE}", "--config.opd.weighting.anneal_to=confidence",
       "--config.positive_control.steps=0")),
     *((f"mixed_rl_lr{lr}", V4, f"v4_strong_rl{lr}",
        (f"--config.reuse_from={REUSE}", f"--config.baselines.rl_optim.lr={lr}",
@@ -45,10 +45,12 @@ RUNS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
        (f"--config.reuse_from={REUSE}", "--config.positive_control.only=True",
         "--config.positive_control.domains=('code',)", f"--config.student_seeds=({seed},)", *flags_))
       for seed in (0, 1, 2)
-      for arm, flags_ in (("full", ("--config.opd.estimator=full",)),
-                          ("top10", ("--config.opd.estimator=top_k", "--config.opd.top_k=10")),
-                          ("top32", ("--config.opd.estimator=top_k", "--config.opd.top_k=32")),
-                          ("token", ("--config.opd.estimator=token",)))),
+      for arm, flags_ in (("full", ("--config.opd.loss.estimator=full",)),
+                          ("top10", ("--config.opd.loss.estimator=top_k",
+                                     "--config.opd.loss.top_k=10")),
+                          ("top32", ("--config.opd.loss.estimator=top_k",
+                                     "--config.opd.loss.top_k=32")),
+                          ("token", ("--config.opd.loss.estimator=token",)))),
 )
 NAMES = tuple(name for name, *_ in RUNS)
 

@@ -23,7 +23,7 @@ The specialists stage also writes its own report (``WORKDIR/results``).
 ``--config.reuse_from=DIR[,DIR2]`` reads every stage a finished run in DIR
 holds under the same stage config instead of rerunning it (nothing is
 written there; ``experiments.common.Stages``): a lever on OPD
-(``--config.opd.aggregation=sequence_mean``) in a new workdir reruns only
+(``--config.opd.loss.aggregation=sequence_mean``) in a new workdir reruns only
 OPD, annealing and their evaluations; ``:seeds=3`` only the new seeds.
 The evaluation scores every row (base, specialists, each student
 stage, each baseline) with one ``EvalConfig``: greedy ``reward@1`` and the
@@ -107,11 +107,11 @@ def student_stage_config(config, stage: str, grpo_dirs, student_init: str,
   c.opd = _copy(config.opd)
   c.train = _copy(config.opd_train)
   if stage == "opd":
-    c.opd.anneal_steps = 0
-    c.opd.anneal_to = "uniform"  # no annealing: an anneal_to lever reuses the OPD stage
+    # No annealing: an anneal_to lever reuses the OPD stage.
+    c.opd.weighting.update(anneal_steps=0, anneal_to="uniform")
   else:
     steps = config.anneal.steps
-    c.opd.anneal_steps = steps
+    c.opd.weighting.anneal_steps = steps
     c.train.update(steps=steps, save_every=steps, eval_every=max(1, steps // 2))
   return c
 

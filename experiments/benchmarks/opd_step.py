@@ -14,7 +14,7 @@ k = 2 routed plus the shared expert match the dense MLP's width; see
   hidden states come from ``TeacherPool`` → ``FaultTolerantTeachers`` →
   ``HiddenStateCache`` (stored in ``OPDConfig.cache_dtype``, bf16 by default)
   → ``cache.loss_batch``; the loss is ``make_opd_loss`` with
-  ``OPDConfig().loss_config()`` and the pool's heads, as the trainer builds
+  ``OPDConfig().loss`` and the pool's heads, as the trainer builds
   it (the fused kernel rebuilds logits tile by tile; the JSON records which
   ``pallas_kernels`` entry ran). The closure holds the teacher heads, so XLA
   embeds them in the program as constants, which ``memory_analysis()`` does
@@ -287,19 +287,19 @@ def worker(method: str, sizes: dict, vocab: int, k: int, cache_dtype: str,
   heads = pool.heads
   teacher_logits = None
   if method == "opd":
-    loss_fn = make_opd_loss(cfg, heads, opd_cfg.loss_config(), teacher_names=pool.names)
+    loss_fn = make_opd_loss(cfg, heads, opd_cfg.loss, teacher_names=pool.names)
     constant_bytes = sum(int(w.size) * w.dtype.itemsize for w in heads)
   elif method == "materialised":
     logits_of = jax.jit(lambda h, w: jnp.einsum("BTD,DV->BTV", h.astype(jnp.float32), w))
     teacher_logits = tuple(logits_of(h, w) for h, w in zip(cached.hidden, heads))
     batch = {**{key: v for key, v in batch.items() if key != "teacher_hidden"},
              "teacher_logits": teacher_logits}
-    loss_fn = materialised_loss(cfg, opd_cfg.loss_config().temperature)
+    loss_fn = materialised_loss(cfg, opd_cfg.loss.temperature)
     constant_bytes = 0
   else:
     batch = {**{key: v for key, v in batch.items() if key != "teacher_hidden"},
              "teacher_params": tuple(tc.params for tc in teachers)}
-    loss_fn = recompute_loss(cfg, [tc.cfg for tc in teachers], opd_cfg.loss_config(),
+    loss_fn = recompute_loss(cfg, [tc.cfg for tc in teachers], opd_cfg.loss,
                              jnp.dtype(opd_cfg.cache_dtype))
     constant_bytes = 0
   state, batch, compiled, compile_s, xla, peak = compile_step(
@@ -307,7 +307,7 @@ def worker(method: str, sizes: dict, vocab: int, k: int, cache_dtype: str,
   entries = kernel_entries(loss_fn, state.params, batch, mesh)
   row = {"method": method, "arch": arch, "V": vocab, "K": k, "kernel_entries": entries,
          "flops_per_token": cfg.flops_per_token(t),
-         "kernel_impl": resolve_impl(opd_cfg.loss_config().impl) if entries else None,
+         "kernel_impl": resolve_impl(opd_cfg.loss.impl) if entries else None,
          "compile_s": compile_s, "xla_bytes": xla, "xla_peak_bytes": peak,
          "xla_peak_gib": peak / 2 ** 30}
   if max_bytes is not None and peak > max_bytes:

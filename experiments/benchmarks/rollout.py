@@ -71,6 +71,7 @@ the comparison that stands on a loaded machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -222,8 +223,8 @@ def _sample(stages: _Stages, setup: dict, step: int, *, verify: bool):
 
 def _training_arrays(setup: dict, episodes) -> dict:
   from opd.rollout import batches
-  cfg = setup["cfg"]
-  return batches.training_arrays(episodes, seq_len=cfg.seq_len, length_bucket=cfg.length_bucket,
+  ro = setup["rollout"]
+  return batches.training_arrays(episodes, seq_len=ro.seq_len, length_bucket=ro.length_bucket,
                                  pad_id=setup["tok"].pad_id)[0]
 
 
@@ -301,6 +302,32 @@ def _rollout_config(cfg):
   return cfg.rollout if hasattr(cfg, "rollout") else cfg
 
 
+def _opd_config(group):
+  """``config.opd`` as the library's ``OPDConfig``. A baseline's flat one
+  (before the nesting of #24) gets today's group flattened by the inverse
+  of ``opd.config.migrations.MOVED``, read from this checkout (the
+  baseline's ``opd`` has no migrations); fields it does not have are left
+  out (they hold their old defaults, ``FILLED``)."""
+  import importlib.util
+  from opd.config.fields import from_group
+  from opd.distill import OPDConfig
+  names = {f.name for f in dataclasses.fields(OPDConfig)}
+  if "loss" in names:
+    return from_group(OPDConfig, group, "config.opd")
+  spec = importlib.util.spec_from_file_location("_migrations",
+                                                ROOT / "opd" / "config" / "migrations.py")
+  migrations = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(migrations)
+  back = {new: old for old, new in migrations.MOVED["opd"].items()}
+  flat = {}
+  for key, value in group.to_dict().items():
+    for path, v in (value.items() if isinstance(value, dict) else [("", value)]):
+      name = back.get(f"{key}.{path}") if path else key
+      if name in names:
+        flat[name] = v
+  return OPDConfig(**flat)
+
+
 def _routing_weights():
   """``opd.distill.teacher_weighting.routing_weights`` (``schedule`` in a
   baseline's ``opd`` before the module was renamed)."""
@@ -347,30 +374,30 @@ def _opd_setup(v4, policies, mesh, rules) -> dict:
   from experiments import common as job_common
   from opd.tasks import domain_examples
   from opd import rollout as rollout_lib
-  from opd.distill import OPDConfig, Teacher, TeacherPool
+  from opd.distill import Teacher, TeacherPool
   from opd.distill.cache import HiddenStateCache
   from opd.distill.faults import FaultTolerantTeachers
-  from opd.config.fields import from_group
   from opd.models import to_model_config
   from opd.parallel import sharding
   model_cfg = to_model_config(v4.specialists.model)
   tok = job_common.tokenizer_for(model_cfg)
-  cfg = from_group(OPDConfig, v4.opd, "config.opd")
+  cfg = _opd_config(v4.opd)
+  ro = _rollout_config(cfg)
   domains = list(v4.specialists.domains)  # one teacher per specialist, as the v4 job
   teachers = [Teacher(d, model_cfg, _params(
       model_cfg, None if policies is None else policies / d / "grpo" / "checkpoints", 100 + i,
       mesh, rules), d) for i, d in enumerate(domains)]
   pool = TeacherPool(teachers, model_cfg.vocab_size, mesh, rules=rules)
   asked = FaultTolerantTeachers.from_pool(pool, deadline_s=cfg.deadline_s)
-  per = -(-cfg.prompts_per_step // len(domains))
+  per = -(-ro.prompts_per_step // len(domains))
   by_domain = [domain_examples((d,), "train", per, v4.seed, tuple(v4.data.difficulties))
                for d in domains]
-  examples = [ex for group in zip(*by_domain) for ex in group][:cfg.prompts_per_step]
+  examples = [ex for group in zip(*by_domain) for ex in group][:ro.prompts_per_step]
   # The v4 student starts from its cold start; a specialists workdir has the base.
   ckpt = None if policies is None else policies / "base" / "checkpoints"
-  sampling = rollout_lib.sampling_for_chat(tok, max_new_tokens=cfg.max_new_tokens,
-                                           temperature=cfg.temperature)
-  return dict(cfg=cfg, rollout=_rollout_config(cfg), model_cfg=model_cfg, tok=tok,
+  sampling = rollout_lib.sampling_for_chat(tok, max_new_tokens=ro.max_new_tokens,
+                                           temperature=ro.temperature)
+  return dict(cfg=cfg, rollout=ro, model_cfg=model_cfg, tok=tok,
               examples=examples, mesh=mesh, rules=rules,
               params=_params(model_cfg, ckpt, v4.seed, mesh, rules), teacher_domains=domains,
               routing=_routing_weights(), sampling=sampling, cache=HiddenStateCache(asked, dtype=cfg.cache_dtype,
@@ -418,7 +445,8 @@ def _sampler_breakdown(name: str, setup: dict, reps: int) -> dict[str, Any]:
   from opd.rollout.sampler import generate
   cfg, tok = setup["model_cfg"], setup["tok"]
   sampling = setup["sampling"].replace(share_prefill=False)
-  prompts = [prompt_ids(tok, ex) for ex in setup["examples"] for _ in range(setup["cfg"].group_size)]
+  prompts = [prompt_ids(tok, ex) for ex in setup["examples"]
+             for _ in range(setup["rollout"].group_size)]
   P = 32 * -(-max(len(p) for p in prompts) // 32)  # policy.sample's default bucket
   tokens = np.full((len(prompts), P), tok.pad_id, np.int32)
   mask = np.zeros((len(prompts), P), bool)
@@ -457,7 +485,7 @@ def _sampler_breakdown(name: str, setup: dict, reps: int) -> dict[str, Any]:
       if rep:  # the first round compiles
         got.append(time.process_time() - t0)
   full, prefill, alone, full_shared, prefill_shared = (min(t) for t in times)
-  G = setup["cfg"].group_size
+  G = setup["rollout"].group_size
   return {"batch": name, "rows": B, "prompt_len": P, "steps": steps, "generate_s": full,
           "prefill_s": prefill, "prefill_share": prefill / full,
           "decode_ms_per_step": 1e3 * (full - prefill) / max(steps - 1, 1),
@@ -559,7 +587,7 @@ def measure(args, breakdown: bool = True) -> dict[str, Any]:
   # Data parallel over as many devices as divide both batches (all of them
   # at the default sizes; the tiny OPD batch has 4 rows).
   batches = (spec.grpo.prompts_per_step * spec.grpo.group_size,
-             v4.opd.prompts_per_step * v4.opd.group_size)
+             v4.opd.rollout.prompts_per_step * v4.opd.rollout.group_size)
   n = math.gcd(jax.device_count(), *batches)
   mesh = sharding.make_mesh((n, 1, 1), jax.devices()[:n])
   domains = args.domains or list(ALL_DOMAINS)
@@ -576,7 +604,7 @@ def measure(args, breakdown: bool = True) -> dict[str, Any]:
                 for name, setup in setups + [("opd", opd_setup)]]
   ab = ([_prefill_ab(name, setup, args.ab_reps) for name, setup in setups + [("opd", opd_setup)]]
         if args.ab_reps else [])
-  g, o = spec.grpo, opd_setup["cfg"]
+  g, o = spec.grpo, opd_setup["rollout"]
   return {
       **_commit(),
       "policies": str(policies) if policies else "random", "mesh": dict(mesh.shape),

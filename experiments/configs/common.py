@@ -17,15 +17,17 @@ from opd.training.optim import OptimConfig
 def opd_groups(tiny: bool) -> ml_collections.ConfigDict:
   """The distillation job's ``data``, ``opd`` and ``cold_start`` groups."""
   g = ml_collections.ConfigDict()
-  g.opd = to_group(OPDConfig, prompts_per_step=8, group_size=4, max_new_tokens=48, seq_len=192,
-                   diag_every=10, anneal_steps=10)
+  g.opd = to_group(OPDConfig, rollout=dict(prompts_per_step=8, group_size=4, max_new_tokens=48,
+                                            seq_len=192),
+                   weighting=dict(anneal_steps=10), diag_every=10)
   g.data = ml_collections.ConfigDict(dict(num_prompts=512, num_heldout=16, difficulties=(1,)))
   g.cold_start = ml_collections.ConfigDict(dict(
       num_prompts=256, samples_per_prompt=2, max_new_tokens=48, temperature=1.0, min_reward=1.0,
       sample_batch_size=32, steps=100, batch_size=16, seq_len=192))
   if tiny:
-    g.opd.update(prompts_per_step=2, group_size=2, max_new_tokens=12, seq_len=160,
-                 diag_every=4, anneal_steps=2, diag_tokens=64, verify=True)
+    g.opd.rollout.update(prompts_per_step=2, group_size=2, max_new_tokens=12, seq_len=160)
+    g.opd.weighting.anneal_steps = 2
+    g.opd.update(diag_every=4, diag_tokens=64, verify=True)
     g.data.update(num_prompts=16, num_heldout=4)
     # Tiny teachers are rarely right: keep every verified answer to exercise the path.
     g.cold_start.update(num_prompts=16, samples_per_prompt=1, max_new_tokens=12, min_reward=0.0,
@@ -52,8 +54,9 @@ def demo_student_stages(tiny: bool) -> ml_collections.ConfigDict:
   s.cold_start_optim = to_group(OptimConfig, lr=1e-3, warmup_steps=10, decay_steps=140,
                                 schedule="cosine")
   s.opd = base.opd
-  s.opd.update(schedule="routing", prompts_per_step=8, group_size=4, max_new_tokens=80,
-               seq_len=256, diag_every=10, anneal_steps=0)
+  s.opd.rollout.update(prompts_per_step=8, group_size=4, max_new_tokens=80, seq_len=256)
+  s.opd.weighting.update(schedule="routing", anneal_steps=0)
+  s.opd.diag_every = 10
   s.opd_optim = to_group(OptimConfig, lr=3e-4, warmup_steps=5, decay_steps=75, end_lr_ratio=0.3,
                          schedule="cosine")
   s.opd_train = ml_collections.ConfigDict(dict(steps=80, save_every=40, keep_checkpoints=2,
@@ -69,8 +72,9 @@ def demo_student_stages(tiny: bool) -> ml_collections.ConfigDict:
     s.cold_start.update(num_prompts=4, max_new_tokens=12, steps=2, batch_size=4, seq_len=160,
                         sample_batch_size=16, min_reward=0.0, temperature=1.0)
     s.cold_start_optim.update(warmup_steps=1, decay_steps=1)
-    s.opd.update(prompts_per_step=5, group_size=2, max_new_tokens=12, seq_len=160, diag_every=2,
-                 length_bucket=0)
+    s.opd.rollout.update(prompts_per_step=5, group_size=2, max_new_tokens=12, seq_len=160,
+                         length_bucket=0)
+    s.opd.diag_every = 2
     # Its schedule fits its 2 steps (the job-start check refuses warmup 5 of 2).
     s.opd_optim.update(warmup_steps=1, decay_steps=1)
     s.opd_train.update(steps=2, save_every=2, eval_every=2)

@@ -101,8 +101,9 @@ def get_config(arg=None):
   c.student_sft.train.update(steps=40, save_every=40, eval_every=40)
   # OPD: one teacher, the same in both arms but for its checkpoint.
   c.data = ml_collections.ConfigDict(dict(num_prompts=256, num_heldout=16, difficulties=(1,)))
-  c.opd = to_group(OPDConfig, prompts_per_step=8, group_size=4, max_new_tokens=48, seq_len=192,
-                   diag_every=4, diag_tokens=512, anneal_steps=0)
+  c.opd = to_group(OPDConfig, rollout=dict(prompts_per_step=8, group_size=4, max_new_tokens=48,
+                                            seq_len=192),
+                   weighting=dict(anneal_steps=0), diag_every=4, diag_tokens=512)
   c.opd_optim = to_group(OptimConfig, lr=3e-4, warmup_steps=3, decay_steps=37, end_lr_ratio=0.3,
                          schedule="cosine")
   c.opd_train = ml_collections.ConfigDict(dict(steps=40, save_every=40, keep_checkpoints=1,
@@ -114,8 +115,9 @@ def get_config(arg=None):
     c.student_sft.optim.update(warmup_steps=1, decay_steps=2)
     c.student_sft.train.update(steps=3, save_every=3, eval_every=3)
     c.data.update(num_prompts=8, num_heldout=2)
-    c.opd.update(prompts_per_step=2, group_size=2, max_new_tokens=12, seq_len=128, diag_every=1,
-                 diag_tokens=64, length_bucket=0)
+    c.opd.rollout.update(prompts_per_step=2, group_size=2, max_new_tokens=12, seq_len=128,
+                         length_bucket=0)
+    c.opd.update(diag_every=1, diag_tokens=64)
     c.opd_optim.update(warmup_steps=1, decay_steps=1)
     c.opd_train.update(steps=2, save_every=2, eval_every=2)
     c.eval.update(n_per_domain=4, num_samples=2, max_new_tokens=12, batch_size=8,

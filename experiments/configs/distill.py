@@ -17,10 +17,10 @@
   python -m experiments.launch --config=experiments/configs/distill.py:tiny,v4 \
       --workdir=workdirs/distill_tiny_v4     # DeepSeek-V4 student and math teacher
   # the advantage form (docs/DESIGN.md §3, "Loss form") plus 0.5 x GRPO's outcome
-  # advantage; every OPDConfig field is in config.opd (loss_form, adv_gamma,
-  # adv_beta, adv_alpha, is_cap; defaults: the exact form)
+  # advantage; every OPDConfig field is in config.opd (the loss's in config.opd.loss:
+  # form, adv_gamma, adv_beta, adv_alpha, is_cap; defaults: the exact form)
   python -m experiments.launch --config=experiments/configs/distill.py:tiny \
-      --config.opd.loss_form=advantage --config.opd.adv_alpha=0.5 \
+      --config.opd.loss.form=advantage --config.opd.loss.adv_alpha=0.5 \
       --workdir=workdirs/distill_tiny_advantage
 
 The variant argument: ``job=opd|cold_start``, ``tiny``, ``steps=N`` (OPD steps),
@@ -45,7 +45,8 @@ default needs the specialists pipeline's checkpoints (not measured here).
 
 Ablations (docs/DESIGN.md §3, "Baselines and curve metrics"), each a sweep
 whose first arm is the reference, three seeds per arm, the same steps,
-``opd.verify`` on (``reward/mean`` per step), no annealing:
+``opd.verify`` on (``reward/mean`` per step), no annealing
+(``opd.weighting.anneal_steps=0``):
 
   # estimator: full / top-k (k=10, 32) / token-level, 12 runs
   python -m experiments.sweep --config=experiments/configs/distill.py:ablation=estimator \
@@ -133,7 +134,8 @@ def _ablation(c, arg):
   c.run_label = ""
   if arg["tiny"]:
     # One padded length and no diagnostics: one compile of each program per run.
-    c.opd.update(length_bucket=0, diag_every=0)
+    c.opd.rollout.length_bucket = 0
+    c.opd.diag_every = 0
     steps = TINY_ABLATION_STEPS
     c.train.update(steps=steps, save_every=steps)
     c.optim.update(decay_steps=steps - c.optim.warmup_steps)
@@ -154,7 +156,8 @@ def _ablation(c, arg):
          for d in spec.domains})
     c.data, c.opd = stages.data, stages.opd
     c.optim, c.train = stages.opd_optim, stages.opd_train
-  c.opd.update(verify=True, anneal_steps=0)
+  c.opd.verify = True
+  c.opd.weighting.anneal_steps = 0
 
 
 def get_sweep(arg=None):
@@ -164,11 +167,11 @@ def get_sweep(arg=None):
   if not arg["ablation"]:
     raise ValueError("get_sweep needs config arg ablation=estimator|cold_start|weighting")
   if arg["ablation"] == "estimator":
-    arms = [dict(run_label=label, **{"opd.estimator": est},
-                 **({"opd.top_k": k} if k is not None else {}))
+    arms = [dict(run_label=label, **{"opd.loss.estimator": est},
+                 **({"opd.loss.top_k": k} if k is not None else {}))
             for label, est, k in ESTIMATOR_ARMS]
   elif arg["ablation"] == "weighting":
-    arms = [{"run_label": s, "opd.schedule": s} for s in WEIGHTING_ARMS]
+    arms = [{"run_label": s, "opd.weighting.schedule": s} for s in WEIGHTING_ARMS]
   else:
     demo = arg["demo"]
     arms = [{"run_label": "cold start",
@@ -236,7 +239,7 @@ def get_config(arg=None):
     c.train.update(steps=arg["steps"], save_every=arg["steps"],
                    eval_every=max(1, arg["steps"] // 10))
     c.optim.update(decay_steps=max(1, arg["steps"] - c.optim.warmup_steps))
-    c.opd.anneal_steps = min(c.opd.anneal_steps, arg["steps"])
+    c.opd.weighting.anneal_steps = min(c.opd.weighting.anneal_steps, arg["steps"])
   if arg["ablation"]:
     c.train.eval_every = c.train.steps  # held-out reverse KL before and after, not between
   return c

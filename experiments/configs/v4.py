@@ -21,10 +21,10 @@ experiments/configs/baselines.py), so the same workdir extends step by step:
 A lever in its own workdir reuses the finished stages of another:
 
   python -m experiments.launch --config=experiments/configs/v4.py --workdir=workdirs/v4_seqmean \
-      --config.reuse_from=workdirs/demo --config.opd.aggregation=sequence_mean
+      --config.reuse_from=workdirs/demo --config.opd.loss.aggregation=sequence_mean
 
-Levers (docs/RESULTS.md, "Levers"): ``opd.teacher_temperature``,
-``opd.temperature`` (the student's sampling temperature), ``opd_optim.lr``,
+Levers (docs/RESULTS.md, "Levers"): ``opd.loss.teacher_temperature``,
+``opd.rollout.temperature`` (the student's sampling temperature), ``opd_optim.lr``,
 ``cold_start.num_prompts`` / ``samples_per_prompt`` / ``steps`` (cold-start
 length) and ``student_width`` (a wider student with its own base; the
 student-side baselines train the same wide network).
@@ -84,7 +84,7 @@ def get_config(arg=None):
   # Single-teacher OPD per domain from the first seed's cold start, scored at
   # every checkpoint (experiments/positive_control.py); 0 steps: none.
   # only=True: stop after the control (an estimator or loss-form arm in its
-  # own workdir: --config.positive_control.domains=code --config.opd.estimator=token).
+  # own workdir: --config.positive_control.domains=code --config.opd.loss.estimator=token).
   c.positive_control = ml_collections.ConfigDict(dict(steps=0, eval_every=40, domains=(),
                                                       prompts_per_step=0, only=False))
   if arg["strong"] and arg["tiny"]:
@@ -99,7 +99,8 @@ def get_config(arg=None):
     # world"): one teacher alone reached 90% in ~100 steps of 8 prompts of
     # its domain (code; math had not at 160); 400 domain-balanced steps of
     # 10 prompts give each domain 800 prompts, as 100 single-domain steps.
-    c.opd.update(seq_len=128, max_new_tokens=48, prompts_per_step=10, domain_balance=True)
+    c.opd.rollout.update(seq_len=128, max_new_tokens=48, prompts_per_step=10,
+                         domain_balance=True)
     c.opd_train.update(steps=400, save_every=100, eval_every=100)
     c.opd_optim.update(decay_steps=395)
 

@@ -13,6 +13,11 @@ Numbers: numpy scalars are accepted wherever Python numbers are (a value
 read from an ``np.int64`` array or a sweep written with numpy is as good as a
 literal) and are stored as the Python type, so configs stay JSON-ready and
 hash equal. ``bool`` is never accepted as a number.
+
+Nested configs: a field whose type is a dataclass (``OPDConfig.loss``) is a
+sub-group of its own (``config.opd.loss.*``); ``from_group`` builds it from
+that sub-group and names its full path in errors, ``to_group`` writes it as
+one.
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ from typing import Any, Mapping, Sequence, TypeVar
 
 import ml_collections
 import numpy as np
+
+from opd.config import migrations
 
 __all__ = ["check_int", "check_float", "check_bool", "check_choice", "check_fields", "set_field",
            "from_group", "to_group"]
@@ -151,12 +158,34 @@ def check_fields(obj: Any, owner: str, *, ints: Mapping[str, int] | None = None,
     check_choice(owner, name, getattr(obj, name), allowed)
 
 
+def _nested(cls: type) -> dict[str, type]:
+  """The fields of dataclass ``cls`` whose declared type is a dataclass."""
+  try:
+    hints = typing.get_type_hints(cls)
+  except NameError:  # an annotation only a type checker resolves: no nested groups
+    return {}
+  return {f.name: hints[f.name] for f in dataclasses.fields(cls)
+          if f.init and isinstance(hints.get(f.name), type)
+          and dataclasses.is_dataclass(hints[f.name])}
+
+
+def _field_of(message: str, cls: type) -> str | None:
+  """The field of ``cls`` a validation message names (``"Cls.field ..."``)."""
+  prefix = f"{cls.__name__}."
+  if not message.startswith(prefix):
+    return None
+  name = message[len(prefix):].split(" ", 1)[0].split("=", 1)[0]
+  return name if name in {f.name for f in dataclasses.fields(cls)} else None
+
+
 def from_group(cls: type[T], group: Mapping[str, Any] | ml_collections.ConfigDict | None,
                where: str, **overrides: Any) -> T:
   """``cls(**group, **overrides)`` for a config group: the one dict -> dataclass converter.
 
   Fields missing from ``group`` take the dataclass's defaults (the defaults
-  live in the dataclass only, never a second copy in a config file).
+  live in the dataclass only, never a second copy in a config file). A field
+  typed as a dataclass given as a group (a ``ConfigDict`` or mapping) is
+  built from it the same way, as ``f"{where}.{field}"``.
 
   Args:
     cls: a dataclass.
@@ -166,8 +195,11 @@ def from_group(cls: type[T], group: Mapping[str, Any] | ml_collections.ConfigDic
     **overrides: fields set on top of ``group``.
 
   Raises:
-    ValueError: naming ``where`` and the unknown fields, or the invalid field
-      and its value (from the dataclass's own validation).
+    ValueError: naming ``where`` and the unknown fields (and the new path of
+      a field that moved, ``opd.config.migrations``), or the invalid field,
+      its full path and its value (from the dataclass's own validation):
+      ``"config.opd.loss: OPDLossConfig.estimator must be one of (...), got
+      'foo' (config.opd.loss.estimator)"``.
   """
   if not dataclasses.is_dataclass(cls):
     raise ValueError(f"from_group needs a dataclass, got {cls!r}")
@@ -183,11 +215,20 @@ def from_group(cls: type[T], group: Mapping[str, Any] | ml_collections.ConfigDic
   known = {f.name for f in dataclasses.fields(cls) if f.init}
   unknown = sorted(set(d) - known)
   if unknown:
-    raise ValueError(f"{where} has unknown field(s) {unknown}; known: {sorted(known)}")
+    moved = [f"{where}.{u} is now {migrations.moved_to(f'{where}.{u}')}" for u in unknown
+             if migrations.moved_to(f"{where}.{u}")]
+    hint = f" ({'; '.join(moved)})" if moved else ""
+    raise ValueError(f"{where} has unknown field(s) {unknown}{hint}; known: {sorted(known)}")
+  for name, sub in _nested(cls).items():
+    value = d.get(name)
+    if isinstance(value, (Mapping, ml_collections.ConfigDict, ml_collections.FrozenConfigDict)):
+      d[name] = from_group(sub, value, f"{where}.{name}")
   try:
     return cls(**d)
   except (TypeError, ValueError) as e:
-    raise ValueError(f"{where}: {e}") from None
+    field = _field_of(str(e), cls)
+    suffix = f" ({where}.{field})" if field else ""
+    raise ValueError(f"{where}: {e}{suffix}") from None
 
 
 def _optional_type(hint: Any) -> type | None:
@@ -210,6 +251,10 @@ def to_group(cls: type, *, omit: Sequence[str] = (), **values: Any) -> ml_collec
   ``X | None`` becomes ``ml_collections.config_dict.placeholder(X)``, so its
   overrides are typed too.
 
+  A field typed as a dataclass becomes a sub-group written the same way;
+  its value may be given as an instance or as a mapping of the fields that
+  differ from that field's default.
+
   Args:
     cls: a dataclass whose fields all have defaults.
     omit: fields the job fills in itself (left out of the group).
@@ -230,11 +275,23 @@ def to_group(cls: type, *, omit: Sequence[str] = (), **values: Any) -> ml_collec
   if unknown:
     raise ValueError(f"to_group({cls.__name__}): unknown or omitted field(s) {unknown}; "
                      f"fields: {names}")
-  merged = dataclasses.asdict(cls(**values))
+  nested = _nested(cls)
+  defaults = cls()
+  built = dict(values)
+  for name in nested:
+    if isinstance(values.get(name), Mapping):
+      built[name] = dataclasses.replace(getattr(defaults, name), **values[name])
+  instance = cls(**built)
+  merged = dataclasses.asdict(instance)
   hints = typing.get_type_hints(cls)
   group = ml_collections.ConfigDict()
   for name in names:
     if name in omit:
+      continue
+    if name in nested:
+      sub = getattr(instance, name)
+      group[name] = to_group(type(sub), **{f.name: getattr(sub, f.name)
+                                          for f in dataclasses.fields(sub) if f.init})
       continue
     value, optional = merged[name], _optional_type(hints.get(name))
     if value is None and optional is not None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import ml_collections
 
-from opd.config import fields
+from opd.config import fields, migrations
 
 _TRUE = ("true", "yes", "1")
 _FALSE = ("false", "no", "0")
@@ -122,6 +122,10 @@ def _resolve(config: ml_collections.ConfigDict, path: str):
       raise ValueError(f"unknown config field {path!r}: {where} is a "
                        f"{type(node).__name__}, not a group of fields")
     if part not in node:
+      moved = migrations.moved_to(".".join(parts[:i + 1]))
+      if moved is not None and i == len(parts) - 1:
+        raise ValueError(f"config field {path!r} moved to {moved!r} (the layout of issue #24, "
+                         f"opd.config.migrations): use --config.{moved}=...")
       close = difflib.get_close_matches(part, list(node.keys()), n=1)
       hint = f" (did you mean {close[0]!r}?)" if close else ""
       raise ValueError(f"unknown config field {path!r}: {where} has no field {part!r}{hint}; "

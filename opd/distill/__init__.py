@@ -44,7 +44,8 @@ from opd.distill.loss import ESTIMATORS, OPDLossConfig, make_opd_loss
 from opd.distill import merging, offpolicy
 from opd.distill.merging import average_params, task_arithmetic, task_vectors
 from opd.distill.offpolicy import OffPolicyConfig, train_offpolicy_kd
-from opd.distill.teacher_weighting import (anneal, apply_availability, confidence_scores,
+from opd.distill.teacher_weighting import (TeacherWeightingConfig, anneal, apply_availability,
+                                  confidence_scores,
                                   confidence_weights, normalize, routing_weights, uniform_weights,
                                   weight_metrics)
 from opd.distill.server import RemoteTeacher
@@ -60,7 +61,7 @@ __all__ = [
     "task_arithmetic", "task_vectors", "OffPolicyConfig", "train_offpolicy_kd",
     "PLACEMENTS", "REASONS", "RemoteTeacher", "SkipCounter", "Teacher", "TeacherAnswers",
     "TeacherFaultError",
-    "TeacherPool", "advantage", "anneal", "apply_availability", "cache",
+    "TeacherPool", "TeacherWeightingConfig", "advantage", "anneal", "apply_availability", "cache",
     "call_with_deadline",
     "check_teachers", "confidence_scores", "confidence_weights", "diagnostics", "faults",
     "logit_diagnostics", "loss", "loss_batch", "make_opd_loss", "normalize", "routing_weights",

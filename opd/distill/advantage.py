@@ -164,13 +164,14 @@ def teacher_token_logprobs(teacher_hidden: Sequence[jax.Array], heads: Sequence[
 
 
 def advantage_loss(config: Any, h_s: jax.Array, w_s: jax.Array, teacher_hidden, heads,
-                   batch, keep: jax.Array, coef: jax.Array) -> tuple[jax.Array, dict]:
+                   batch, keep: jax.Array, coef: jax.Array, *,
+                   temperature: float) -> tuple[jax.Array, dict]:
   """The advantage form's loss from hidden states (module docstring): ``(scalar, metrics)``.
 
   Args:
     config: the ``opd.distill.loss.OPDLossConfig`` (``adv_gamma``,
-      ``adv_beta``, ``adv_alpha``, ``is_cap``, ``grpo_temperature`` = the
-      sampling temperature T, the clip range, ``aggregation``, ``impl``).
+      ``adv_beta``, ``adv_alpha``, ``is_cap``, the clip range,
+      ``aggregation``, ``impl``).
     h_s: [B·T, D] the student's last hidden states (differentiated).
     w_s: [D, V] the student's head.
     teacher_hidden: K arrays [B·T, D_k] (divided by τ_T already).
@@ -180,9 +181,10 @@ def advantage_loss(config: Any, h_s: jax.Array, w_s: jax.Array, teacher_hidden, 
     keep: [B, T] bool trained tokens.
     coef: [B, T] the aggregation's per-token coefficients
       (``opd.distill.loss.token_coefficients``).
+    temperature: the sampling temperature T (every log-prob is taken at it).
   """
   b, t = keep.shape
-  tau, impl = float(config.grpo_temperature), config.impl
+  tau, impl = float(temperature), config.impl
   targets = batch["targets"].reshape(b * t)
   logp = -pallas_kernels.fused_cross_entropy(
       h_s, w_s, targets, mask=keep.reshape(b * t), temperature=tau, impl=impl).reshape(b, t)

@@ -31,7 +31,9 @@ With ``grpo_coef > 0`` the GRPO verifier-reward term (docs/DESIGN.md §5) is
 added to the aggregated loss: ``grpo_coef · opd.rl.loss.policy_loss(log p_s(y),
 old_logprobs, advantages, ...)`` with the clipped ratio on the same tokens
 and aggregation, ``log p_s(y)`` at the sampling temperature
-(``pallas_kernels.fused_cross_entropy``, logits never materialised). With
+(``make_opd_loss(sampling_temperature=...)``, the rollout's: OPD passes
+``OPDConfig.rollout.temperature``; ``pallas_kernels.fused_cross_entropy``,
+logits never materialised). With
 ``grpo_coef == 0`` the term is not even built.
 
 Aggregation over the response tokens (``loss_mask * mask``, minus rows that
@@ -92,8 +94,6 @@ class OPDLossConfig:
     aggregation: ``"token_mean"`` or ``"sequence_mean"``.
     forward_kl_coef: weight of the forward-KL term (>= 0, default 0).
     grpo_coef: weight of the GRPO policy-gradient term (>= 0, default 0).
-    grpo_temperature: the sampling temperature the ``old_logprobs`` were
-      taken at (the GRPO term's log-probs use it; > 0).
     grpo_clip_eps_low, grpo_clip_eps_high: the ratio's clip range, as
       ``GRPOConfig.clip_eps_low`` / ``clip_eps_high`` (their defaults).
     impl: fused-kernel implementation (``"auto"``, ``"pallas"``,
@@ -102,8 +102,8 @@ class OPDLossConfig:
       ``pallas_kernels.fused_reverse_kl_train`` (default) rather than the
       per-token ``fused_reverse_kl`` (module docstring).
     form: ``"exact"`` (this module's losses) or ``"advantage"``
-      (``opd.distill.advantage``; its log-probs at ``grpo_temperature``, the
-      sampling temperature, with the clip range above).
+      (``opd.distill.advantage``; its log-probs at the sampling temperature
+      ``make_opd_loss`` is given, with the clip range above).
     adv_gamma: γ in [0, 1] of the advantage's discounted future sum (0: the
       immediate per-token advantage; 1: the sequence-level form).
     adv_beta, adv_alpha: ``Â = β Â_OPD + α Â_ORM`` (>= 0, not both 0).
@@ -117,7 +117,6 @@ class OPDLossConfig:
   aggregation: str = "token_mean"
   forward_kl_coef: float = 0.0
   grpo_coef: float = 0.0
-  grpo_temperature: float = 1.0
   grpo_clip_eps_low: float = GRPOConfig.clip_eps_low
   grpo_clip_eps_high: float = GRPOConfig.clip_eps_high
   impl: str = "auto"
@@ -131,12 +130,21 @@ class OPDLossConfig:
   def __post_init__(self):
     fields.check_fields(
         self, "OPDLossConfig", ints={"top_k": 1},
-        positive=("temperature", "teacher_temperature", "grpo_temperature"),
+        positive=("temperature", "teacher_temperature"),
         non_negative=("forward_kl_coef", "grpo_coef", "grpo_clip_eps_high"),
         floats={"grpo_clip_eps_low": dict(min_value=0, max_value=1, max_exclusive=True)},
         bools=("gradient_in_forward",),
         choices={"estimator": ESTIMATORS, "aggregation": AGGREGATIONS, "impl": IMPLS})
     advantage_lib.check_form_fields(self, "OPDLossConfig", "form")
+
+  @property
+  def outcome_advantages(self) -> bool:
+    """The loss reads GRPO's outcome advantages (the GRPO term, or the
+    advantage form with ``adv_alpha > 0``)."""
+    return self.grpo_coef > 0 or (self.form == "advantage" and self.adv_alpha > 0)
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
 
   @property
   def batch_extra_keys(self) -> tuple[str, ...]:
@@ -185,19 +193,21 @@ def token_coefficients(keep, aggregation: str):
   return keep / jnp.maximum(n, 1.0) / jnp.maximum(rows, 1.0)
 
 
-def _grpo_term(config: OPDLossConfig, h_s, w_s, batch, keep, impl: str):
-  """``opd.rl.loss.policy_loss`` on the student's sampled tokens: (scalar, metrics)."""
+def _grpo_term(config: OPDLossConfig, h_s, w_s, batch, keep, impl: str, temperature: float):
+  """``opd.rl.loss.policy_loss`` on the student's sampled tokens at the
+  sampling ``temperature``: (scalar, metrics)."""
   b, t = keep.shape
   logp = -pallas_kernels.fused_cross_entropy(
       h_s, w_s, batch["targets"].reshape(b * t), mask=keep.reshape(b * t),
-      temperature=config.grpo_temperature, impl=impl).reshape(b, t)
+      temperature=temperature, impl=impl).reshape(b, t)
   return policy_loss(logp, batch["old_logprobs"].astype(jnp.float32), batch["advantages"],
                      keep.astype(jnp.float32), clip_eps_low=config.grpo_clip_eps_low,
                      clip_eps_high=config.grpo_clip_eps_high, kl_coef=0.0,
                      aggregation=config.aggregation)
 
 
-def _exact_loss(config: OPDLossConfig, args, batch, keep, coef, names, shared: bool):
+def _exact_loss(config: OPDLossConfig, args, batch, keep, coef, names, shared: bool,
+                sampling_temperature: float):
   """The exact form (module docstring): ``(scalar, metrics)``; ``args`` are
   ``(h_s, w_s, h_k, heads, w_flat)`` as the fused kernels take them."""
   b, t = keep.shape
@@ -239,7 +249,7 @@ def _exact_loss(config: OPDLossConfig, args, batch, keep, coef, names, shared: b
   metrics.update({f"loss/{n}": loss_k[i] for i, n in enumerate(names)})
   loss = loss + jnp.sum(coef * per_tok)
   if config.grpo_coef > 0:
-    pg, pg_metrics = _grpo_term(config, h_s, w_s, batch, keep, impl)
+    pg, pg_metrics = _grpo_term(config, h_s, w_s, batch, keep, impl, sampling_temperature)
     metrics.update(kl_loss=loss, grpo_loss=pg)
     metrics.update({f"grpo_{k}": pg_metrics[k]
                     for k in ("clip_frac_low", "clip_frac_high", "ratio_mean")})
@@ -250,7 +260,8 @@ def _exact_loss(config: OPDLossConfig, args, batch, keep, coef, names, shared: b
 def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
                   config: OPDLossConfig = OPDLossConfig(),
                   teacher_names: Sequence[str] | None = None,
-                  cross_tokenizer: Sequence[bool] | None = None):
+                  cross_tokenizer: Sequence[bool] | None = None, *,
+                  sampling_temperature: float = 1.0):
   """``loss_fn(params, batch, rng) -> (loss, metrics)`` for ``make_train_step``.
 
   Args:
@@ -263,6 +274,10 @@ def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
       student's (``opd.distill.crosstok``: its head ``[D_k, V_k]`` has its
       own vocabulary, and the batch holds its own rows and span keys); only
       the advantage form takes one.
+    sampling_temperature: T > 0, the temperature the batch's responses (and
+      their ``old_logprobs``) were sampled at; the GRPO term and the
+      advantage form take the student's log-probs at it (OPD: its
+      ``rollout.temperature``).
 
   Returns:
     ``loss_fn``. Metrics: ``opd_tokens`` (trained tokens), ``opd_rows``
@@ -304,6 +319,8 @@ def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
   # One head array for every teacher (e.g. specialists keeping the base's
   # head): the training loss loads each head tile once for all K.
   shared = len(heads) > 1 and all(w is heads[0] for w in heads)
+  tau_sample = fields.check_float("make_opd_loss", "sampling_temperature", sampling_temperature,
+                                 min_value=0, min_exclusive=True)
   inv_teacher_tau = 1.0 / float(config.teacher_temperature)
   extra = config.batch_extra_keys
 
@@ -325,13 +342,13 @@ def make_opd_loss(student_cfg: ModelConfig, teacher_heads: Sequence[jax.Array],
     coef = token_coefficients(keep, config.aggregation).reshape(b * t)
     if cross:
       loss, metrics = crosstok.advantage_loss(config, h_s, w_s, h_k, heads, batch, keep,
-                                              coef.reshape(b, t), cross)
+                                              coef.reshape(b, t), cross, temperature=tau_sample)
     elif config.form == "advantage":
       loss, metrics = advantage_lib.advantage_loss(config, h_s, w_s, h_k, heads, batch, keep,
-                                                   coef.reshape(b, t))
+                                                   coef.reshape(b, t), temperature=tau_sample)
     else:
       loss, metrics = _exact_loss(config, (h_s, w_s, h_k, heads, w_flat), batch, keep, coef,
-                                  names, shared)
+                                  names, shared, tau_sample)
     metrics["opd_tokens"] = jnp.sum(keep.astype(jnp.float32))
     metrics["opd_rows"] = jnp.sum(jnp.any(keep, axis=1).astype(jnp.float32))
     if student_cfg.moe is not None:

@@ -5,11 +5,11 @@
 
 1. draws P prompts (``opd.rollout.batches.draw_prompts``, from a resumable
    ``PromptStream``);
-2. the student samples G responses per prompt at ``temperature``
+2. the student samples G responses per prompt at ``rollout.temperature``
    (``opd.rollout.batches.sample_groups``, key ``fold_in(key(seed), s)``: a
    resumed run samples what an uninterrupted one would), verified only with
-   ``verify=True`` or ``grpo_coef > 0`` (then ``reward/mean`` is logged);
-   with ``grpo_coef > 0`` (or the advantage form with ``adv_alpha > 0``)
+   ``verify=True`` or ``loss.grpo_coef > 0`` (then ``reward/mean`` is logged);
+   with ``loss.grpo_coef > 0`` (or the advantage form with ``adv_alpha > 0``)
    the rewards of rows ``p*G .. p*G+G-1`` (prompt p's samples) become
    group-normalised advantages (``opd.rl.advantages.group_advantages``),
    put in the batch with the sampler's ``old_logprobs`` for the loss's
@@ -17,8 +17,8 @@
    behaviour policy, ``opd.distill.advantage``);
 3. builds the teacher weights ``w [B, T, K]``
    (``opd.distill.teacher_weighting``: routing by ``Example.domain``,
-   confidence or uniform, as ``OPDConfig.schedule`` says), annealed to
-   uniform over the last ``anneal_steps`` of the run;
+   confidence or uniform, as ``OPDConfig.weighting.schedule`` says), annealed
+   to uniform over the last ``weighting.anneal_steps`` of the run;
 4. asks the teachers once (``FaultTolerantTeachers`` behind a
    ``HiddenStateCache``: K forwards per rollout batch, or one per routed
    group with one-hot routing), so all ``updates_per_batch`` updates on the
@@ -65,75 +65,54 @@ import jax
 import numpy as np
 
 from opd.config import fields
-from opd.distill import advantage as advantage_lib
 from opd.distill import diagnostics, teacher_weighting
+from opd.distill.teacher_weighting import TeacherWeightingConfig
 from opd.distill.cache import HiddenStateCache, loss_batch
 from opd.distill.crosstok_pool import CrossTokenizerPool
 from opd.distill.faults import FaultTolerantTeachers
-from opd.distill.loss import AGGREGATIONS, ESTIMATORS, OPDLossConfig
+from opd.distill.loss import OPDLossConfig
 from opd.models import ModelConfig, forward, head_matrix
 from opd.parallel import distributed
 from opd.parallel import sharding as sharding_lib
 from opd.rl.advantages import group_advantages
-from opd.rl.config import GRPOConfig
 from opd.rl.scoring import score_episodes
-from opd.rollout.batches import (PromptPosition, RolloutConfig, check_rollout_fields,
-                                 draw_prompts, prompt_problem, sample_groups, training_arrays)
+from opd.rollout.batches import (PromptPosition, RolloutConfig, draw_prompts, prompt_problem,
+                                 sample_groups, training_arrays)
 from opd.rollout.episodes import RolloutLog
 from opd.rollout.policy import Policy
 from opd.tasks import RewardStats
 from opd.training.train_step import shard_batch
 
-__all__ = ["OPDConfig", "OPDSource", "SCHEDULES"]
+__all__ = ["OPDConfig", "OPDSource"]
 
-SCHEDULES = ("routing", "confidence", "uniform")
-ANNEAL_TARGETS = ("uniform", "confidence")
 _FLAGS = ("finite", "loss_finite", "grads_finite")
+
+
+def _default_rollout() -> RolloutConfig:
+  return RolloutConfig(group_size=4)
 
 
 @dataclasses.dataclass(frozen=True)
 class OPDConfig:
   """Everything OPD-specific; hashable and JSON-ready (``to_dict``).
 
+  Three nested configs, each validated by its own class, and the fields of
+  the teacher pool and the diagnostics (config files: ``config.opd.rollout.*``,
+  ``config.opd.weighting.*``, ``config.opd.loss.*``, ``config.opd.<field>``;
+  the paths of the older flat layout: ``opd.config.migrations``).
+
   Attributes:
-    prompts_per_step: P, prompts per rollout batch (B = P * G rows).
-    group_size: G, student samples per prompt (>= 1).
-    temperature: the student's sampling temperature (> 0).
-    kl_temperature: τ dividing every logit in the loss and diagnostics.
-    teacher_temperature: τ_T, further dividing the teachers' logits in the
-      loss only (< 1 sharpens the targets; diagnostics and the held-out KL
-      use the teachers as they are).
-    max_new_tokens: N, tokens per sampled response.
-    seq_len: L, the longest training row (``len(prompt) + N - 1 <= L``).
-    length_bucket: rows are padded to the longest episode rounded up to a
-      multiple of this (0: always ``seq_len``).
-    schedule: ``"routing"`` (the example's domain picks its teacher),
-      ``"confidence"`` or ``"uniform"``.
-    confidence_by: ``"logprob"`` or ``"neg_entropy"`` (confidence schedule).
-    confidence_temperature: softmax temperature over the teachers' confidence.
-    confidence_per_token: one weight vector per token instead of per sequence.
-    anneal_steps: weights move linearly to ``anneal_to`` over this many final
-      steps.
-    anneal_to: ``"uniform"`` (the seed's) or ``"confidence"`` (the confidence
-      schedule's weights, scored by ``confidence_by`` / ``_temperature`` /
-      ``_per_token``); every teacher then answers every row while annealing.
-    estimator: ``"full"``, ``"top_k"`` or ``"token"`` (``opd.distill.loss``).
-    loss_form: ``"exact"`` (the estimator's loss, default) or ``"advantage"``
-      (``opd.distill.advantage``: the sampled-token log-ratio as a per-token
-      advantage in GRPO's policy gradient, log-probs at ``temperature``).
-    adv_gamma: the advantage form's discount γ in [0, 1] (0 immediate, 1 the
-      sequence-level form).
-    adv_beta, adv_alpha: ``Â = β Â_OPD + α Â_ORM`` (α > 0 verifies the
-      rollouts and adds GRPO's group-normalised outcome advantage).
-    is_cap: 0: GRPO's clipped ratio; c >= 1: truncated importance weights
-      ``min(π_S / π_behaviour, c)`` (share truncated logged).
-    top_k: k of the ``top_k`` estimator.
-    aggregation: ``"token_mean"`` or ``"sequence_mean"``.
-    forward_kl_coef: weight of the forward-KL term (default 0).
-    grpo_coef: weight of the GRPO verifier-reward term (default 0: none,
-      and no verification forced).
-    grpo_clip_eps_low, grpo_clip_eps_high: that term's ratio clip range
-      (``GRPOConfig``'s defaults).
+    rollout: the student's rollouts (``opd.rollout.batches.RolloutConfig``:
+      P prompts, G samples each at ``temperature``, ``top_k`` / ``top_p``,
+      N new tokens, rows of at most L tokens in buckets, ``domain_balance``).
+      The loss's GRPO term and advantage form take their log-probs at
+      ``rollout.temperature``.
+    weighting: how the teachers are weighed per token
+      (``opd.distill.teacher_weighting.TeacherWeightingConfig``: routing,
+      confidence or uniform, annealing); the confidence scores are taken at
+      the loss's τ.
+    loss: the loss (``opd.distill.loss.OPDLossConfig``: estimator, τ and τ_T,
+      aggregation, forward-KL and GRPO terms, the exact or advantage form).
     updates_per_batch: optimizer updates on each rollout batch (all served
       from the one hidden-state cache entry).
     deadline_s: seconds each teacher call may take before it is skipped.
@@ -143,30 +122,10 @@ class OPDConfig:
     diag_every: diagnostics every this many steps (0: never).
     diag_tokens: response tokens sampled for the diagnostics.
     verify: run the task verifiers on the rollouts (logs ``reward/mean``).
-    domain_balance: every batch draws the domains equally
-      (``opd.rollout.batches.DomainBalancedStream``).
   """
-  prompts_per_step: int = 8
-  group_size: int = 4
-  temperature: float = 1.0
-  kl_temperature: float = 1.0
-  teacher_temperature: float = 1.0
-  max_new_tokens: int = 64
-  seq_len: int = 256
-  length_bucket: int = 32
-  schedule: str = "routing"
-  confidence_by: str = "logprob"
-  confidence_temperature: float = 1.0
-  confidence_per_token: bool = False
-  anneal_steps: int = 0
-  anneal_to: str = "uniform"
-  estimator: str = "full"
-  top_k: int = 8
-  aggregation: str = "token_mean"
-  forward_kl_coef: float = 0.0
-  grpo_coef: float = 0.0
-  grpo_clip_eps_low: float = GRPOConfig.clip_eps_low
-  grpo_clip_eps_high: float = GRPOConfig.clip_eps_high
+  rollout: RolloutConfig = dataclasses.field(default_factory=_default_rollout)
+  weighting: TeacherWeightingConfig = dataclasses.field(default_factory=TeacherWeightingConfig)
+  loss: OPDLossConfig = dataclasses.field(default_factory=OPDLossConfig)
   updates_per_batch: int = 1
   deadline_s: float = 60.0
   fault_window: int = 20
@@ -174,73 +133,35 @@ class OPDConfig:
   diag_every: int = 10
   diag_tokens: int = 256
   verify: bool = False
-  domain_balance: bool = False
-  loss_form: str = "exact"
-  adv_gamma: float = advantage_lib.FORM_DEFAULTS["adv_gamma"]
-  adv_beta: float = advantage_lib.FORM_DEFAULTS["adv_beta"]
-  adv_alpha: float = advantage_lib.FORM_DEFAULTS["adv_alpha"]
-  is_cap: float = advantage_lib.FORM_DEFAULTS["is_cap"]
 
   def __post_init__(self):
     owner = "OPDConfig"
-    check_rollout_fields(self, owner)
+    for name, cls in (("rollout", RolloutConfig), ("weighting", TeacherWeightingConfig),
+                      ("loss", OPDLossConfig)):
+      if not isinstance(getattr(self, name), cls):
+        raise ValueError(f"{owner}.{name} must be a {cls.__name__} (opd.config.fields.from_group "
+                         f"builds one from a config group), got {getattr(self, name)!r}")
     fields.check_fields(
-        self, owner, ints={"anneal_steps": 0, "top_k": 1, "updates_per_batch": 1,
-                           "diag_every": 0, "diag_tokens": 1,
+        self, owner, ints={"updates_per_batch": 1, "diag_every": 0, "diag_tokens": 1,
                            "fault_window": 0},
-        positive=("kl_temperature", "teacher_temperature", "confidence_temperature",
-                  "deadline_s"),
-        non_negative=("forward_kl_coef", "grpo_coef", "grpo_clip_eps_high"),
-        floats={"grpo_clip_eps_low": dict(min_value=0, max_value=1, max_exclusive=True)},
-        bools=("confidence_per_token", "verify", "domain_balance"),
-        choices={"schedule": SCHEDULES, "anneal_to": ANNEAL_TARGETS,
-                 "confidence_by": teacher_weighting.SCORES,
-                 "estimator": ESTIMATORS, "aggregation": AGGREGATIONS,
-                 "cache_dtype": ("bfloat16", "float16", "float32")})
-    advantage_lib.check_form_fields(self, owner, "loss_form")
-
-  @property
-  def rollout(self) -> RolloutConfig:
-    """The rollout fields (P, G, temperature, N, L and its bucket) as one typed
-    config; the student samples untruncated (``top_k`` here is the estimator's)."""
-    return RolloutConfig(prompts_per_step=self.prompts_per_step, group_size=self.group_size,
-                         temperature=self.temperature, max_new_tokens=self.max_new_tokens,
-                         seq_len=self.seq_len, length_bucket=self.length_bucket,
-                         domain_balance=self.domain_balance)
-
-  @property
-  def batch_size(self) -> int:
-    """B = prompts_per_step * group_size."""
-    return self.prompts_per_step * self.group_size
-
-  @property
-  def outcome_advantages(self) -> bool:
-    """The loss reads GRPO's outcome advantages (the GRPO term, or the
-    advantage form with ``adv_alpha > 0``)."""
-    return self.grpo_coef > 0 or (self.loss_form == "advantage" and self.adv_alpha > 0)
+        positive=("deadline_s",), bools=("verify",),
+        choices={"cache_dtype": ("bfloat16", "float16", "float32")})
 
   @property
   def verifies(self) -> bool:
-    """The rollouts are verified: ``verify`` asked, or the loss needs rewards."""
-    return self.verify or self.outcome_advantages
-
-  def loss_config(self) -> OPDLossConfig:
-    """The loss's options (``opd.distill.loss.make_opd_loss``)."""
-    return OPDLossConfig(estimator=self.estimator, top_k=self.top_k,
-                         temperature=self.kl_temperature,
-                         teacher_temperature=self.teacher_temperature,
-                         aggregation=self.aggregation,
-                         forward_kl_coef=self.forward_kl_coef, grpo_coef=self.grpo_coef,
-                         grpo_temperature=self.temperature,
-                         grpo_clip_eps_low=self.grpo_clip_eps_low,
-                         grpo_clip_eps_high=self.grpo_clip_eps_high,
-                         form=self.loss_form, adv_gamma=self.adv_gamma,
-                         adv_beta=self.adv_beta, adv_alpha=self.adv_alpha, is_cap=self.is_cap)
+    """The rollouts are verified: ``verify`` asked, or the loss needs rewards
+    (``loss.outcome_advantages``)."""
+    return self.verify or self.loss.outcome_advantages
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
 
   def replace(self, **changes) -> "OPDConfig":
+    """A copy with ``changes``; a nested config may be given as a mapping of
+    its fields to change (``cfg.replace(loss=dict(estimator="token"))``)."""
+    for name in ("rollout", "weighting", "loss"):
+      if isinstance(changes.get(name), Mapping):
+        changes[name] = dataclasses.replace(getattr(self, name), **changes[name])
     return dataclasses.replace(self, **changes)
 
 
@@ -294,19 +215,21 @@ class OPDSource(PromptPosition):
     self.cross = cross
     self.names = teachers.names + (cross.names if cross is not None else ())
     if cross is not None:
-      if set(cross.names) & set(teachers.names) or cfg.loss_form != "advantage" or (
-          "confidence" in (cfg.schedule, cfg.anneal_to)):
+      wt = cfg.weighting
+      if set(cross.names) & set(teachers.names) or cfg.loss.form != "advantage" or (
+          "confidence" in (wt.schedule, wt.anneal_to)):
         raise ValueError(f"cross-tokenizer teachers {list(cross.names)} need distinct names "
-                         f"(teachers {list(teachers.names)}), OPDConfig.loss_form='advantage' "
-                         f"(got {cfg.loss_form!r}) and a schedule / anneal_to other than "
-                         f"'confidence' (got {cfg.schedule!r} / {cfg.anneal_to!r}: it scores the "
-                         "student's tokens)")
+                         f"(teachers {list(teachers.names)}), OPDConfig.loss.form='advantage' "
+                         f"(got {cfg.loss.form!r}) and a weighting.schedule / anneal_to other "
+                         f"than 'confidence' (got {wt.schedule!r} / {wt.anneal_to!r}: it scores "
+                         "the student's tokens)")
     if not (len(self.names) == len(self.heads) == len(self.domains)):
       raise ValueError(f"teachers ({len(self.names)}), heads ({len(self.heads)}) and domains "
                        f"({len(self.domains)}) must have one entry per teacher")
     self.total_steps = fields.check_int("OPDSource", "total_steps", total_steps, min_value=0)
-    if cfg.anneal_steps > total_steps:
-      raise ValueError(f"OPDConfig.anneal_steps={cfg.anneal_steps} exceeds the run's "
+    if cfg.weighting.anneal_steps > total_steps:
+      raise ValueError(f"OPDConfig.weighting.anneal_steps={cfg.weighting.anneal_steps} exceeds "
+                       f"the run's "
                        f"steps={total_steps}")
     self.mesh, self.rules = mesh, rules
     self.train_mesh = mesh if train_mesh is None else train_mesh
@@ -329,7 +252,7 @@ class OPDSource(PromptPosition):
 
   def _weights(self, examples, cached, host, t: int, step: int):
     """[B, T, K] scheduled, annealed weights (before skips)."""
-    cfg, k = self.cfg, len(self.names)
+    cfg, k = self.cfg.weighting, len(self.names)
     total = max(self.total_steps, step + 1)
     if cfg.schedule == "routing":
       w = teacher_weighting.routing_weights([ex.domain for ex in examples], self.domains, t)
@@ -345,20 +268,20 @@ class OPDSource(PromptPosition):
 
   def _confidence(self, cached, host):
     """[B, T, K] the confidence schedule's weights on this batch's rows."""
-    cfg = self.cfg
+    cfg = self.cfg.weighting
     hidden = [h.astype(np.float32) for h in cached.hidden]
     scores = teacher_weighting.confidence_scores(
         hidden, self.heads, jax.numpy.asarray(host["targets"]), score=cfg.confidence_by,
-        temperature=cfg.kl_temperature)
+        temperature=self.cfg.loss.temperature)
     return teacher_weighting.confidence_weights(
         scores, host["loss_mask"] > 0, temperature=cfg.confidence_temperature,
-        per="token" if cfg.confidence_per_token else "sequence")
+        per=cfg.granularity)
 
   def _routed_rows(self, examples, t: int, step: int) -> np.ndarray | None:
     """[B] teacher index when this step's weights are one-hot per row (routing,
     not annealing yet): each teacher then runs over its own rows only."""
-    if self.cfg.schedule != "routing" or self.cross is not None or (
-        self.cfg.anneal_to == "confidence" and self.cfg.anneal_steps > 0):
+    if (self.cfg.weighting.schedule != "routing" or self.cross is not None
+        or self.cfg.weighting.needs_confidence):
       return None  # confidence weights need every teacher on every row
     w = np.asarray(self._weights(examples, None, None, 1, step))[:, 0, :]
     if not np.all((w > 0).sum(axis=1) == 1):
@@ -368,18 +291,19 @@ class OPDSource(PromptPosition):
   def next_batch(self, state, step: int):
     """``(batch, host_metrics)`` for 0-based OPD ``step``; None when prompts run out."""
     cfg, t0 = self.cfg, time.perf_counter()
+    ro = cfg.rollout
     stats = RewardStats()
-    drawn = draw_prompts(self.prompts, cfg.prompts_per_step, self._problem, stats)
+    drawn = draw_prompts(self.prompts, ro.prompts_per_step, self._problem, stats)
     if drawn is None:
       return None
-    examples = [ex for ex in drawn for _ in range(cfg.group_size)]  # row p * G + g: prompt p
+    examples = [ex for ex in drawn for _ in range(ro.group_size)]  # row p * G + g: prompt p
     params = distributed.replicate_on(state.params, self.mesh) if self._multi else state.params
     policy = Policy(self.student_cfg, params, self.tokenizer, self.mesh, self.rules)
-    episodes = sample_groups(policy, drawn, cfg.rollout, self._key, step, self._sampling,
+    episodes = sample_groups(policy, drawn, ro, self._key, step, self._sampling,
                              log=RolloutLog(stats=stats if cfg.verifies else None),
                              verify=cfg.verifies)
     t1 = time.perf_counter()
-    host, _ = training_arrays(episodes, seq_len=cfg.seq_len, length_bucket=cfg.length_bucket,
+    host, _ = training_arrays(episodes, seq_len=ro.seq_len, length_bucket=ro.length_bucket,
                               pad_id=self.tokenizer.pad_id)
     t = host["tokens"].shape[1]
     # Rows a cross-tokenizer teacher cannot read are refused before any teacher runs.
@@ -398,12 +322,12 @@ class OPDSource(PromptPosition):
     opd["loss_mask"] = host["loss_mask"] * row_ok[:, None] * (not skipped)
     if xans is not None:
       opd = xans.loss_entries(opd, self.names)
-    if cfg.outcome_advantages:
+    if cfg.loss.outcome_advantages:
       # Row p * G + g is sample g of prompt p: [P, G] groups are same-prompt.
       rewards = np.asarray([sc.reward for sc in score_episodes(episodes)])
-      opd["advantages"] = group_advantages(rewards.reshape(cfg.prompts_per_step,
-                                                           cfg.group_size)).reshape(-1)
-    if cfg.outcome_advantages or cfg.loss_form == "advantage":
+      opd["advantages"] = group_advantages(rewards.reshape(ro.prompts_per_step,
+                                                           ro.group_size)).reshape(-1)
+    if cfg.loss.outcome_advantages or cfg.loss.form == "advantage":
       opd["old_logprobs"] = host["old_logprobs"]
     hidden, weights = opd.pop("teacher_hidden"), np.asarray(opd.pop("teacher_weights"))
     batch = self._place({**opd, "teacher_weights": weights}, hidden)
@@ -425,7 +349,8 @@ class OPDSource(PromptPosition):
       batch["teacher_hidden"] = hidden
       return batch
     # Every process holds the whole (identical) batch and feeds its own rows.
-    rows = distributed.process_batch_rows(self.train_mesh, self.rules, self.cfg.batch_size)
+    rows = distributed.process_batch_rows(self.train_mesh, self.rules,
+                                            self.cfg.rollout.batch_size)
     local = {**host_batch, "teacher_hidden": tuple(np.asarray(h) for h in hidden)}
     return shard_batch(jax.tree.map(lambda x: np.asarray(x)[rows], local), self.train_mesh,
                        self.rules)
@@ -462,7 +387,7 @@ class OPDSource(PromptPosition):
         continue
       out.update(diagnostics.teacher_diagnostics(
           h_s, w_s, [cached.hidden[k]], [self.heads[k]], [name], np.asarray(batch["targets"]),
-          mask_k, n=self.cfg.diag_tokens, seed=step, temperature=self.cfg.kl_temperature))
+          mask_k, n=self.cfg.diag_tokens, seed=step, temperature=self.cfg.loss.temperature))
     return out
 
   def step_metrics(self, host_metrics, train_metrics, *, batch_time_s: float,

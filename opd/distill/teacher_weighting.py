@@ -17,9 +17,13 @@ at the last step), and
 :func:`apply_availability` zeroes the weights of teachers skipped for a row
 and renormalises each token over the teachers left; a row with none left is
 masked out of the loss.
+
+:class:`TeacherWeightingConfig` (``config.opd.weighting``) says which of these
+OPD applies (``opd.distill.source.OPDSource``).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -27,9 +31,60 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import fused_cross_entropy, stats_function
+from opd.config import fields
 
 SCORES = ("logprob", "neg_entropy")
 GRANULARITIES = ("sequence", "token")
+SCHEDULES = ("routing", "confidence", "uniform")
+ANNEAL_TARGETS = ("uniform", "confidence")
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherWeightingConfig:
+  """How OPD weighs its K teachers per token; hashable and JSON-ready.
+
+  Attributes:
+    schedule: ``"routing"`` (the example's domain picks its teacher,
+      :func:`routing_weights`), ``"confidence"`` (:func:`confidence_weights`)
+      or ``"uniform"``.
+    confidence_by: ``"logprob"`` or ``"neg_entropy"`` (:func:`confidence_scores`;
+      scored at the loss's temperature τ).
+    confidence_temperature: T_c > 0, the softmax temperature over the
+      teachers' confidence.
+    confidence_per_token: one weight vector per token instead of per sequence.
+    anneal_steps: the weights move linearly to ``anneal_to`` over this many
+      final steps of the run (:func:`anneal`; 0: never).
+    anneal_to: ``"uniform"`` or ``"confidence"`` (the confidence schedule's
+      weights, scored by the three ``confidence_*`` fields); every teacher
+      then answers every row while annealing.
+  """
+  schedule: str = "routing"
+  confidence_by: str = "logprob"
+  confidence_temperature: float = 1.0
+  confidence_per_token: bool = False
+  anneal_steps: int = 0
+  anneal_to: str = "uniform"
+
+  def __post_init__(self):
+    fields.check_fields(self, "TeacherWeightingConfig", ints={"anneal_steps": 0},
+                        positive=("confidence_temperature",), bools=("confidence_per_token",),
+                        choices={"schedule": SCHEDULES, "anneal_to": ANNEAL_TARGETS,
+                                 "confidence_by": SCORES})
+
+  @property
+  def granularity(self) -> str:
+    """``"token"`` or ``"sequence"``: :func:`confidence_weights`' ``per``."""
+    return "token" if self.confidence_per_token else "sequence"
+
+  @property
+  def needs_confidence(self) -> bool:
+    """The confidence weights are computed at some step (the schedule, or the
+    annealing target over a non-empty annealing window)."""
+    return self.schedule == "confidence" or (self.anneal_to == "confidence"
+                                             and self.anneal_steps > 0)
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
 
 
 def _check_bt(b: int, t: int) -> None:

@@ -65,7 +65,7 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
       ``opd.distill.crosstok_pool`` (its forward jitted on the default device;
       the advantage form only), after the others in the K order.
     prompts: ``Example``s, drawn through ``prompt_stream(prompts, cfg.rollout,
-      seed=runtime.seed)`` (a ``DomainBalancedStream`` with ``cfg.domain_balance``).
+      seed=runtime.seed)`` (a ``DomainBalancedStream`` with ``cfg.rollout.domain_balance``).
     loop: ``loop.steps`` rollout batches, each ``cfg.updates_per_batch``
       updates; save / eval cadence as in every trainer.
     io: as ``opd.rl.grpo.train_grpo``'s (``model``, ``opd`` and ``teachers``
@@ -113,7 +113,7 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
   xpool = crosstok_pool.CrossTokenizerPool(
       [crosstok_pool.from_teacher(t) for t in cross], runtime.tokenizer,
       deadline_s=cfg.deadline_s, window=cfg.fault_window,
-      length_bucket=cfg.length_bucket) if cross else None
+      length_bucket=cfg.rollout.length_bucket) if cross else None
   source = OPDSource(student_cfg, cfg, prompt_stream(prompts, cfg.rollout, seed=seed),
                      teachers=asked, heads=safe_heads,
                      domains=[t.domain for t in (*(pool.teachers if pool else ()), *cross)],
@@ -124,8 +124,9 @@ def train_opd(student_cfg: ModelConfig, params, teachers: Sequence[Teacher] | Te
   # With several processes the heads live on this process's devices: the
   # step (on every process's devices) takes them as host constants.
   heads = [np.asarray(h) for h in safe_heads] if multi else safe_heads
-  loss_fn = make_opd_loss(student_cfg, heads, cfg.loss_config(), teacher_names=names,
-                          cross_tokenizer=[n in {t.name for t in cross} for n in names])
+  loss_fn = make_opd_loss(student_cfg, heads, cfg.loss, teacher_names=names,
+                          cross_tokenizer=[n in {t.name for t in cross} for n in names],
+                          sampling_temperature=cfg.rollout.temperature)
   hook = student.after_update(moe_balance.bias_update_hook(student_cfg))
   step_fn = make_train_step(student.loss(loss_fn), student.optimizer, mesh, student.shardings,
                             rules=rules, after_update=hook)
@@ -167,8 +168,8 @@ def make_heldout_eval(student_cfg: ModelConfig, pool: TeacherPool, prompts: Sequ
   """``fn(params) -> {"rkl/<teacher>": mean KL(p_s ‖ q_k)}`` on held-out prompts.
 
   The student samples one response per prompt (a fixed key, so successive
-  calls differ only through the params) at ``cfg.temperature``; the KL at
-  ``cfg.kl_temperature`` is averaged over the response tokens of the prompts
+  calls differ only through the params) as ``cfg.rollout`` samples; the KL
+  at ``cfg.loss.temperature`` is averaged over the response tokens of the prompts
   in the teacher's domain (all prompts for a teacher without one), from
   ``pallas_kernels.fused_reverse_kl``'s per-teacher ``kl``.
 
@@ -180,8 +181,7 @@ def make_heldout_eval(student_cfg: ModelConfig, pool: TeacherPool, prompts: Sequ
   prompts = list(prompts)
   if not prompts:
     raise ValueError("prompts=[]: the held-out eval needs prompts")
-  sampling = rollout_lib.sampling_for_chat(tokenizer, max_new_tokens=cfg.max_new_tokens,
-                                           temperature=cfg.temperature)
+  sampling = cfg.rollout.sampling(tokenizer)
   hidden_fn = make_hidden_fn(student_cfg, mesh=mesh, rules=rules)
   rows = {t.name: np.asarray([t.domain is None or ex.domain == t.domain for ex in prompts])
           for t in pool.teachers}
@@ -198,7 +198,8 @@ def make_heldout_eval(student_cfg: ModelConfig, pool: TeacherPool, prompts: Sequ
     policy = rollout_lib.Policy(student_cfg, params, tokenizer, mesh, rules)
     episodes = rollout_lib.rollout(policy, prompts, seed, sampling, verify=False)
     host = rollout_lib.batch_episodes(
-        episodes, seq_len=training_length(episodes, cfg.seq_len, cfg.length_bucket),
+        episodes, seq_len=training_length(episodes, cfg.rollout.seq_len,
+                                          cfg.rollout.length_bucket),
         pad_id=tokenizer.pad_id)
     b, t = host["tokens"].shape
     h_s = hidden_fn(params, host["tokens"], host["mask"]).reshape(b * t, -1)
@@ -208,7 +209,7 @@ def make_heldout_eval(student_cfg: ModelConfig, pool: TeacherPool, prompts: Sequ
     k = len(pool.names)
     _, aux = pallas_kernels.fused_reverse_kl(
         h_s, head_matrix(student_cfg, params), h_k, [asked.heads[n] for n in pool.names],
-        jnp.full((b * t, k), 1.0 / k), mask=mask, temperature=cfg.kl_temperature,
+        jnp.full((b * t, k), 1.0 / k), mask=mask, temperature=cfg.loss.temperature,
         return_aux=True)
     kl = np.asarray(aux["kl"]).reshape(b, t, k)
     lm = host["loss_mask"] > 0

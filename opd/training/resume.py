@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from opd.config.migrations import migrate
 from opd.config.overrides import config_mismatches
 from opd.training.checkpoints import CheckpointCorruptError, CheckpointManager
 from opd.training.metrics_writer import open_writers
@@ -69,7 +70,10 @@ def _allowed(field: str, allow: Sequence[str]) -> bool:
 
 
 def _config_changes(saved: Mapping, config: Mapping) -> list[tuple[str, Any, Any]]:
-  """``(field, saved, new)`` for every leaf that differs, either way round."""
+  """``(field, saved, new)`` for every leaf that differs, either way round;
+  ``saved`` in today's layout (``opd.config.migrations``: a checkpoint of a
+  run launched before a config group was nested)."""
+  saved = migrate(saved)
   out = config_mismatches(saved, config)
   out += [(name, want, "<missing>") for name, have, want in config_mismatches(config, saved)
           if have == "<missing>"]

@@ -30,6 +30,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from opd.config.migrations import migrate
 from opd.config.overrides import config_mismatches
 from opd.training.files import atomic_write_json, read_json
 
@@ -164,7 +165,9 @@ def _fields(tree: Any, prefix: str = "") -> set[str]:
 
 def config_changes(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
   """``(field, saved value, new value)`` for every leaf that differs, added
-  fields (saved ``"<missing>"``) and removed ones (new ``"<missing>"``) included."""
+  fields (saved ``"<missing>"``) and removed ones (new ``"<missing>"``) included;
+  ``saved`` is first brought to today's layout (``opd.config.migrations``)."""
+  saved = migrate(saved)
   out = config_mismatches(saved, new)
   # Fields only ``saved`` holds: ``config_mismatches`` reversed reports them as missing.
   out += [(name, want, "<missing>") for name, have, want in config_mismatches(new, saved)
@@ -224,7 +227,8 @@ def record_config(workdir: str | os.PathLike, config: Mapping[str, Any]) -> path
   """Writes ``config`` to ``<workdir>/config.json`` atomically.
 
   An identical saved config is left untouched; a different one (changes
-  ``check_config`` allowed) is kept as ``config.before-<UTC time>.json``.
+  ``check_config`` allowed, or the same config in an older layout) is kept as
+  ``config.before-<UTC time>.json``.
 
   Returns:
     The path the previous config was kept at, or None.
@@ -233,7 +237,7 @@ def record_config(workdir: str | os.PathLike, config: Mapping[str, Any]) -> path
   kept = None
   if path.exists():
     saved = read_json(path, expect=dict)
-    if not config_changes(saved, config):
+    if not config_changes(saved, config) and migrate(saved) == saved:
       return None
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
     kept = path.with_name(f"config.before-{stamp}.json")

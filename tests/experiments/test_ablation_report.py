@@ -157,10 +157,10 @@ def test_tiny_estimator_sweep_lists_twelve_distinct_runs():
   seen, steps = set(), set()
   for overrides in sweep:
     c = config_utils.apply_overrides(config_utils.load_config(spec), overrides)
-    k = c.opd.top_k if c.opd.estimator == "top_k" else None
-    seen.add((c.opd.estimator, k, c.seed))
-    assert c.run_label == {"full": "full", "token": "token"}.get(c.opd.estimator, f"top-{k}")
-    assert c.opd.verify and c.opd.anneal_steps == 0
+    k = c.opd.loss.top_k if c.opd.loss.estimator == "top_k" else None
+    seen.add((c.opd.loss.estimator, k, c.seed))
+    assert c.run_label == {"full": "full", "token": "token"}.get(c.opd.loss.estimator, f"top-{k}")
+    assert c.opd.verify and c.opd.weighting.anneal_steps == 0
     steps.add(c.train.steps)
   assert seen == {(e, k, s) for e, k in (("full", None), ("top_k", 10), ("top_k", 32),
                                          ("token", None)) for s in (0, 1, 2)}
@@ -172,7 +172,7 @@ def test_tiny_estimator_sweep_lists_twelve_distinct_runs():
 
 def test_other_ablations_and_their_arguments():
   weighting = config_utils.load_sweep(f"{CONFIG}:tiny,ablation=weighting")
-  assert [(o["opd.schedule"], o["seed"]) for o in weighting] == [
+  assert [(o["opd.weighting.schedule"], o["seed"]) for o in weighting] == [
       (s, seed) for seed in (0, 1, 2) for s in ("routing", "confidence", "uniform")]
   cold = config_utils.load_sweep(f"{CONFIG}:ablation=cold_start,demo=/d")
   assert {o["student.init"] for o in cold} == {"/d/student/seed0/cold_start/checkpoints",

@@ -77,20 +77,20 @@ def test_bad_reuse_roots_name_the_value(tmp_path):
 
 
 def test_a_field_added_later_matches_only_at_its_reproducing_value(tmp_path):
-  """A stage written before ``opd.teacher_temperature`` existed ran with 1.0."""
+  """A stage written before ``opd.loss.teacher_temperature`` existed ran with 1.0."""
   src, calls = tmp_path / "src", []
-  old = ml_collections.ConfigDict({"job": "opd", "opd": {"estimator": "full"}})
+  old = ml_collections.ConfigDict({"job": "opd", "opd": {"loss": {"estimator": "full"}}})
   common.Stages.of(src).run("s", _counting_fn(calls), _cfg(**old), "a")
-  assert common.ADDED_FIELDS["opd.teacher_temperature"] == 1.0
+  assert common.ADDED_FIELDS["opd.loss.teacher_temperature"] == 1.0
   new = _cfg(**old)
-  new.opd.teacher_temperature = 1.0
+  new.opd.loss.teacher_temperature = 1.0
   assert common.Stages.of(tmp_path / "dst", [src]).find(new, "a") == src / "a"
   common.run_stage("s", _counting_fn(calls), new, src / "a")  # resumes, does not refuse
-  new.opd.teacher_temperature = 0.5
+  new.opd.loss.teacher_temperature = 0.5
   assert common.Stages.of(tmp_path / "dst", [src]).find(new, "a") is None
-  with pytest.raises(ValueError, match=r"opd.teacher_temperature: was '<missing>', now 0.5"):
+  with pytest.raises(ValueError, match=r"opd.loss.teacher_temperature: was '<missing>', now 0.5"):
     common.run_stage("s", _counting_fn(calls), new, src / "a")
-  new.opd.teacher_temperature = 1.0
+  new.opd.loss.teacher_temperature = 1.0
   new.opd.other = 3  # a field not in the table is a mismatch when missing
   with pytest.raises(ValueError, match=r"opd.other: was '<missing>', now 3"):
     common.run_stage("s", _counting_fn(calls), new, src / "a")

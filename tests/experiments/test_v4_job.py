@@ -147,7 +147,7 @@ def test_v4_tiny_strong_world_runs_with_bpe_shared_sft_and_the_positive_control(
   proc = subprocess.run(cmd[:-1] + [f"--workdir={arm}", f"--config.reuse_from={workdir}",
                                     "--config.positive_control.only=True",
                                     "--config.positive_control.domains=math",
-                                    "--config.opd.estimator=token"],
+                                    "--config.opd.loss.estimator=token"],
                         capture_output=True, text=True, env=one_device_env(), timeout=1200,
                         cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -3,6 +3,7 @@ import pytest
 
 from experiments import v4
 from experiments.configs import v4 as v4_config
+from opd.config import overrides as config_utils
 
 
 def _cfg(width):
@@ -46,21 +47,20 @@ def _stage_configs(c):
 
 
 @pytest.mark.parametrize("field,value,changed", [
-    ("opd.aggregation", "sequence_mean", {"opd", "anneal"}),
-    ("opd.teacher_temperature", 0.5, {"opd", "anneal"}),
+    ("opd.loss.aggregation", "sequence_mean", {"opd", "anneal"}),
+    ("opd.loss.teacher_temperature", 0.5, {"opd", "anneal"}),
     ("opd_optim.lr", 1e-4, {"opd"}),
     ("anneal.steps", 3, {"anneal"}),
     ("cold_start.steps", 7, {"cold_start"}),
     ("cold_start_optim.lr", 2e-3, {"cold_start"}),
-    ("opd.anneal_to", "confidence", {"anneal"}),  # OPD does not anneal: reused
+    ("opd.weighting.anneal_to", "confidence", {"anneal"}),  # OPD does not anneal: reused
 ])
 def test_a_lever_changes_only_the_stage_configs_of_the_stages_it_reaches(field, value, changed):
   """What ``--config.reuse_from`` reruns: a stage whose config a lever leaves
   equal is read from the other run (experiments.common.Stages)."""
   c = v4_config.get_config("tiny")
   before = _stage_configs(c)
-  group, name = field.split(".")
-  c[group][name] = value
+  config_utils.apply_overrides(c, {field: value})
   after = _stage_configs(c)
   assert {s for s in v4.STUDENT_STAGES if before[s] != after[s]} == changed
 

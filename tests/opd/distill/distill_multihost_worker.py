@@ -33,6 +33,7 @@ def main():
   import numpy as np
   jax.config.update("jax_default_matmul_precision", "highest")
   from opd.distill import OPDConfig, Teacher, TeacherPool, make_heldout_eval, train_opd
+  from opd.rollout.batches import RolloutConfig
   from opd.models import ModelConfig, init_params
   from opd.parallel import sharding
   from opd.tasks import Example
@@ -53,8 +54,8 @@ def main():
     return [Example(d, f"{d}-{split}-{i}", split, 1, f"Say something {d} ({split} {i}).",
                     (("assistant", "x"),), {}) for i in range(n) for d in ("alpha", "beta")]
 
-  cfg = OPDConfig(prompts_per_step=4, group_size=2, max_new_tokens=8, seq_len=64,
-                  length_bucket=0, diag_every=1, diag_tokens=64)
+  cfg = OPDConfig(RolloutConfig(prompts_per_step=4, group_size=2, max_new_tokens=8, seq_len=64,
+                                length_bucket=0), diag_every=1, diag_tokens=64)
   optim = OptimConfig(lr=1e-2, warmup_steps=1, decay_steps=4, schedule="linear", weight_decay=0.1)
   mesh = sharding.make_mesh((1, 2, 2))  # fsdp spans the two processes
   host_mesh = distributed.host_work_mesh(mesh)
@@ -64,7 +65,7 @@ def main():
                   LoopConfig(3, progress=False), RunIO(eval_fn=eval_fn),
                   runtime=Runtime(mesh, seed=0, tokenizer=tok))
   params = distributed.gather_to_host(run.state.params)
-  rows = distributed.process_batch_rows(mesh, sharding.DEFAULT_RULES, cfg.batch_size)
+  rows = distributed.process_batch_rows(mesh, sharding.DEFAULT_RULES, cfg.rollout.batch_size)
   if distributed.is_main_process():
     flat = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     last = run.history[-1]

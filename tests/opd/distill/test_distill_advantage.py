@@ -92,8 +92,8 @@ def _take(lp, targets):
 
 def _expected_advantage_grad(e, gamma):
   """``Σ_y p(y) ∇L(y)``: the real loss on each one-row batch, on-policy."""
-  cfg = loss_lib.OPDLossConfig(form="advantage", adv_gamma=gamma, grpo_temperature=TAU)
-  fn = loss_lib.make_opd_loss(ENUM_S, e["heads"], cfg)
+  cfg = loss_lib.OPDLossConfig(form="advantage", adv_gamma=gamma)
+  fn = loss_lib.make_opd_loss(ENUM_S, e["heads"], cfg, sampling_temperature=TAU)
   grad = jax.jit(jax.grad(lambda p, b: fn(p, b, None)[0]))
   total = None
   for i in range(len(e["prob"])):
@@ -190,7 +190,7 @@ def rl_batch():
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _opd_grad(params, batch, heads, cfg):
-  fn = loss_lib.make_opd_loss(SMALL, heads, cfg)
+  fn = loss_lib.make_opd_loss(SMALL, heads, cfg, sampling_temperature=TAU)
   return jax.value_and_grad(fn, has_aux=True)(params, batch, None)
 
 
@@ -203,7 +203,7 @@ def test_beta_zero_is_exactly_the_grpo_update(rl_batch, aggregation):
   term by max|A|·max r·δ1; the gradient's elements by that times their scale."""
   batch, student, heads, z, logp = rl_batch
   cfg = loss_lib.OPDLossConfig(form="advantage", adv_beta=0.0, adv_alpha=1.0,
-                               grpo_temperature=TAU, aggregation=aggregation)
+                               aggregation=aggregation)
   (loss, m), g = _opd_grad(student, batch, heads, cfg)
   grpo = GRPOConfig(kl_coef=0.0, temperature=TAU, loss_aggregation=aggregation)
   plain = {k: batch[k] for k in ("tokens", "targets", "mask", "loss_mask", "old_logprobs",
@@ -238,7 +238,7 @@ def test_importance_weights_change_nothing_on_policy_and_truncate_stale_tokens(r
   and the gradient differs from the clipped surrogate's."""
   batch, student, heads, z, logp = rl_batch
   on = {**batch, "old_logprobs": logp.astype(np.float32)}
-  base = dict(form="advantage", adv_alpha=0.5, adv_gamma=0.5, grpo_temperature=TAU)
+  base = dict(form="advantage", adv_alpha=0.5, adv_gamma=0.5)
   clip_cfg = loss_lib.OPDLossConfig(**base)
   is_cfg = loss_lib.OPDLossConfig(**base, is_cap=1.2)
   (l0, m0), g0 = _opd_grad(student, on, heads, clip_cfg)
@@ -343,19 +343,19 @@ def test_discounted_future_sum_matches_a_loop(gamma):
 
 
 @pytest.mark.parametrize("fields, match", [
-    (dict(loss_form="kl"), "loss_form must be one of"),
-    (dict(loss_form="advantage", adv_gamma=1.5), "adv_gamma"),
-    (dict(loss_form="advantage", adv_alpha=-0.1), "adv_alpha"),
-    (dict(loss_form="advantage", is_cap=0.5), r"is_cap=0.5 must be 0"),
-    (dict(loss_form="advantage", adv_beta=0.0), "adv_beta=0 and adv_alpha=0"),
-    (dict(loss_form="advantage", grpo_coef=0.2), "grpo_coef=0.2 belongs to the exact form"),
-    (dict(loss_form="advantage", estimator="token"), "estimator='token' belongs to the exact"),
-    (dict(adv_gamma=1.0), r"\{'adv_gamma': 1.0\} only apply with loss_form='advantage'"),
+    (dict(form="kl"), "form must be one of"),
+    (dict(form="advantage", adv_gamma=1.5), "adv_gamma"),
+    (dict(form="advantage", adv_alpha=-0.1), "adv_alpha"),
+    (dict(form="advantage", is_cap=0.5), r"is_cap=0.5 must be 0"),
+    (dict(form="advantage", adv_beta=0.0), "adv_beta=0 and adv_alpha=0"),
+    (dict(form="advantage", grpo_coef=0.2), "grpo_coef=0.2 belongs to the exact form"),
+    (dict(form="advantage", estimator="token"), "estimator='token' belongs to the exact"),
+    (dict(adv_gamma=1.0), r"\{'adv_gamma': 1.0\} only apply with form='advantage'"),
     (dict(is_cap=2.0), r"\{'is_cap': 2.0\} only apply"),
 ])
 def test_bad_fields_are_refused_by_name(fields, match):
   with pytest.raises(ValueError, match=match):
-    OPDConfig(**fields)
+    OPDConfig(loss=loss_lib.OPDLossConfig(**fields))
 
 
 def test_the_advantage_form_asks_for_its_batch_keys(rl_batch):
@@ -370,8 +370,8 @@ def test_the_advantage_form_asks_for_its_batch_keys(rl_batch):
     pure(student, {k: v for k, v in batch.items() if k != "old_logprobs"}, None)
   loss, _ = pure(student, {k: v for k, v in batch.items() if k != "advantages"}, None)
   assert np.isfinite(float(loss))
-  assert OPDConfig(loss_form="advantage", adv_alpha=0.5).verifies
-  assert not OPDConfig(loss_form="advantage").verifies
+  assert OPDConfig(loss=loss_lib.OPDLossConfig(form="advantage", adv_alpha=0.5)).verifies
+  assert not OPDConfig(loss=loss_lib.OPDLossConfig(form="advantage")).verifies
 
 
 # --- through the source, the teacher pool and the one loop ------------------------------------
@@ -380,7 +380,7 @@ def test_the_advantage_form_asks_for_its_batch_keys(rl_batch):
 def test_the_source_feeds_the_advantage_form_its_behaviour_logprobs(mesh, student, teachers):
   """α = 0: no verification, no outcome advantages; the sampler's log-probs
   are in the batch (the behaviour policy of the ratio)."""
-  cfg = OPD.replace(schedule="uniform", loss_form="advantage")
+  cfg = OPD.replace(weighting=dict(schedule="uniform"), loss=dict(form="advantage"))
   batch, metrics, loss, aux, _ = _one_batch(student, teachers, mesh, cfg)
   assert "advantages" not in batch and "reward/mean" not in metrics
   assert np.abs(np.asarray(batch["old_logprobs"])).sum() > 0 and np.isfinite(loss)
@@ -406,7 +406,7 @@ def test_train_opd_runs_the_advantage_form_with_an_outcome_reward(mesh, student,
   monkeypatch.setattr(rollout_lib.episodes, "rollout", rewarded)  # what the sources call
   pool = [Teacher("ta", teachers[0].cfg, teachers[0].params, "math"),
           Teacher("tb", teachers[1].cfg, teachers[1].params, "instruct")]
-  cfg = OPD.replace(loss_form="advantage", adv_alpha=0.5, adv_gamma=1.0, is_cap=2.0,
+  cfg = OPD.replace(loss=dict(form="advantage", adv_alpha=0.5, adv_gamma=1.0, is_cap=2.0),
                     updates_per_batch=2)
   run = train_opd(T_STUDENT, student, pool, _math_prompts(8), cfg, OPTIM,
                   LoopConfig(2, progress=False), RunIO(),

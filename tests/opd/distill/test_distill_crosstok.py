@@ -156,13 +156,14 @@ def _host(tok, pairs):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "cross", "student_cfg"))
 def _loss_grad(params, batch, heads, cfg, cross, student_cfg=STUDENT):
-  fn = loss_lib.make_opd_loss(student_cfg, heads, cfg, cross_tokenizer=cross)
+  fn = loss_lib.make_opd_loss(student_cfg, heads, cfg, cross_tokenizer=cross,
+                              sampling_temperature=TAU)
   (loss, metrics), grads = jax.value_and_grad(fn, has_aux=True)(params, batch, None)
   return loss, metrics, grads
 
 
 def _adv_cfg(**kw):
-  return loss_lib.OPDLossConfig(form="advantage", grpo_temperature=TAU, impl="reference", **kw)
+  return loss_lib.OPDLossConfig(form="advantage", impl="reference", **kw)
 
 
 @pytest.mark.parametrize("gamma, is_cap", [(0.0, 0.0), (1.0, 2.0)])

@@ -19,11 +19,12 @@ import pytest
 from opd.distill import crosstok
 from opd.distill.crosstok_pool import CrossTokenizerPool, CrossTokenizerTeacher
 from opd.distill.faults import FaultTolerantTeachers
-from opd.distill.loss import make_opd_loss
+from opd.distill.loss import OPDLossConfig, make_opd_loss
 from opd.distill.source import OPDConfig, OPDSource
 from opd.distill.teachers import Teacher, TeacherPool
 from opd.distill.trainer import train_opd
 from opd.models import ModelConfig, head_matrix, init_params
+from opd.rollout.batches import RolloutConfig
 from opd.training.loop_config import LoopConfig, Runtime
 from opd.training.optim import OptimConfig
 
@@ -35,8 +36,9 @@ BPE_STUDENT = ModelConfig(vocab_size=400, d_model=32, n_layers=1, n_heads=4, n_k
                           d_ff=64, tokenizer="bpe:400")
 BPE_TEACHER = ModelConfig(vocab_size=400, d_model=24, n_layers=1, n_heads=2, n_kv_heads=1,
                           d_ff=48, tokenizer="bpe:400")
-OPD = OPDConfig(prompts_per_step=4, group_size=2, max_new_tokens=8, seq_len=96, length_bucket=0,
-                diag_every=0, cache_dtype="float32", loss_form="advantage", temperature=0.9)
+OPD = OPDConfig(RolloutConfig(prompts_per_step=4, group_size=2, max_new_tokens=8, seq_len=96,
+                              length_bucket=0, temperature=0.9),
+                loss=OPDLossConfig(form="advantage"), diag_every=0, cache_dtype="float32")
 
 
 def _source(student_cfg, student_tok, same, cross_tok, cross_model, mesh):
@@ -75,12 +77,13 @@ def test_a_routed_pool_of_two_tokenizers_gives_a_batch_the_advantage_form_trains
   # Routing: a row's weight is its prompt's domain teacher's (rows p*G+g hold prompt p,
   # prompts alternate alpha, beta).
   w = np.asarray(batch["teacher_weights"])[:, 0, :]
-  want = np.repeat(np.asarray([[1, 0], [0, 1]] * 2, np.float32), OPD.group_size, axis=0)
+  want = np.repeat(np.asarray([[1, 0], [0, 1]] * 2, np.float32), OPD.rollout.group_size, axis=0)
   np.testing.assert_array_equal(w, want)
-  loss_fn = make_opd_loss(BPE_STUDENT, src.heads, OPD.loss_config(), teacher_names=src.names,
-                          cross_tokenizer=[False, True])
+  loss_fn = make_opd_loss(BPE_STUDENT, src.heads, OPD.loss, teacher_names=src.names,
+                          cross_tokenizer=[False, True],
+                          sampling_temperature=OPD.rollout.temperature)
   loss, m = jax.jit(lambda p, b: loss_fn(p, b, None))(student, batch)
-  assert np.isfinite(float(loss)) and float(m["opd_rows"]) == OPD.batch_size
+  assert np.isfinite(float(loss)) and float(m["opd_rows"]) == OPD.rollout.batch_size
 
 
 def test_a_batch_the_teacher_cannot_read_is_refused_before_any_teacher_runs(bpe, mesh,
@@ -101,11 +104,11 @@ def test_a_batch_the_teacher_cannot_read_is_refused_before_any_teacher_runs(bpe,
 
 def test_the_source_refuses_a_cross_teacher_with_the_exact_form(bpe, mesh):
   same = Teacher.random("ta", BPE_TEACHER, 1, domain="alpha")
-  with pytest.raises(ValueError, match="loss_form='advantage' \\(got 'exact'\\)"):
+  with pytest.raises(ValueError, match="loss.form='advantage' \\(got 'exact'\\)"):
     pool = TeacherPool([same], 400, mesh)
     cross = CrossTokenizerPool([CrossTokenizerTeacher("tb", BYTE, lambda t, m: t, 8)], bpe,
                                deadline_s=1.0)
-    OPDSource(BPE_STUDENT, OPD.replace(loss_form="exact"), iter(prompts(2)),
+    OPDSource(BPE_STUDENT, OPD.replace(loss=dict(form="exact")), iter(prompts(2)),
               teachers=FaultTolerantTeachers.from_pool(pool, deadline_s=1.0),
               heads=pool.heads + (np.zeros((8, 270), np.float32),), domains=["alpha", "beta"],
               total_steps=1, tokenizer=bpe, mesh=mesh, cross=cross)
@@ -118,7 +121,7 @@ def test_train_opd_runs_a_pool_with_a_teacher_of_another_tokenizer(bpe, mesh, wi
   plain = [Teacher.random("ta", BPE_TEACHER, 1, domain="alpha")] if with_plain else []
   cross = Teacher("tb", T_BYTE, init_params(T_BYTE, jax.random.key(2)), domain="beta",
                   tokenizer=BYTE)
-  cfg = OPD.replace(schedule="routing" if with_plain else "uniform")
+  cfg = OPD.replace(weighting=dict(schedule="routing" if with_plain else "uniform"))
   run = train_opd(BPE_STUDENT, init_params(BPE_STUDENT, jax.random.key(0)), plain + [cross],
                   prompts(4), cfg, OptimConfig(lr=1e-2), LoopConfig(2, progress=False),
                   runtime=Runtime(mesh, tokenizer=bpe))
@@ -126,7 +129,7 @@ def test_train_opd_runs_a_pool_with_a_teacher_of_another_tokenizer(bpe, mesh, wi
   for m in run.history:
     assert np.isfinite(m["train/loss"]) and m["skips/tb/error"] == 0
     # Every row has its teacher: routed rows of both domains, or the lone cross teacher.
-    assert m["train/opd_rows"] == cfg.batch_size and m["opd/skipped_step"] == 0
+    assert m["train/opd_rows"] == cfg.rollout.batch_size and m["opd/skipped_step"] == 0
     assert m["weight/tb"] > 0 and (m.get("weight/ta", 0.0) > 0) == with_plain
 
 

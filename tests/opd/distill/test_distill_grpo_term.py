@@ -15,7 +15,7 @@ import pytest
 from opd import rollout as rollout_lib
 from opd.distill import loss as loss_lib
 from opd.distill.faults import FaultTolerantTeachers
-from opd.distill.source import OPDConfig, OPDSource
+from opd.distill.source import OPDSource
 from opd.distill.teachers import TeacherPool
 from opd.models import forward
 from opd.rollout.batches import PromptStream
@@ -26,7 +26,7 @@ from test_distill_trainer import OPD, STUDENT, TOK, V, mesh, student, teachers  
 
 EPS32 = float(np.finfo(np.float32).eps)
 B, T, COEF, TAU = 4, 10, 0.7, 0.8
-CLIP = loss_lib.OPDLossConfig(grpo_coef=COEF, grpo_temperature=TAU)
+CLIP = loss_lib.OPDLossConfig(grpo_coef=COEF)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def _numpy_policy_loss(logp, old, adv, keep, eps_low, eps_high):
 
 
 def _loss(cfg, params, batch, heads):
-  fn = loss_lib.make_opd_loss(SMALL, heads, cfg)
+  fn = loss_lib.make_opd_loss(SMALL, heads, cfg, sampling_temperature=TAU)
   return jax.value_and_grad(fn, has_aux=True)(params, batch, None)
 
 
@@ -128,9 +128,11 @@ def test_grpo_coef_zero_leaves_loss_and_gradients_exactly_unchanged(batch_and_mo
   with pytest.raises(ValueError, match="advantages"):
     _loss(CLIP, student, {**batch, "advantages": np.zeros((B, 1), np.float32)}, heads)
   with pytest.raises(ValueError, match="grpo_coef"):
-    OPDConfig(grpo_coef=-0.1)
+    loss_lib.OPDLossConfig(grpo_coef=-0.1)
   with pytest.raises(ValueError, match="grpo_clip_eps_low"):
-    OPDConfig(grpo_clip_eps_low=1.0)
+    loss_lib.OPDLossConfig(grpo_clip_eps_low=1.0)
+  with pytest.raises(ValueError, match="sampling_temperature must be a finite number > 0"):
+    loss_lib.make_opd_loss(SMALL, heads, CLIP, sampling_temperature=0.0)
 
 
 def _math_prompts(n):
@@ -165,7 +167,8 @@ def test_advantages_are_normalised_within_same_prompt_groups(mesh, student, teac
     return eps
 
   monkeypatch.setattr(rollout_lib.episodes, "rollout", rewarded)  # what the sources call
-  cfg = OPD.replace(schedule="uniform", group_size=3, grpo_coef=grpo_coef)
+  cfg = OPD.replace(weighting=dict(schedule="uniform"), rollout=dict(group_size=3),
+                    loss=dict(grpo_coef=grpo_coef))
   source, pool = _source(cfg, mesh, teachers)
   batch, metrics = source.next_batch(types.SimpleNamespace(params=student), 0)
   assert seen == [grpo_coef > 0]
@@ -178,22 +181,23 @@ def test_advantages_are_normalised_within_same_prompt_groups(mesh, student, teac
   want = np.zeros_like(r)
   for pid in set(ids):
     on = ids == pid
-    assert on.sum() == cfg.group_size
+    assert on.sum() == cfg.rollout.group_size
     want[on] = (r[on] - r[on].mean()) / (r[on].std() + 1e-6)
   adv = np.asarray(batch["advantages"])
-  assert len(set(ids)) == cfg.prompts_per_step and np.abs(want).max() > 1.0
+  assert len(set(ids)) == cfg.rollout.prompts_per_step and np.abs(want).max() > 1.0
   # float32 storage of a float64 value.
   np.testing.assert_allclose(adv, want, rtol=4 * EPS32, atol=0)
   assert metrics["advantage/abs_mean"] == pytest.approx(np.abs(want).mean(), rel=4 * EPS32)
   host = rollout_lib.batch_episodes(eps, seq_len=batch["tokens"].shape[1], pad_id=TOK.pad_id)
   np.testing.assert_array_equal(np.asarray(batch["old_logprobs"]), host["old_logprobs"])
   assert np.abs(host["old_logprobs"]).sum() > 0
-  loss_fn = loss_lib.make_opd_loss(STUDENT, pool.heads, cfg.loss_config())
+  loss_fn = loss_lib.make_opd_loss(STUDENT, pool.heads, cfg.loss,
+                                   sampling_temperature=cfg.rollout.temperature)
   loss, m = loss_fn(student, batch, None)
   # Sampled at the same params: ratio 1 up to the sampler's float32 rounding.
   # Sampled at the same params: each log-ratio is the float32 rounding of two
   # programs' logits, |δ| <= (D + V)·eps·(1 + max|z|), so the ratio is 1 to 2|δ|.
   z_max = float(jnp.max(jnp.abs(forward(STUDENT, student, batch["tokens"], None,
                                         batch["mask"]).logits)))
-  bound = 2 * (STUDENT.d_model + V) * EPS32 * (1 + z_max / cfg.temperature)
+  bound = 2 * (STUDENT.d_model + V) * EPS32 * (1 + z_max / cfg.rollout.temperature)
   assert np.isfinite(float(loss)) and abs(float(m["grpo_ratio_mean"]) - 1) <= bound

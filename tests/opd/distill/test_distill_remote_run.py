@@ -42,7 +42,7 @@ def test_a_sigkilled_teacher_server_costs_skips_never_the_run(mesh, student, tmp
         assert proc.wait(10) == -signal.SIGKILL
         killed_at.append(step)
 
-    run = _run(student, pool, mesh, STEPS, cfg=OPD.replace(schedule="uniform"),
+    run = _run(student, pool, mesh, STEPS, cfg=OPD.replace(weighting=dict(schedule="uniform")),
                teacher_fns={"tr": remote}, on_metrics=kill_after_k, workdir=tmp_path)
   finally:
     if proc.poll() is None:

@@ -15,6 +15,7 @@ import pytest
 
 from opd.distill.faults import FaultTolerantTeachers
 from opd.distill.source import OPDConfig, OPDSource
+from opd.rollout.batches import RolloutConfig
 from opd.distill.teachers import Teacher, TeacherPool
 from opd.models import ModelConfig, forward, init_params
 from opd.parallel import sharding
@@ -28,8 +29,8 @@ STUDENT = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_head
 WIDE = ModelConfig(vocab_size=V, d_model=48, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=96)
 DOMAINS = ("alpha", "beta")
 # float32 cache: the references below see the teachers' hidden states as computed.
-OPD = OPDConfig(prompts_per_step=4, group_size=2, max_new_tokens=8, seq_len=64, length_bucket=0,
-                diag_every=0, cache_dtype="float32")
+OPD = OPDConfig(RolloutConfig(prompts_per_step=4, group_size=2, max_new_tokens=8, seq_len=64,
+                              length_bucket=0), diag_every=0, cache_dtype="float32")
 
 
 def prompts(n):
@@ -86,7 +87,8 @@ def test_routing_annealed_to_the_end_runs_every_teacher_on_every_row(mesh, stude
   at the last step, on every response token; mixing needs every teacher's
   answer on every row, so none may be run on its own rows only."""
   k = len(teachers)
-  source = make_source(teachers, mesh, OPD.replace(anneal_steps=2), total_steps=2)
+  source = make_source(teachers, mesh, OPD.replace(weighting=dict(anneal_steps=2)),
+                       total_steps=2)
   state = types.SimpleNamespace(params=student)  # next_batch reads .params
   for step, alpha in ((0, 0.5), (1, 1.0)):
     batch, metrics = source.next_batch(state, step)
@@ -176,7 +178,7 @@ def test_routing_annealed_to_confidence_ends_at_the_confidence_weights(mesh, stu
   float64 numpy from the batch's own teacher hidden states and heads; every
   teacher answers every row (no routed rows)."""
   k = len(teachers)
-  cfg = OPD.replace(anneal_steps=2, anneal_to="confidence")
+  cfg = OPD.replace(weighting=dict(anneal_steps=2, anneal_to="confidence"))
   source = make_source(teachers, mesh, cfg, total_steps=2)
   heads = [t.params["lm_head"] for t in teachers]
   state = types.SimpleNamespace(params=student)
@@ -201,4 +203,4 @@ def test_routing_annealed_to_confidence_ends_at_the_confidence_weights(mesh, stu
 
 def test_anneal_to_must_be_a_known_target():
   with pytest.raises(ValueError, match="anneal_to"):
-    OPD.replace(anneal_to="routing")
+    OPD.replace(weighting=dict(anneal_to="routing"))

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from opd.config.fields import from_group
 from opd.distill import trainer as trainer_lib
 from opd.distill.loss import make_opd_loss
 from opd.distill.faults import FaultTolerantTeachers, TeacherFaultError
@@ -28,7 +29,7 @@ from opd.distill.trainer import make_heldout_eval, train_opd
 from opd import rollout as rollout_lib
 from opd.models import ModelConfig, forward, init_params, param_logical_axes
 from opd.parallel import sharding
-from opd.rollout.batches import PromptStream
+from opd.rollout.batches import PromptStream, RolloutConfig
 from opd.tasks import Example
 from opd.text.tokenizers import ByteTokenizer
 from opd.training.checkpoints import CheckpointManager
@@ -41,8 +42,8 @@ TOK = ByteTokenizer()
 V = TOK.vocab_size
 STUDENT = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
 WIDE = ModelConfig(vocab_size=V, d_model=48, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=96)
-OPD = OPDConfig(prompts_per_step=4, group_size=2, max_new_tokens=8, seq_len=64, length_bucket=0,
-                diag_every=0)
+OPD = OPDConfig(RolloutConfig(prompts_per_step=4, group_size=2, max_new_tokens=8, seq_len=64,
+                              length_bucket=0), diag_every=0)
 OPTIM = OptimConfig(lr=1e-2)
 LOWER, DIGITS = list(range(ord("a"), ord("z") + 1)), list(range(ord("0"), ord("9") + 1))
 
@@ -96,7 +97,7 @@ def _one_batch(params, teachers, mesh, cfg):
                      heads=pool.heads, domains=[t.domain for t in teachers], total_steps=1,
                      tokenizer=TOK, mesh=mesh)
   batch, metrics = source.next_batch(types.SimpleNamespace(params=params), 0)  # reads .params
-  loss_fn = make_opd_loss(STUDENT, pool.heads, cfg.loss_config(), teacher_names=pool.names)
+  loss_fn = make_opd_loss(STUDENT, pool.heads, cfg.loss, teacher_names=pool.names)
   (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, None)
   return batch, metrics, float(loss), aux, grads
 
@@ -111,7 +112,7 @@ def test_student_equal_to_teacher_gives_zero_loss_and_gradient(mesh, student, te
   logits, p ⊙ (δ − E_p δ), first order, so both stay within
   ``64 · eps · max|z|`` times the size of the cross-entropy gradient.
   """
-  cfg = OPD.replace(schedule="uniform", cache_dtype="float32")
+  cfg = OPD.replace(weighting=dict(schedule="uniform"), cache_dtype="float32")
   twin = Teacher("twin", STUDENT, student, None)
   batch, metrics, loss, aux, grads = _one_batch(student, [twin], mesh, cfg)
   assert aux["opd_tokens"] > 0 and metrics["opd/skipped_step"] == 0
@@ -141,7 +142,8 @@ def test_the_cache_serves_every_update_of_a_batch(mesh, student, teachers, sched
   with routing each teacher runs over its own rows only. Every schedule and
   estimator runs through the trainer."""
   pool = TeacherPool(teachers, V, mesh)
-  cfg = OPD.replace(schedule=schedule_name, updates_per_batch=updates, estimator=estimator)
+  cfg = OPD.replace(weighting=dict(schedule=schedule_name), updates_per_batch=updates,
+                    loss=dict(estimator=estimator))
   run = _run(student, pool, mesh, 2, cfg=cfg)
   assert pool.forward_count == {"ta": 2, "tb": 2}
   assert int(run.state.step) == 2 * updates
@@ -166,7 +168,7 @@ def test_a_flaky_teacher_is_skipped_and_counted_in_metrics_jsonl(mesh, student, 
       raise ConnectionError("teacher tb dropped the connection")
     return pool.hidden("tb", tokens, mask)
 
-  cfg = OPD.replace(schedule="uniform")
+  cfg = OPD.replace(weighting=dict(schedule="uniform"))
   run = _run(student, pool, mesh, 20, cfg=cfg, teacher_fns={"tb": flaky}, workdir=tmp_path)
   rows = read_metrics(tmp_path)
   assert len(rows) == 20 == len(failed) and 0 < sum(failed) < 20
@@ -182,7 +184,7 @@ def test_a_batch_no_teacher_answers_is_skipped_and_logged(mesh, student, teacher
   def dead(tokens, mask):
     raise TimeoutError("gone")
 
-  run = _run(student, teachers, mesh, 2, cfg=OPD.replace(schedule="uniform"),
+  run = _run(student, teachers, mesh, 2, cfg=OPD.replace(weighting=dict(schedule="uniform")),
              teacher_fns={"ta": dead, "tb": dead}, workdir=tmp_path)
   for m in run.history:
     assert m["opd/skipped_step"] == 1 and m["train/opd_tokens"] == 0 and m["train/loss"] == 0
@@ -249,10 +251,10 @@ def test_heldout_kl_matches_a_numpy_reference(mesh, student, teachers):
   pool = TeacherPool(teachers, V, mesh)
   held_out = prompts(2, "test")
   got = make_heldout_eval(STUDENT, pool, held_out, OPD, tokenizer=TOK, mesh=mesh)(student)
-  sampling = rollout_lib.sampling_for_chat(TOK, max_new_tokens=OPD.max_new_tokens)
+  sampling = rollout_lib.sampling_for_chat(TOK, max_new_tokens=OPD.rollout.max_new_tokens)
   eps = rollout_lib.rollout(rollout_lib.Policy(STUDENT, student, TOK, mesh), held_out, 1,
                             sampling, verify=False)
-  host = rollout_lib.batch_episodes(eps, seq_len=OPD.seq_len, pad_id=TOK.pad_id)
+  host = rollout_lib.batch_episodes(eps, seq_len=OPD.rollout.seq_len, pad_id=TOK.pad_id)
   lp = np.asarray(jax.nn.log_softmax(forward(STUDENT, student, host["tokens"], None,
                                              host["mask"]).logits), np.float64)
   lm = host["loss_mask"] > 0
@@ -269,9 +271,9 @@ def test_heldout_kl_matches_a_numpy_reference(mesh, student, teachers):
 
 def test_bad_input_is_rejected_naming_the_field(mesh, student, teachers):
   with pytest.raises(ValueError, match="schedule"):
-    OPDConfig(schedule="loudest")
+    from_group(OPDConfig, {"weighting": {"schedule": "loudest"}}, "config.opd")
   with pytest.raises(ValueError, match="prompts_per_step"):
-    OPDConfig(prompts_per_step=0)
+    from_group(OPDConfig, {"rollout": {"prompts_per_step": 0}}, "config.opd")
   with pytest.raises(ValueError, match="teachers=\\[\\]"):
     _run(student, [], mesh, 1)
   other = ModelConfig(vocab_size=128, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64)
@@ -283,7 +285,7 @@ def test_bad_input_is_rejected_naming_the_field(mesh, student, teachers):
     train_opd(STUDENT, student, teachers, prompts(2, domains=("gamma",)), OPD, OPTIM,
               LoopConfig(1, progress=False), runtime=Runtime(mesh, tokenizer=TOK))
   with pytest.raises(ValueError, match="anneal_steps=5 exceeds"):
-    _run(student, teachers, mesh, 2, cfg=OPD.replace(anneal_steps=5))
+    _run(student, teachers, mesh, 2, cfg=OPD.replace(weighting=dict(anneal_steps=5)))
   with pytest.raises(ValueError, match="cfg must be a OPDConfig"):
     train_opd(STUDENT, student, teachers, prompts(2), {}, OPTIM, LoopConfig(1),
               runtime=Runtime(mesh, tokenizer=TOK))
@@ -300,7 +302,7 @@ def test_a_sharded_opd_step_equals_the_single_device_step(student, teachers, mon
   n terms moves it by at most (n − 1)·eps·Σ|terms|, here bounded by
   n·eps·scale with n = B·T + F and scale |loss| (or max|grad|).
   """
-  cfg = OPD.replace(schedule="uniform", cache_dtype="float32")
+  cfg = OPD.replace(weighting=dict(schedule="uniform"), cache_dtype="float32")
   real_rollout, recorded = rollout_lib.rollout, []
 
   def same_rollout(*args, **kwargs):  # the sharded run trains on the single run's samples
@@ -321,7 +323,7 @@ def test_a_sharded_opd_step_equals_the_single_device_step(student, teachers, mon
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), student)
     params = jax.device_put(student, sharding.tree_shardings(
         param_logical_axes(STUDENT), shapes, mesh, sharding.DEFAULT_RULES))
-    loss_fn = make_opd_loss(STUDENT, pool.heads, cfg.loss_config(), teacher_names=pool.names)
+    loss_fn = make_opd_loss(STUDENT, pool.heads, cfg.loss, teacher_names=pool.names)
     with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.DEFAULT_RULES):
       (loss, aux), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, batch,
                                                                               None)
@@ -359,7 +361,7 @@ def test_a_teacher_with_a_nan_head_is_skipped_and_logged_and_the_run_goes_on(
                             tokenizer=TOK, mesh=mesh)(student)
   with caplog.at_level("WARNING", logger="opd.distill.faults"):
     got = evaluate(student)
-    run = _run(student, pool, mesh, 2, cfg=OPD.replace(schedule="uniform"))
+    run = _run(student, pool, mesh, 2, cfg=OPD.replace(weighting=dict(schedule="uniform")))
   assert np.isnan(got["rkl/tb"]) and got["rkl/ta"] == clean["rkl/ta"]  # same program, same data
   assert int(run.state.step) == 2 and pool.forward_count["tb"] == 0
   for s, m in enumerate(run.history, start=1):
@@ -404,7 +406,8 @@ def test_a_teacher_unanswered_for_a_whole_window_stops_the_run(mesh, student, te
   done = []
   with pytest.raises(TeacherFaultError, match=r"teacher 'tb' answered none of its rows on the "
                      r"last 2 batches .*tb's server is gone.*OPDConfig.fault_window"):
-    _run(student, teachers, mesh, 5, cfg=OPD.replace(schedule="uniform", fault_window=2),
+    _run(student, teachers, mesh, 5,
+         cfg=OPD.replace(weighting=dict(schedule="uniform"), fault_window=2),
          teacher_fns={"tb": dead}, on_metrics=lambda s, m: done.append(s))
   assert done == [1]
   with pytest.raises(ValueError, match="fault_window"):

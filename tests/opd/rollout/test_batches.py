@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from opd.config.fields import from_group
 from opd.distill.source import OPDConfig
 from opd.rl.config import GRPOConfig
 from opd.rollout.batches import (DomainBalancedStream, PromptStream, RolloutConfig, draw_prompts,
@@ -62,17 +63,26 @@ def test_grpo_and_opd_read_their_rollout_fields_through_one_config():
                     max_new_tokens=16, seq_len=64, length_bucket=8)
   assert grpo.rollout == RolloutConfig(3, 4, 0.7, 5, 0.9, 16, 64, 8)
   assert grpo.rollout.batch_size == grpo.batch_size == 12
-  # OPD's top_k is the loss estimator's k: the student samples untruncated.
-  opd = OPDConfig(prompts_per_step=2, group_size=1, temperature=0.5, top_k=3,
-                  max_new_tokens=8, seq_len=32, length_bucket=0)
-  assert opd.rollout == RolloutConfig(2, 1, 0.5, 0, 1.0, 8, 32, 0)
+  # OPD's loss.top_k is the loss estimator's k: the student samples at
+  # rollout.top_k, untruncated by default.
+  opd = from_group(OPDConfig, {"rollout": dict(prompts_per_step=2, group_size=1, temperature=0.5,
+                                               max_new_tokens=8, seq_len=32, length_bucket=0),
+                               "loss": {"top_k": 3}}, "config.opd")
+  assert opd.rollout == RolloutConfig(2, 1, 0.5, 0, 1.0, 8, 32, 0) and opd.loss.top_k == 3
   assert {f.name for f in dataclasses.fields(RolloutConfig)} <= {
       f.name for f in dataclasses.fields(GRPOConfig)}
 
 
-@pytest.mark.parametrize("cls", [RolloutConfig, GRPOConfig, OPDConfig])
-def test_shared_rollout_fields_are_validated_once_naming_the_owner(cls):
-  name = cls.__name__
+def _opd_rollout(**fields) -> RolloutConfig:
+  """OPD's rollout fields, as a config file's ``config.opd.rollout`` group sets them."""
+  return from_group(OPDConfig, {"rollout": fields}, "config.opd").rollout
+
+
+# OPD's rollout fields live in its nested RolloutConfig, which names itself.
+@pytest.mark.parametrize("cls, name", [(RolloutConfig, "RolloutConfig"),
+                                       (GRPOConfig, "GRPOConfig"),
+                                       (_opd_rollout, "RolloutConfig")])
+def test_shared_rollout_fields_are_validated_once_naming_the_owner(cls, name):
   with pytest.raises(ValueError, match=rf"{name}.prompts_per_step must be a positive int, got 0"):
     cls(prompts_per_step=0)
   with pytest.raises(ValueError, match=rf"{name}.temperature must be a finite number > 0, got 0"):
@@ -157,7 +167,8 @@ def test_configs_select_the_balanced_stream():
   assert sorted(ex.domain for ex in batch) == sorted(ALL_DOMAINS)
   # GRPO and OPD hand the field on through their rollout config.
   assert GRPOConfig(domain_balance=True).rollout.domain_balance is True
-  assert OPDConfig(domain_balance=True).rollout.domain_balance is True
-  for cls in (RolloutConfig, GRPOConfig, OPDConfig):
-    with pytest.raises(ValueError, match=rf"{cls.__name__}.domain_balance must be True or False"):
+  assert _opd_rollout(domain_balance=True).domain_balance is True
+  for cls, name in ((RolloutConfig, "RolloutConfig"), (GRPOConfig, "GRPOConfig"),
+                    (_opd_rollout, "RolloutConfig")):
+    with pytest.raises(ValueError, match=rf"{name}.domain_balance must be True or False"):
       cls(domain_balance="yes")
