@@ -7,10 +7,11 @@ and ``lora_apply`` returns the effective params ``W + (alpha / r) · a b``
 ``b [r, H, Dh]`` and ``o [H, Dh, D]`` gets ``a [H, Dh, r]``, ``b [r, D]``).
 ``b`` starts at zero, so a fresh adapter leaves the model unchanged.
 
-Training keeps the base frozen without optimizer state: the train state's
-params are ``{"base": params, "lora": adapters}``, ``lora_loss`` applies the
-adapters with ``stop_gradient`` on the base, and ``lora_optimizer`` gives
-the base ``optax.set_to_zero`` (no moments) and the adapters the optimizer.
+Training keeps the base frozen and out of the train state: the state's
+params are the adapters alone (so are the optimizer's moments and the
+gradient), and ``lora_loss`` is a loss over the adapters that takes the base
+as a separate, never differentiated argument
+(``opd.training.train_step.LossWithFrozen`` passes it to the jitted step).
 ``lora_merge`` folds the adapters in for export (``opd.models.hf.save_hf``).
 """
 from __future__ import annotations
@@ -22,7 +23,6 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
 from opd.config.fields import check_fields, set_field
 from opd.models.config import ModelConfig
@@ -148,26 +148,12 @@ def lora_merge(params: PyTree, adapters: PyTree, lora: LoRAConfig) -> PyTree:
 
 
 def lora_loss(loss_fn: Callable, lora: LoRAConfig, *, dtype=None) -> Callable:
-  """``loss_fn(params, batch, rng)`` as a loss over ``{"base", "lora"}`` with a frozen base
-  (``dtype`` as in ``lora_apply``)."""
-  def wrapped(tree, batch, rng):
-    base = jax.lax.stop_gradient(tree["base"])
-    return loss_fn(lora_apply(base, tree["lora"], lora, dtype=dtype), batch, rng)
+  """``loss_fn(params, batch, rng)`` as ``fn(adapters, batch, rng, base)``: a loss
+  of the adapters alone, the base an input it is not differentiated for (its
+  gradient is never formed: no base-sized buffer), ``dtype`` as in ``lora_apply``."""
+  def wrapped(adapters, batch, rng, base):
+    return loss_fn(lora_apply(base, adapters, lora, dtype=dtype), batch, rng)
   return wrapped
-
-
-def lora_optimizer(optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
-  """``optimizer`` on the ``"lora"`` subtree; ``set_to_zero`` (no state) on ``"base"``.
-
-  An ``opd.training.optim.Optimizer`` keeps its config (gradient accumulation).
-  """
-  labels = lambda tree: {"base": jax.tree.map(lambda _: "frozen", tree["base"]),
-                         "lora": jax.tree.map(lambda _: "train", tree["lora"])}
-  tx = optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, labels)
-  config = getattr(optimizer, "config", None)
-  if config is None:
-    return tx
-  return type(optimizer)(tx.init, tx.update, config=config)
 
 
 def lora_param_count(cfg: ModelConfig, lora: LoRAConfig) -> int:
@@ -179,5 +165,11 @@ def lora_param_count(cfg: ModelConfig, lora: LoRAConfig) -> int:
   return total
 
 
-__all__ = ["LoRAConfig", "TARGETS", "lora_apply", "lora_delta", "lora_init", "lora_loss",
-           "lora_merge", "lora_optimizer", "lora_param_count"]
+def lora_adapted_count(cfg: ModelConfig, lora: LoRAConfig) -> int:
+  """Parameters of the adapted base weights (``lora_apply`` materialises each
+  ``W + s·a b``: the forward reads, and the backward keeps, that many)."""
+  return sum(math.prod(_weight_shape(cfg, name)) for _, _, name in _sites(cfg, lora))
+
+
+__all__ = ["LoRAConfig", "TARGETS", "lora_adapted_count", "lora_apply", "lora_delta",
+           "lora_init", "lora_loss", "lora_merge", "lora_param_count"]

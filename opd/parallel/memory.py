@@ -43,7 +43,9 @@ the step knows it may overwrite them: ``3·P_train·master`` bytes, sharded like
 the parameters. The gradients' buffer is dead once the moments are computed
 (XLA reuses it) and the activations are dead after the backward, so the step
 peaks at ``params + optimizer + max(grads + activations + loss_head, update)``
-(``MemoryEstimate.total``).
+(``MemoryEstimate.total``). A LoRA student adds to the backward's side its
+merged weights (``lora_merged``: every adapted ``W + s·a b`` in the compute
+dtype, alive from the forward to the backward).
 """
 from __future__ import annotations
 
@@ -55,12 +57,12 @@ from pallas_kernels.train_loss import default_block_t
 
 from opd.config.fields import check_int, set_field
 from opd.models.config import ModelConfig
-from opd.models.lora import LoRAConfig, lora_param_count
+from opd.models.lora import LoRAConfig, lora_adapted_count, lora_param_count
 
-_TERMS = ("params", "grads", "optimizer", "activations", "loss_head", "update", "kv_cache",
-          "teacher_cache", "teacher_params")
+_TERMS = ("params", "grads", "optimizer", "activations", "loss_head", "lora_merged", "update",
+          "kv_cache", "teacher_cache", "teacher_params")
 # Alive together during the backward; ``update`` replaces them during the optimizer step.
-_BACKWARD = ("grads", "activations", "loss_head")
+_BACKWARD = ("grads", "activations", "loss_head", "lora_merged")
 
 
 class DoesNotFitError(ValueError):
@@ -72,12 +74,16 @@ class MemoryEstimate:
   """Bytes per device of each term (see the module docstring for the formulas).
 
   Attributes:
-    params: master parameters (``master_bytes`` each), split over fsdp × tensor.
-    grads: their gradients (fp32).
+    params: master parameters (``master_bytes`` each), split over fsdp × tensor
+      (a LoRA student: the frozen base and the adapters).
+    grads: the trained parameters' gradients (fp32; a LoRA student's adapters').
     optimizer: AdamW's first and second moments in the master dtype.
     activations: what the backward keeps of the L blocks (remat or not).
     loss_head: materialised logits and their cotangent, or the fused
       kernel's chunk buffers.
+    lora_merged: a LoRA student's adapted weights ``W + s·a b`` in the compute
+      dtype, materialised before the forward and kept for the backward
+      (``lora_adapted_count · b``, split like the weights); 0 otherwise.
     update: the optimizer step's transient: the new trained parameters and
       both new moments, alive at once while the finite guard decides
       (``3·P_train·master`` split like the parameters; module docstring).
@@ -91,6 +97,7 @@ class MemoryEstimate:
   optimizer: int
   activations: int
   loss_head: int
+  lora_merged: int
   update: int
   kv_cache: int
   teacher_cache: int
@@ -204,9 +211,10 @@ class RolloutMemory:
 
 @dataclasses.dataclass(frozen=True)
 class LoRAMemory:
-  """A LoRA student (``opd.training.lora_state``): the base is stored in
-  ``base_bytes`` per parameter and gets a (zero) gradient of that size; the
-  adapters are fp32 and alone have Adam moments.
+  """A LoRA student (``opd.training.lora_state``): the frozen base is stored in
+  ``base_bytes`` per parameter and gets no gradient (the step differentiates
+  the adapters only); the adapters are fp32 and alone have a gradient, Adam
+  moments and an update.
 
   Attributes:
     config: the adapters (rank, targets).
@@ -271,11 +279,12 @@ def estimate_memory(cfg: ModelConfig, mesh_shape, batch: int, seq: int, *,
   else:
     n_lora = lora_param_count(cfg, lora.config)
     params = _ceil_div(n_params * lora.base_bytes + n_lora * 4, model_shards)
-    grads = params
+    grads = _ceil_div(n_lora * 4, model_shards)
     optimizer = _ceil_div(2 * n_lora * 4, model_shards)
     update = 3 * _ceil_div(n_lora * 4, model_shards)
-  per_layer = layer_activation_bytes(cfg, seq, tensor)
   b = 2 if cfg.dtype in ("bfloat16", "float16") else 4
+  merged = 0 if lora is None else _ceil_div(lora_adapted_count(cfg, lora.config) * b, model_shards)
+  per_layer = layer_activation_bytes(cfg, seq, tensor)
   if remat:
     activations = tokens * (cfg.n_layers * b * cfg.d_model + per_layer)
   else:
@@ -296,7 +305,7 @@ def estimate_memory(cfg: ModelConfig, mesh_shape, batch: int, seq: int, *,
     kv_cache = cfg.n_layers * kv_rows * rollout.cache_len * per_slot * b
   teacher_cache = tokens * sum(teachers.dims) * teachers.cache_bytes
   return MemoryEstimate(params=params, grads=grads, optimizer=optimizer, activations=activations,
-                        loss_head=loss_head, update=update, kv_cache=kv_cache, teacher_cache=teacher_cache,
+                        loss_head=loss_head, lora_merged=merged, update=update, kv_cache=kv_cache, teacher_cache=teacher_cache,
                         teacher_params=_ceil_div(teachers.param_bytes, model_shards),
                         shards=shards)
 

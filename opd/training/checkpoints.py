@@ -427,8 +427,11 @@ def load_params(directory: str | os.PathLike, model_cfg, *, step: int | None = N
                 mesh=None, rules=None) -> PyTree:
   """The model parameters of a training checkpoint (optimizer state skipped).
 
-  A LoRA run's checkpoint (a ``lora`` entry in its config) gives its base
-  with the adapters merged, in ``model_cfg``'s storage dtype.
+  A LoRA run's checkpoint (a ``lora`` entry in its config) holds only the
+  adapters: its base is restored from the checkpoint its config references
+  (``lora.base``: path, step, checksum; ``opd.training.lora_state``) and the
+  adapters merged in, in ``model_cfg``'s storage dtype; a base that is gone
+  or changed raises ``lora_state.LoRABaseError`` naming paths and checksums.
 
   For starting one stage from another (SFT from the base, GRPO from SFT, a
   teacher in OPD). The checkpoint's saved ``config["model"]`` must equal
@@ -485,7 +488,9 @@ def load_params(directory: str | os.PathLike, model_cfg, *, step: int | None = N
           step=step) from e
     mngr._verify(step, out.state, mngr._read_meta(step))
     if lora is not None:
-      return lora_state.merged_checkpoint_params(model_cfg, lora, out.state["params"], shardings)
+      return lora_state.merged_checkpoint_params(
+          model_cfg, lora, out.state["params"], shardings, path=path,
+          load_base=lambda d, s: load_params(d, model_cfg, step=s, mesh=mesh, rules=rules))
     return out.state["params"]
   finally:
     mngr.close()

@@ -59,7 +59,7 @@ from opd.training.optim import (OptimConfig, Optimizer, make_optimizer,  # noqa:
                                 make_schedule)
 
 __all__ = [
-    "LossFn", "NonFiniteError", "OptimConfig", "Optimizer", "RESERVED_METRICS", "TrainState",
+    "LossFn", "LossWithFrozen", "NonFiniteError", "OptimConfig", "Optimizer", "RESERVED_METRICS", "TrainState",
     "abstract_train_state", "init_train_state", "make_optimizer", "make_schedule",
     "make_train_step", "process_batch_rows", "raise_if_nonfinite", "shard_batch",
 ]
@@ -71,6 +71,19 @@ LossFn = Callable[[PyTree, PyTree, Array], tuple[Array, Mapping[str, Array]]]
 # Metric names the step itself writes; a loss_fn may not reuse them.
 RESERVED_METRICS = ("loss", "grad_norm", "lr", "finite", "loss_finite", "grads_finite",
                     "update_finite")
+
+
+class LossWithFrozen(flax.struct.PyTreeNode):
+  """A loss that reads arrays it never trains (a LoRA student's base,
+  ``opd.training.lora_state``), for ``make_train_step``.
+
+  The step passes ``frozen`` to its jitted program as an argument on the
+  arrays' own shardings (never a compile-time constant, never donated, not in
+  the ``TrainState`` nor its checkpoints) and differentiates only ``params``:
+  ``fn(params, batch, rng, frozen) -> (loss, metrics)``.
+  """
+  fn: Callable = flax.struct.field(pytree_node=False)
+  frozen: PyTree = None
 
 
 class NonFiniteError(FloatingPointError):
@@ -318,7 +331,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
     loss_fn: ``loss_fn(params, batch, rng) -> (loss, metrics)``; ``loss`` a
       scalar mean over the (micro)batch, ``metrics`` a dict of arrays that are
       averaged over microbatches. ``rng`` is a typed key, distinct per step
-      and microbatch.
+      and microbatch. A ``LossWithFrozen`` also gets its frozen arrays (an
+      argument of the jitted step, which ``jitted_for(batch)`` then takes as
+      ``(state, batch, frozen)``), with gradients for ``params`` only.
     optimizer: the transformation the state was created with; an
       ``Optimizer`` from ``make_optimizer`` also sets ``grad_accum_steps``.
     mesh: the mesh of ``state_shardings``.
@@ -351,6 +366,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
     state is returned unchanged.
   """
   rules = sharding_lib.validate_rules(rules)
+  frozen = loss_fn.frozen if isinstance(loss_fn, LossWithFrozen) else None
+  if isinstance(loss_fn, LossWithFrozen):
+    loss_fn = loss_fn.fn
   n_micro = _grad_accum_steps(optimizer, grad_accum_steps)
   rep = sharding_lib.replicated(mesh)
   param_shardings = state_shardings.params
@@ -365,11 +383,12 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
       raise ValueError(f"loss_fn metrics use reserved names {clash}; reserved: {RESERVED_METRICS}")
     return metrics
 
-  def checked_loss(params, batch, key):
-    loss, metrics = loss_fn(params, batch, key)
-    return loss, dict(check_outputs(loss, metrics))
+  def compute_grads(params, batch, key, batch_specs, fixed):
+    def checked_loss(params, batch, key):
+      out = loss_fn(params, batch, key) if frozen is None else loss_fn(params, batch, key, fixed)
+      loss, metrics = out
+      return loss, dict(check_outputs(loss, metrics))
 
-  def compute_grads(params, batch, key, batch_specs):
     grad_fn = jax.value_and_grad(checked_loss, has_aux=True)
     if n_micro == 1:
       (loss, metrics), grads = grad_fn(params, batch, key)
@@ -408,9 +427,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
     return (l_sum * scale, jax.tree.map(lambda m: m * scale, m_sum),
             jax.tree.map(lambda g: g * scale, g_sum))
 
-  def step_impl(state: TrainState, batch, batch_specs):
+  def step_impl(state: TrainState, batch, batch_specs, fixed=None):
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-    loss, user_metrics, grads = compute_grads(state.params, batch, key, batch_specs)
+    loss, user_metrics, grads = compute_grads(state.params, batch, key, batch_specs, fixed)
     loss = loss.astype(jnp.float32)
     grads = jax.lax.with_sharding_constraint(grads, param_shardings)
     grad_norm = optax.tree.norm(grads)
@@ -446,6 +465,13 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
       shard = batch_shardings
     if key not in compiled:
       specs = jax.tree.map(lambda s: s.spec, shard)
+      if frozen is not None:
+        compiled[key] = jax.jit(
+            lambda state, batch, fixed: step_impl(state, batch, specs, fixed),
+            in_shardings=(state_shardings, shard, jax.tree.map(lambda x: x.sharding, frozen)),
+            out_shardings=(state_shardings, rep), donate_argnums=(0,) if donate else (),
+            compiler_options=compiler_options)
+        return compiled[key]
       impl = lambda state, batch: step_impl(state, batch, specs)
       compiled[key] = jax.jit(impl, in_shardings=(state_shardings, shard),
                               out_shardings=(state_shardings, rep),
@@ -456,7 +482,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
   def step(state: TrainState, batch) -> tuple[TrainState, dict]:
     fn = jitted_for(batch)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-      return fn(state, batch)
+      return fn(state, batch) if frozen is None else fn(state, batch, frozen)
 
   step.jitted_for = jitted_for  # exposed for lowering / cost analysis
   return step

@@ -17,12 +17,13 @@ from jax.ad_checkpoint import print_saved_residuals
 from opd.distill.loss import OPDLossConfig, make_opd_loss
 from opd.models import ModelConfig, forward, init_params
 from opd.models.decoder import Decoder
-from opd.models.lora import LoRAConfig
+from opd.models.lora import LoRAConfig, lora_loss, lora_param_count
 from opd.parallel import memory
 from opd.parallel.sharding import DEFAULT_RULES, make_mesh
 from opd.training.lora_state import init_lora_train_state
 from opd.training.optim import OptimConfig, make_optimizer
-from opd.training.train_step import abstract_train_state, make_train_step
+from opd.training.objectives import next_token_loss
+from opd.training.train_step import LossWithFrozen, abstract_train_state, make_train_step
 
 TINY = ModelConfig(vocab_size=512, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=384)
 
@@ -211,13 +212,56 @@ def test_sharding_divides_the_terms():
 def test_lora_terms_match_the_lora_train_state():
   lora = LoRAConfig(rank=4)
   mesh = make_mesh((1, 1, 1), jax.devices()[:1])
-  state, _, _ = init_lora_train_state(TINY, lora, make_optimizer(OptimConfig()), mesh,
-                                      base_params=init_params(TINY, jax.random.key(0)),
-                                      check_min_size=None)
+  state, _, base = init_lora_train_state(TINY, lora, make_optimizer(OptimConfig()), mesh,
+                                         base_params=init_params(TINY, jax.random.key(0)),
+                                         check_min_size=None)
   est = memory.estimate_memory(TINY, (1, 1, 1), 4, 32, lora=memory.LoRAMemory(lora))
-  assert est.params == _bytes(state.params)  # bf16 base + fp32 adapters
+  assert est.params == _bytes(base) + _bytes(state.params)  # bf16 base + fp32 adapters
   moments = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state) if x.ndim)
   assert est.optimizer == moments
+  assert est.grads == _bytes(state.params) and est.update == 3 * _bytes(state.params)
+
+
+def test_compiled_lora_step_holds_no_base_gradient():
+  """The LoRA step as the trainers build it (``LossWithFrozen``: the base an
+  argument, the adapters differentiated), compiled on one device with an
+  fp32 base (so a base-sized gradient would be P·4 bytes, like the base).
+  Arguments: base + adapters + moments + batch, exactly; outputs (the
+  donated state) the adapters and moments only; and the peak matches
+  ``estimate_memory(lora=...)``, whose gradient term is the adapters' n·4
+  bytes. The old path (the base inside the differentiated tree, its zero
+  gradient and ``set_to_zero`` update) returned the base as an output; its
+  model counted a base-sized gradient and no merged weights."""
+  lora = LoRAConfig(rank=4)
+  mesh = make_mesh((1, 1, 1), jax.devices()[:1])
+  optimizer = make_optimizer(OptimConfig(lr=1e-3))
+  state, shardings, base = init_lora_train_state(
+      TINY, lora, optimizer, mesh, base_params=init_params(TINY, jax.random.key(0)),
+      base_dtype="float32", check_min_size=None)
+  step = make_train_step(LossWithFrozen(lora_loss(next_token_loss(TINY), lora), base),
+                         optimizer, mesh, shardings)
+  batch = {"tokens": jnp.zeros((2, 9), jnp.int32)}
+  with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
+    compiled = step.jitted_for(batch).lower(state, batch, base).compile()
+  m = compiled.memory_analysis()
+  n_lora, n_base = lora_param_count(TINY, lora), TINY.num_params()
+  assert _bytes(state.params) == n_lora * 4
+  state_bytes = _bytes(state)  # adapters, 2 moments, rng [2] and scalars (step, counts, lr)
+  scalars = sum(x.dtype.itemsize for x in jax.tree.leaves(state) if x.ndim == 0)
+  assert state_bytes == 3 * n_lora * 4 + 8 + scalars
+  assert m.argument_size_in_bytes == n_base * 4 + state_bytes + 2 * 9 * 4
+  assert m.alias_size_in_bytes == state_bytes  # the donated state comes back in place
+  assert m.output_size_in_bytes - m.alias_size_in_bytes < n_lora * 4  # no base among them
+  est = memory.estimate_memory(TINY, (1, 1, 1), 2, 8, lora=memory.LoRAMemory(lora, base_bytes=4))
+  assert est.grads == n_lora * 4
+  # The merged weights: every projection of both layers (q, k, v, o: 4·128·32 + 2·(2·128·32)
+  # ... = 2 · (16384 + 8192 + 8192 + 16384 + 3 · 128 · 384)) in fp32; without this term
+  # the model lies 0.67 of the peak.
+  assert est.lora_merged == 2 * (16384 + 8192 + 8192 + 16384 + 3 * 128 * 384) * 4
+  # As test_opd_train_step_peak_tracks_the_model_with_the_finite_guard; the batch's
+  # 72 bytes of tokens are not in the model (next-token loss: 8 trained tokens a row).
+  assert abs((est.total + 2 * 9 * 4) / _peak(compiled) - 1) < 0.15, (est.terms(),
+                                                                     _peak(compiled))
 
 
 def test_teacher_terms_follow_their_widths_and_the_weight_split():

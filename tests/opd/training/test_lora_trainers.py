@@ -1,11 +1,15 @@
 """LoRA students inside the trainers (opd/training/lora_state.py: LoRAStudent, init_student).
 
 ``train_sft`` / ``train_lm``, ``train_grpo`` and ``train_opd`` take a
-``LoRAStudent(base, LoRAConfig)`` as their ``params``: only the adapters are
-trained and have optimizer moments, the base stays bit for bit, rollouts and
-evaluation see the merged params, a resumed run equals a straight one, and
-the merged export equals the adapted forward. Tiny models (D = 32, 2 layers).
+``LoRAStudent(base, LoRAConfig)`` as their ``params``: the state (and its
+checkpoints) hold the adapters and their optimizer moments only, the step
+computes gradients for the adapters only, rollouts and evaluation see the
+merged params, a resumed run equals a straight one, a checkpoint restores its
+base from the reference it records and refuses a changed one, and the merged
+export equals the adapted forward. Tiny models (D = 32, 2 layers).
 """
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,18 +22,19 @@ from opd.distill.teachers import Teacher
 from opd.distill.trainer import train_opd
 from opd.models import ModelConfig, forward, init_params
 from opd.models.hf import load_hf, save_hf
-from opd.models.lora import TARGETS, LoRAConfig, lora_apply, lora_param_count
+from opd.models.lora import TARGETS, LoRAConfig, lora_apply, lora_init, lora_param_count
 from opd.parallel import sharding
 from opd.rl import GRPOConfig, train_grpo
 from opd.rl import grpo as grpo_module
 from opd.rl.grpo import GRPOExtras
+from opd.rollout.batches import RolloutConfig
 from opd.tasks import Example
 from opd.text.tokenizers import ByteTokenizer
 from opd.training import data
 from opd.training import lora_state
 from opd.training.checkpoints import CheckpointManager, load_params
 from opd.training.lm_trainer import LMTrainConfig, train_lm
-from opd.training.lora_state import LoRAStudent, export_params, init_student
+from opd.training.lora_state import LoRABaseError, LoRAStudent, export_params, init_student
 from opd.training.loop_config import LoopConfig, RunIO, Runtime
 from opd.training.sft import SFTData, train_sft
 from opd.training.train_step import OptimConfig, make_optimizer, make_train_step
@@ -51,10 +56,11 @@ def base():
   return init_params(CFG, jax.random.key(0))
 
 
-def _assert_base_unchanged(state, base, dtype):
-  """The state's base equals the given base cast to its storage dtype, bit for bit."""
-  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
-               state.params["base"], jax.tree.map(lambda x: x.astype(dtype), base))
+def _assert_adapters_only(state):
+  """The state's params are the adapters (no base weight), in fp32."""
+  want = jax.eval_shape(lambda: lora_init(CFG, LORA, jax.random.key(0)))
+  assert jax.tree.structure(state.params) == jax.tree.structure(want)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
 
 
 def _opt_bytes(opt_state):
@@ -69,8 +75,8 @@ def test_lora_sft_trains_only_the_adapters(mesh, base, tmp_path):
                              loop=LMTrainConfig(steps=3, eval_every=3, progress=False),
                              runtime=Runtime(mesh, seed=0))
   assert int(state.step) == 3
-  _assert_base_unchanged(state, base, jnp.bfloat16)
-  q_b = np.asarray(state.params["lora"]["layers_0"]["attn"]["q"]["b"])
+  _assert_adapters_only(state)
+  q_b = np.asarray(state.params["layers_0"]["attn"]["q"]["b"])
   assert np.abs(q_b).max() > 0  # b starts at 0: the adapters were trained
   # Adam's mu and nu for the adapters only (fp32), plus scalar counts; the
   # same optimizer on the full model holds 2 x 4 bytes per parameter.
@@ -83,8 +89,11 @@ def test_lora_sft_trains_only_the_adapters(mesh, base, tmp_path):
   evals = [m for _, m in history if "eval/loss" in m]
   assert len(evals) == 1 and np.isfinite(evals[0]["eval/loss"])
   saved = CheckpointManager(tmp_path / "checkpoints").read_config()
+  # The base it trained on, by checksum (no checkpoint path: the base came as arrays).
+  checksum = lora_state.base_checksum(jax.tree.map(lambda x: x.astype(jnp.bfloat16), base))
   assert saved["lora"] == {"rank": 3, "alpha": 6.0, "targets": list(LORA.targets),
-                           "base_dtype": "bfloat16"}
+                           "base_dtype": "bfloat16",
+                           "base": {"path": None, "step": None, "checksum": checksum}}
 
 
 def _lm_batches():
@@ -97,31 +106,46 @@ def _lm_batches():
       process_index=0, process_count=1))
 
 
-def _train_lm(mesh, base, steps, ckpt):
-  student = LoRAStudent(base, LORA, base_dtype="float32")
+def _base_checkpoint(base, directory, step=0):
+  """``base`` saved as a training run's params checkpoint (what ``load_params`` reads)."""
+  with CheckpointManager(directory) as mngr:
+    mngr.save(step, {"params": base}, config={"model": CFG.to_dict()})
+  return directory
+
+
+def _train_lm(mesh, base, steps, ckpt, base_dir=None):
+  student = LoRAStudent(base, LORA, base_dtype="float32", base_checkpoint=base_dir)
   return train_lm(CFG, iter(_lm_batches()), OPTIM,
                   LMTrainConfig(steps=steps, save_every=2, progress=False),
                   RunIO(checkpoint_dir=ckpt), runtime=Runtime(mesh, seed=3), params=student)
 
 
+def _dir_bytes(path) -> int:
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
 def test_lora_resume_equals_a_straight_run_and_exports_equal_the_adapted_forward(
     mesh, base, tmp_path):
-  straight = _train_lm(mesh, base, 4, tmp_path / "straight")
-  _train_lm(mesh, base, 2, tmp_path / "resumed")
-  resumed = _train_lm(mesh, base, 4, tmp_path / "resumed")  # restores step 2, runs 3 and 4
+  base_dir = _base_checkpoint(base, tmp_path / "base")
+  base = load_params(base_dir, CFG)  # as a job gets it (config.init)
+  straight = _train_lm(mesh, base, 4, tmp_path / "straight", base_dir)
+  _train_lm(mesh, base, 2, tmp_path / "resumed", base_dir)
+  resumed = _train_lm(mesh, base, 4, tmp_path / "resumed", base_dir)  # step 2, then 3 and 4
   assert int(resumed.step) == int(straight.step) == 4
   # Same program, same inputs, same device: a resume is exact.
   jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
                resumed, straight)
-  _assert_base_unchanged(straight, base, jnp.float32)
-  # A later stage loading the run's params gets the merged model.
+  _assert_adapters_only(straight)
+  student = LoRAStudent(base, LORA, base_dtype="float32")
+  # A later stage loading the run's params gets the merged model: the base
+  # restored from the checkpoint the run's config references.
   loaded_ckpt = load_params(tmp_path / "straight", CFG)
   jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
-               loaded_ckpt, export_params(straight, LORA))
-  save_hf(str(tmp_path / "hf"), CFG, export_params(straight, LORA), arch="qwen3")
+               loaded_ckpt, export_params(student, straight.params))
+  save_hf(str(tmp_path / "hf"), CFG, export_params(student, straight.params), arch="qwen3")
   cfg2, loaded = load_hf(str(tmp_path / "hf"))
   tokens = jax.random.randint(jax.random.key(6), (2, 7), 0, CFG.vocab_size)
-  adapted = forward(CFG, lora_apply(base, straight.params["lora"], LORA), tokens).logits
+  adapted = forward(CFG, lora_apply(base, straight.params, LORA), tokens).logits
   base_logits = forward(CFG, base, tokens).logits
   assert float(jnp.abs(adapted - base_logits).max()) > 1e-3  # the adapters matter
   np.testing.assert_array_equal(np.asarray(forward(cfg2, loaded, tokens).logits),
@@ -146,18 +170,21 @@ def test_lora_opd_step_gradient_is_the_full_gradient_projected(mesh, base, monke
                          LoRAStudent(base, LORA, base_dtype="float32"))
   # Adapters with b != 0, so both chain-rule products are non-trivial.
   lora = jax.tree.map(lambda x, k: x + 0.1 * jax.random.normal(k, x.shape),
-                      student.state.params["lora"],
-                      jax.tree.unflatten(jax.tree.structure(student.state.params["lora"]),
+                      student.state.params,
+                      jax.tree.unflatten(jax.tree.structure(student.state.params),
                                          list(jax.random.split(jax.random.key(2), len(
-                                             jax.tree.leaves(student.state.params["lora"]))))))
-  state = student.state.replace(params={**student.state.params, "lora": lora})
+                                             jax.tree.leaves(student.state.params))))))
+  state = student.state.replace(params=lora)
   loss, batch = opd_loss_and_batch(CFG)
   step = make_train_step(student.loss(loss), student.optimizer, mesh, student.shardings,
                          donate=False)
   new, metrics = step(state, batch)
   assert bool(metrics["finite"])
-  _assert_base_unchanged(new, base, jnp.float32)
-  captured = new.opt_state.inner_states["train"].inner_state[0]["lora"]
+  captured = new.opt_state[0]
+  # The step differentiated the adapters alone: its gradient has their leaves
+  # and bytes (fp32), none of the base's.
+  assert jax.tree.structure(captured) == jax.tree.structure(lora)
+  assert sum(x.nbytes for x in jax.tree.leaves(captured)) == lora_param_count(CFG, LORA) * 4
   # The independent path: jax.grad of the plain loss at the merged params,
   # projected in float64 (tests/lora_checks.py).
   key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
@@ -205,15 +232,15 @@ def test_grpo_with_lora_runs_two_steps_and_rollouts_see_the_merged_params(mesh, 
                    extras=GRPOExtras(reward_fn=reward))
   assert int(run.state.step) == 4  # 2 batches x 2 updates
   assert all(np.isfinite(m["train/loss"]) for m in run.history)
-  _assert_base_unchanged(run.state, base, jnp.bfloat16)
+  _assert_adapters_only(run.state)
   q_bf16 = np.asarray(base["layers_0"]["attn"]["q"].astype(jnp.bfloat16), np.float32)
   # Batch 1 samples from the fresh adapters (b = 0: the merge is the base);
   # batch 2 from the params after 2 updates, the adapters applied.
   assert len(seen) == 2
   np.testing.assert_array_equal(seen[0], q_bf16)
   assert np.abs(seen[1] - q_bf16).max() > 0
-  merged = lora_apply(run.state.params["base"], run.state.params["lora"], LORA,
-                      dtype=jnp.float32)
+  merged = lora_apply(jax.tree.map(lambda x: x.astype(jnp.bfloat16), base), run.state.params,
+                      LORA, dtype=jnp.float32)
   assert len(evals) == 1 and jax.tree.structure(evals[0]) == jax.tree.structure(base)
   np.testing.assert_array_equal(np.asarray(evals[0]["layers_1"]["mlp"]["down"]),
                                 np.asarray(merged["layers_1"]["mlp"]["down"]))
@@ -225,14 +252,14 @@ def test_opd_with_lora_trains_only_the_adapters(mesh, base):
   teachers = [Teacher("ta", wide, init_params(wide, jax.random.key(1)), "alpha")]
   prompts = [Example("alpha", f"alpha-{i}", "train", 1, f"Say something ({i}).",
                      (("assistant", "x"),), {}) for i in range(4)]
-  cfg = OPDConfig(prompts_per_step=2, group_size=2, max_new_tokens=4, seq_len=64,
-                  length_bucket=0, diag_every=0)
+  cfg = OPDConfig(RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=4, seq_len=64,
+                                length_bucket=0), diag_every=0)
   run = train_opd(CFG, LoRAStudent(base, LORA), teachers, prompts, cfg, OPTIM,
                   LoopConfig(2, progress=False), runtime=Runtime(mesh, seed=0, tokenizer=TOK))
   assert int(run.state.step) == 2
   assert all(np.isfinite(m["train/loss"]) and m["train/opd_tokens"] > 0 for m in run.history)
-  _assert_base_unchanged(run.state, base, jnp.bfloat16)
-  assert np.abs(np.asarray(run.state.params["lora"]["layers_1"]["mlp"]["down"]["b"])).max() > 0
+  _assert_adapters_only(run.state)
+  assert np.abs(np.asarray(run.state.params["layers_1"]["mlp"]["down"]["b"])).max() > 0
 
 
 @pytest.mark.parametrize("make, needle", [
@@ -256,3 +283,41 @@ def test_trainer_refuses_a_base_of_another_shape_and_an_moe_bias_update(mesh, ba
   with pytest.raises(ValueError, match=r"ModelConfig.moe.bias_update_rate=0.01"):
     train_lm(moe_cfg, iter([]), OPTIM, LMTrainConfig(steps=1, progress=False),
              runtime=Runtime(mesh), params=LoRAStudent(moe_base, LORA))
+
+
+def test_lora_checkpoint_holds_the_adapters_and_refuses_a_changed_or_missing_base(
+    mesh, base, tmp_path):
+  """The checkpoint of a LoRA run is its adapters, their moments and a
+  reference to the base checkpoint (path, step, checksum): ``load_params``
+  restores the base from there, and refuses one that changed or is gone; a
+  resume given another base is refused by the config check."""
+  import shutil  # noqa: PLC0415
+  base_dir = _base_checkpoint(base, tmp_path / "base")
+  base = load_params(base_dir, CFG)
+  run = _train_lm(mesh, base, 2, tmp_path / "lora", base_dir)
+  with CheckpointManager(tmp_path / "lora") as mngr:
+    # Restoring onto the adapter-only state checks the structure both ways
+    # (a base leaf in the checkpoint is "unexpected"), so this is all it holds.
+    restored = mngr.restore(run).state
+    ref = mngr.read_config()["lora"]["base"]
+  n_lora, n_base = lora_param_count(CFG, LORA), CFG.num_params()
+  float_bytes = sum(x.nbytes for x in jax.tree.leaves(restored)
+                    if x.ndim and jnp.issubdtype(x.dtype, jnp.floating))
+  assert float_bytes == 3 * n_lora * 4  # adapters + Adam's mu and nu, fp32
+  assert float_bytes < 0.3 * n_base * 4  # the fp32 base alone is 143,616 bytes here
+  assert ref["path"] == os.path.abspath(base_dir) and ref["step"] == 0
+  # The base changed under the same path and step: refused, naming both checksums.
+  other = jax.tree.map(lambda x: x * 1.5, base)
+  shutil.rmtree(base_dir / "0")
+  _base_checkpoint(other, base_dir)
+  with pytest.raises(LoRABaseError, match=rf"{ref['checksum']}.* now has checksum "
+                                           rf"{lora_state.base_checksum(other)}"):
+    load_params(tmp_path / "lora", CFG)
+  shutil.rmtree(base_dir)  # the base is gone
+  with pytest.raises(LoRABaseError, match=rf"its base {base_dir} \(step 0, checksum "
+                                           rf"{ref['checksum']}\) cannot be restored"):
+    load_params(tmp_path / "lora", CFG)
+  # A resume given another base: the checkpoint's config names the checksum it trained on.
+  with pytest.raises(ValueError, match=rf"lora.base.checksum: checkpoint has "
+                                       rf"'{ref['checksum']}'"):
+    _train_lm(mesh, other, 4, tmp_path / "lora")
