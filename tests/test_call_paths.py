@@ -1,4 +1,4 @@
-"""Calls climb back up at most twice from a job's entry to its end point (issue #24, docs/DESIGN.md §1).
+"""Calls climb back up at most twice from a job's entry to its end point (#24, docs/DESIGN.md §1).
 
 ``tools/call_paths.py`` runs a job under ``sys.setprofile`` and records, at
 every call that enters the job's end point from outside it, the stack of repo
@@ -41,10 +41,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 MAX_CLIMBS = 2
 
 
-def _load(name: str, path: pathlib.Path):
+def _load(name: str, path: pathlib.Path, register=sys.modules.__setitem__):
+  """The module at ``path``, registered as ``name`` by ``register(name, module)``."""
   spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
-  sys.modules[name] = module
+  register(name, module)
   spec.loader.exec_module(module)
   return module
 
@@ -102,15 +103,17 @@ PLANTED = {
 }
 
 
-def test_a_planted_chain_that_climbs_three_times_is_caught(tmp_path):
+def test_a_planted_chain_that_climbs_three_times_is_caught(tmp_path, monkeypatch):
   names = {}
   for rel, source in PLANTED.items():
     (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / rel).write_text(textwrap.dedent(source))
-  for name, rel in [("plant_kern", "pallas_kernels/kern.py"), ("plant_drive", "opd/training/drive.py"),
+  for name, rel in [("plant_kern", "pallas_kernels/kern.py"),
+                    ("plant_drive", "opd/training/drive.py"),
                     ("plant_distill", "opd/distill/cb.py"), ("plant_grm", "grm/cb.py"),
                     ("plant_exp", "experiments/cb.py")]:
-    names[name] = _load(name, tmp_path / rel)
+    names[name] = _load(name, tmp_path / rel,  # removed from sys.modules after the test
+                        lambda n, m: monkeypatch.setitem(sys.modules, n, m))
   paths = call_paths.CallPaths(lambda path, fn: path.startswith("pallas_kernels/"),
                                root=tmp_path)
   with paths:

@@ -1,4 +1,4 @@
-"""The call paths from a job's entry to its end points, and how often they climb (docs/DESIGN.md §1).
+"""Call paths from a job's entry to its end points, and how often they climb (docs/DESIGN.md §1).
 
 Imports only point down (``tests/test_layering.py``), but calls may still run
 back up through callbacks: a trainer in ``opd/training`` calling a loss that
