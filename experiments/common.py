@@ -107,9 +107,12 @@ def sft_mode(model_cfg: ModelConfig, mode: str = "pack") -> str:
   return "pad" if model_cfg.v4 is not None else mode
 
 
-def lora_student(params, group, field: str):
+def lora_student(params, group, field: str, base_checkpoint=None):
   """``params``, or a ``LoRAStudent`` over them when ``group.rank`` > 0 (the
-  trainers then train only the adapters; ``field`` names the group in errors)."""
+  trainers then train only the adapters; ``field`` names the group in errors).
+  ``base_checkpoint``: the checkpoint root ``params`` were loaded from (the
+  job's ``init``), recorded in the run's LoRA checkpoints so that
+  ``load_params`` can restore their base (None or "": not from a checkpoint)."""
   if group is None or not group.get("rank"):
     return params
   from opd.models.lora import LoRAConfig  # noqa: PLC0415
@@ -119,7 +122,8 @@ def lora_student(params, group, field: str):
     raise ValueError(f"{field} has unknown field(s) {unknown}; known: {LORA_FIELDS}")
   cfg = LoRAConfig(rank=group.rank, alpha=group.get("alpha", LoRAConfig.alpha),
                    targets=tuple(group.get("targets", LoRAConfig.targets)))
-  return LoRAStudent(params, cfg, base_dtype=group.get("base_dtype", "bfloat16"))
+  return LoRAStudent(params, cfg, base_dtype=group.get("base_dtype", "bfloat16"),
+                     base_checkpoint=base_checkpoint or None)
 
 
 def model_at_width(model, width, field: str):

@@ -149,7 +149,8 @@ def run_opd(config, workdir: str) -> dict:
     firsts = {0: first} if first else {}
     # A LoRA student (config.student.lora.rank > 0) starts with zero adapters:
     # the step-0 eval above saw exactly its merged params.
-    student = common.lora_student(params, config.student.get("lora"), "config.student.lora")
+    student = common.lora_student(params, config.student.get("lora"), "config.student.lora",
+                                  base_checkpoint=config.student.init)
     asked = pool if len(plain) == len(teachers) else teachers
     out = train_opd(student_cfg, student, asked, prompts, cfg, common.optim_config(config.optim),
                     LoopConfig(config.train.steps, save_every=config.train.save_every,
@@ -216,7 +217,8 @@ def run_cold_start(config, workdir: str) -> dict:
               config={"model": student_cfg.to_dict(), "experiment": config_to_dict(config)},
               first_metrics=first),
         runtime=Runtime(mesh, rules, seed=config.seed),
-        params=common.lora_student(params, config.student.get("lora"), "config.student.lora"))
+        params=common.lora_student(params, config.student.get("lora"), "config.student.lora",
+                                   base_checkpoint=config.student.init))
   losses = [m["loss"] for _, m in logger.history if "loss" in m]
   return {"steps": int(state.step), **data.metrics,
           "train_loss_first": first[1]["loss"] if 1 in first else float("nan"),

@@ -52,7 +52,8 @@ def run(config, workdir: str) -> dict:
   workdir = pathlib.Path(workdir)
   with MetricWriter(workdir) as writer:
     out = grpo_lib.train_grpo(
-        model_cfg, common.lora_student(params, config.get("lora"), "config.lora"),
+        model_cfg, common.lora_student(params, config.get("lora"), "config.lora",
+                                       base_checkpoint=config.init),
         params if cfg.kl_coef > 0 else None, prompts, cfg,
         common.optim_config(config.optim),
         LoopConfig(config.train.steps, save_every=config.train.save_every,

@@ -36,7 +36,8 @@ def run(config, workdir: str) -> dict:
                  replay_domains=tuple(config.data.get("replay_domains", ())),
                  replay_fraction=config.data.get("replay_fraction", 0.0))
   first: dict = {}  # step 1's metrics, restored from the checkpoint on a resume
-  params = common.lora_student(params, config.get("lora"), "config.lora")
+  params = common.lora_student(params, config.get("lora"), "config.lora",
+                               base_checkpoint=config.init)
   state, history = train_sft(model_cfg, params, data, workdir,
                              optim=common.optim_config(config.optim), loop=loop,
                              runtime=Runtime(mesh, rules, seed=config.seed,

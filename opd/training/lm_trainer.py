@@ -108,7 +108,7 @@ def train_lm(model_cfg: ModelConfig, batches: Iterator[Mapping[str, np.ndarray]]
     params: start from these parameters (SFT from a base, a specialist
       from SFT) instead of a random init; a ``LoRAStudent`` trains adapters on
       its frozen base (``opd.training.lora_state``: the state's params are
-      ``{"base", "lora"}``, evaluation sees them merged).
+      the adapters, evaluation sees them merged).
     eval_batches: held-out batches for ``eval/loss``.
 
   Returns:
