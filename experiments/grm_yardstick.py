@@ -1,16 +1,20 @@
-"""The GRM yardstick on any ``grm`` run's GRM stages, without a meta-RM (docs/DESIGN.md §6).
+"""The GRM yardstick on any ``grm`` run's GRM stages (docs/DESIGN.md §6).
 
   python -m experiments.grm_yardstick --workdir=workdirs/grm_control \\
       [--stages=cold_start,rft,rule_rl] [--ks=1,4] [--out=<workdir>/yardstick] \\
-      [--constrained=true|false]
+      [--constrained=true|false] [--meta_rm]
 
 For each finished GRM stage of the run: greedy and the first k of
 ``max(ks)`` samples at the run's ``benchmark.temperature`` on its test groups
 and on the content-blind control of them (``grm.yardstick.content_blind``),
 as the benchmark stage samples them (``experiments.grm_benchmark.grm_results``,
-with the run's ``benchmark`` sampling settings), but with no meta-RM, so a
+with the run's ``benchmark`` sampling settings), by default with no meta-RM, so a
 run that skipped the ``meta_rm`` and ``benchmark`` stages (the
 positive-control run, ``experiments/configs/grm.py:control``) is measured too.
+``--meta_rm`` scores every sample with the run's finished ``meta_rm`` stage as
+the benchmark stage does and keeps the meta-RM voting rows (k_meta over the
+valid judgements; results files ``..._meta.json``, never mixed with the
+meta-less ones).
 ``--constrained`` overrides the run's ``benchmark.constrained`` (the score line
 decoded under its grammar, so no judgement has the wrong count of scores;
 default: the run's setting); give such a measurement its own ``--out``.
@@ -18,7 +22,7 @@ Writes ``results_<stage>_k<ks>.json`` (per-group records; cached, so a rerun
 resumes), ``yardstick.json`` (``experiments.grm_benchmark.yardstick_table``:
 strict and chance-credit accuracy, valid and tie rates, n >= 2 and n = 1
 apart, chance, the most-common-rating baseline, the control) and
-``yardstick.md``. Meta-RM rows are left out (no meta-RM).
+``yardstick.md``. Without ``--meta_rm`` the meta-RM rows are left out.
 """
 from __future__ import annotations
 
@@ -42,6 +46,8 @@ def define_flags() -> None:
   flags.DEFINE_string("out", None, "where the results go (default <workdir>/yardstick)")
   flags.DEFINE_enum("constrained", None, ["true", "false"],
                     "decode the score line under its grammar (default: the run's setting)")
+  flags.DEFINE_bool("meta_rm", False, "score the samples with the run's meta_rm stage and keep "
+                    "the meta-RM voting rows")
 
 
 def parse_ks(text: str) -> tuple[int, ...]:
@@ -55,35 +61,45 @@ def parse_ks(text: str) -> tuple[int, ...]:
   return ks
 
 
-def measure(run_dir, stages, ks, out, constrained: bool | None = None) -> dict:
+def measure(run_dir, stages, ks, out, constrained: bool | None = None,
+            meta_rm: bool = False) -> dict:
   """The yardstick table of ``stages`` of ``run_dir`` (module docstring); writes ``out``
-  (``constrained``: the run's ``benchmark.constrained`` overridden when not None)."""
+  (``constrained``: the run's ``benchmark.constrained`` overridden when not None;
+  ``meta_rm``: the samples scored by the run's meta-RM, its voting rows kept)."""
   from experiments.grm_benchmark import grm_results, yardstick_table  # noqa: PLC0415
   from experiments import grm as grm_job  # noqa: PLC0415
-  from experiments.grm_common import GRM_STAGES, load_groups, load_test_subsets  # noqa: PLC0415
+  from experiments.grm_common import (GRM_STAGES, load_groups, load_test_subsets,  # noqa: PLC0415
+                                      stage_params)
   from experiments.grm_report import render_yardstick  # noqa: PLC0415
   run_dir, out = pathlib.Path(run_dir), pathlib.Path(out)
   bad = sorted(set(stages) - set(GRM_STAGES))
   if not stages or bad:
     raise ValueError(f"--stages={','.join(stages)!r}: {bad or 'none'} not among the GRM "
                      f"stages {GRM_STAGES}")
-  missing = [s for s in stages if not (run_dir / s / common.FINAL).exists()]
+  missing = [s for s in (*stages, *(("meta_rm",) if meta_rm else ()))
+             if not (run_dir / s / common.FINAL).exists()]
   if missing:
     raise FileNotFoundError(f"{run_dir}: stages {missing} have not finished (no "
                             f"{common.FINAL})")
   ctx = grm_job.saved_run_context(run_dir, ks, content_blind=True,  # the control on
                                   constrained=constrained)
   subsets = load_test_subsets(ctx)
+  meta = None
+  if meta_rm:
+    meta_cfg = ctx.model_cfg.replace(scalar_head=True)
+    meta = (meta_cfg, stage_params(ctx, "meta_rm", meta_cfg))
   out.mkdir(parents=True, exist_ok=True)
-  tag = "-".join(map(str, ks))
+  tag = "-".join(map(str, ks)) + ("_meta" if meta_rm else "")
   parts = {stage: common.cached_json(out / f"results_{stage}_k{tag}.json",
-                                     lambda stage=stage: grm_results(ctx, stage, subsets, None))
+                                     lambda stage=stage: grm_results(ctx, stage, subsets, meta))
            for stage in stages}
   table = yardstick_table(parts, load_groups(ctx).get("train", []), ctx.config)
-  table = {name: row for name, row in table.items() if "/meta@" not in name}
+  if not meta_rm:
+    table = {name: row for name, row in table.items() if "/meta@" not in name}
   common.write_json(out / "yardstick.json", table)
   (out / "yardstick.md").write_text("\n".join(
-      [f"# GRM yardstick of {run_dir} (no meta-RM)"] + render_yardstick(table)) + "\n")
+      [f"# GRM yardstick of {run_dir} ({'meta-RM' if meta_rm else 'no meta-RM'})"]
+      + render_yardstick(table)) + "\n")
   return table
 
 
@@ -94,7 +110,7 @@ def main(argv):
   run_dir = pathlib.Path(FLAGS.workdir)
   measure(run_dir, tuple(s for s in FLAGS.stages.split(",") if s), parse_ks(FLAGS.ks),
           FLAGS.out or run_dir / "yardstick",
-          None if FLAGS.constrained is None else FLAGS.constrained == "true")
+          None if FLAGS.constrained is None else FLAGS.constrained == "true", FLAGS.meta_rm)
   sys.stdout.write((pathlib.Path(FLAGS.out or run_dir / "yardstick") / "yardstick.md")
                    .read_text())
 

@@ -9,6 +9,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from experiments import grm as grm_job
@@ -334,6 +335,35 @@ def test_grm_yardstick_cli_resamples_the_benchmark_without_a_meta_rm(run, tmp_pa
   assert "| cold_start/greedy |" in proc.stdout
 
 
+def test_grm_yardstick_cli_with_the_meta_rm_gives_the_benchmarks_meta_scores(run, tmp_path):
+  """``--meta_rm``: the run's meta-RM scores the same samples as in the benchmark stage
+  (same seeds), so every sample's meta score is the benchmark's, and the meta@k rows
+  are recompute() of the records (k_meta over the valid judgements)."""
+  workdir, _ = run
+  out = tmp_path / "yard_meta"
+  cmd = [sys.executable, "-m", "experiments.grm_yardstick", f"--workdir={workdir}",
+         "--stages=cold_start", "--ks=1", f"--out={out}", "--meta_rm"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=one_device_env(), timeout=900,
+                        cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  mine = json.loads((out / "results_cold_start_k1_meta.json").read_text())
+  bench = json.loads((workdir / "benchmark" / "results_cold_start.json").read_text())
+  assert len(mine["records"]) == len(bench["records"])
+  for a, b in zip(mine["records"], bench["records"]):
+    assert a["samples"]["valid"] == b["samples"]["valid"]
+    # The same rows through the same scorer and batching: float32, ~1e-6 relative.
+    np.testing.assert_allclose(a["samples"]["meta"], b["samples"]["meta"], rtol=1e-5, atol=1e-6)
+  table = json.loads((out / "yardstick.json").read_text())
+  assert {k for k in table if "/" in k} == {"cold_start/greedy", "cold_start/vote@1",
+                                            "cold_start/meta@1"}
+  config = grm_config.get_config("tiny")
+  again = yardstick.recompute(mine["records"], (1,), num_resamples=config.benchmark.bootstrap_samples,
+                              seed=config.seed)
+  got = table["cold_start/meta@1"]
+  assert {k: got[k] for k in again["meta@1"]} == again["meta@1"]
+  assert "(meta-RM)" in proc.stdout
+
+
 def test_grm_yardstick_bad_arguments_name_the_flag(tmp_path):
   from experiments import grm_compare  # noqa: F401  (defines its own --ks at import)
   from experiments import grm_yardstick
@@ -345,3 +375,7 @@ def test_grm_yardstick_bad_arguments_name_the_flag(tmp_path):
     grm_yardstick.measure(tmp_path, ("meta_rm",), (1,), tmp_path / "out")
   with pytest.raises(FileNotFoundError, match=r"stages \['rft'\] have not finished"):
     grm_yardstick.measure(tmp_path, ("rft",), (1,), tmp_path / "out")
+  (tmp_path / "rft").mkdir()
+  (tmp_path / "rft" / "final_metrics.json").write_text("{}")
+  with pytest.raises(FileNotFoundError, match=r"stages \['meta_rm'\] have not finished"):
+    grm_yardstick.measure(tmp_path, ("rft",), (1,), tmp_path / "out", meta_rm=True)
