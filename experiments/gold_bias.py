@@ -117,22 +117,31 @@ def _candidates(student_tok, teacher_tok) -> list[list[int]]:
 
 
 def span_logq_at(t_cfg, t_params, prefix: Sequence[int], cands: Sequence[Sequence[int]],
-                 chunk: int = 256) -> np.ndarray:
-  """``[V_s]`` the teacher's log-probability of each candidate's ids after ``prefix``."""
+                 chunk: int = 256, bucket: int = 64) -> tuple[np.ndarray, np.ndarray]:
+  """The teacher after ``prefix``: ``([V_s]`` log-probability of each
+  candidate's ids, ``[V_t]`` its next-token logits``)``.
+
+  Rows are right-padded to a multiple of ``bucket`` (causal attention: the
+  padding after a row's ids changes none of its log-probs), so that few
+  shapes are compiled.
+  """
   from opd.models import forward
-  width = len(prefix) + max(len(c) for c in cands)
+  width = -(-(len(prefix) + max(len(c) for c in cands)) // bucket) * bucket
   rows = np.zeros((len(cands), width), np.int32)
   for r, c in enumerate(cands):
     rows[r, :len(prefix) + len(c)] = list(prefix) + list(c)
-  out = np.zeros(len(cands))
-  p0 = len(prefix)
+  out, p0, x = np.zeros(len(cands)), len(prefix), None
   for lo in range(0, len(cands), chunk):
-    logits = forward(t_cfg, t_params, jnp.asarray(rows[lo:lo + chunk])).logits
+    part = rows[lo:lo + chunk]
+    part = np.pad(part, ((0, chunk - part.shape[0]), (0, 0)))  # one shape per width
+    logits = forward(t_cfg, t_params, jnp.asarray(part)).logits
+    if x is None:
+      x = np.asarray(logits[0, p0 - 1], np.float32)
     lq = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
     for r in range(lo, min(lo + chunk, len(cands))):
       c = cands[r]
       out[r] = sum(lq[r - lo, p0 - 1 + k, c[k]] for k in range(len(c)))
-  return out
+  return out, x
 
 
 def measure(stage: pathlib.Path, n_batches: int, positions: int, seed: int) -> dict:
@@ -140,6 +149,7 @@ def measure(stage: pathlib.Path, n_batches: int, positions: int, seed: int) -> d
   ``positions`` aligned response positions per batch (drawn uniformly)."""
   from experiments import common
   from opd.models import forward, to_model_config
+  from opd.config.migrations import migrate
   from opd.rollout.batches import RolloutConfig, sample_groups, training_arrays
   from opd.rollout.policy import Policy, sampling_for_chat
   from opd.tasks import domain_examples
@@ -150,8 +160,8 @@ def measure(stage: pathlib.Path, n_batches: int, positions: int, seed: int) -> d
   (name, teacher), = run["teachers"].items()
   s_cfg = to_model_config(run["student"]["model"], "student.model")
   t_cfg = to_model_config(teacher["model"], f"teachers.{name}.model")
-  opd = run["opd"]
-  ro = dict(opd.get("rollout", opd))  # nested (new) or flat (old) layout
+  # A run recorded in the flat layout reads as today's (opd.config.migrations).
+  ro = migrate(run)["opd"]["rollout"]
   temp = float(ro["temperature"])
   if temp != 1.0:
     raise ValueError(f"stage {stage}: rollout temperature {temp}; q̃ is computed at τ = 1 only")
@@ -190,12 +200,13 @@ def measure(stage: pathlib.Path, n_batches: int, positions: int, seed: int) -> d
     for k in sorted(take):
       r, i, prefix = sites[k]
       z.append(z_all[r, i])
-      t_logits = forward(t_cfg, t_params, jnp.asarray([prefix], jnp.int32)).logits
-      x.append(np.asarray(t_logits[0, -1]))
-      lq.append(span_logq_at(t_cfg, t_params, prefix, cands))
+      lq_i, x_i = span_logq_at(t_cfg, t_params, prefix, cands)
+      lq.append(lq_i)
+      x.append(x_i)
     terms = bias_terms(np.stack(z), np.stack(x), np.stack(lq), s_ids, t_ids)
     batches.append({**batch_figures(*terms), "aligned_share": len(sites) / max(
         1, int(np.sum(host["loss_mask"] > 0)))})
+    print(f"{stage} batch {b}: {json.dumps(batches[-1])}", flush=True)
   return {"stage": str(stage), "student_tokenizer": s_cfg.tokenizer,
           "teacher_tokenizer": t_cfg.tokenizer, "shared_pairs": int(len(s_ids)),
           "summary": summarize(batches), "batches": batches}

@@ -118,3 +118,25 @@ def test_summarize_means_and_se():
   s = gold_bias.summarize(batches)
   assert s["loss_gap"] == pytest.approx(0.2) and s["positions"] == 5
   assert s["cos_se"] == pytest.approx(np.std([0.5, 0.7], ddof=1) / np.sqrt(2))
+
+
+def test_span_logq_at_equals_unpadded_forwards():
+  """Padding the candidate rows to a bucket and chunking them changes no
+  log-prob: each candidate scored alone (its own unpadded forward) gives the
+  same sum, and the next-token logits are the prefix's own last position's."""
+  import jax  # noqa: PLC0415
+
+  from opd.models import ModelConfig, forward, init_params  # noqa: PLC0415
+  cfg = ModelConfig(vocab_size=29, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)
+  params = init_params(cfg, jax.random.key(0))
+  prefix = [3, 17, 5, 9, 1]
+  cands = [[4], [7, 2], [0, 28, 13], [11]] * 3  # 12 rows: chunks of 5 leave a padded tail
+  got, x = gold_bias.span_logq_at(cfg, params, prefix, cands, chunk=5, bucket=16)
+  for r, c in enumerate(cands):
+    logits = np.asarray(forward(cfg, params, np.asarray([prefix + c], np.int32)).logits[0],
+                        np.float64)
+    lq = _log_softmax(logits)
+    want = sum(lq[len(prefix) - 1 + k, c[k]] for k in range(len(c)))
+    # float32 forwards of different shapes: rounding only (|log-prob| ~ 3, 1e-5 relative).
+    assert got[r] == pytest.approx(want, rel=1e-5, abs=1e-5)
+  np.testing.assert_allclose(x, logits[len(prefix) - 1], rtol=1e-5, atol=1e-5)
