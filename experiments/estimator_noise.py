@@ -141,6 +141,7 @@ def _measure(stage: pathlib.Path, init: str, n_batches: int, top_ks: Sequence[in
   """Samples ``n_batches`` OPD rollout batches from ``init`` and compares the estimators."""
   from experiments import common
   from opd.models import forward, to_model_config
+  from opd.config.migrations import migrate
   from opd.rollout.batches import RolloutConfig, sample_groups, training_arrays
   from opd.rollout.policy import Policy, sampling_for_chat
   from opd.tasks import domain_examples
@@ -153,8 +154,8 @@ def _measure(stage: pathlib.Path, init: str, n_batches: int, top_ks: Sequence[in
   t_cfg = to_model_config(teacher["model"], f"teachers.{name}.model")
   if s_cfg.vocab_size != t_cfg.vocab_size:
     raise ValueError(f"student V={s_cfg.vocab_size} != teacher {name!r} V={t_cfg.vocab_size}")
-  opd = run["opd"]
-  ro = dict(opd.get("rollout", opd))  # nested (new) or flat (old) layout
+  # A run recorded in the flat layout reads as today's (opd.config.migrations).
+  ro = migrate(run)["opd"]["rollout"]
   rollout = RolloutConfig(prompts_per_step=ro["prompts_per_step"], group_size=ro["group_size"],
                           temperature=ro["temperature"], max_new_tokens=ro["max_new_tokens"],
                           seq_len=ro["seq_len"], length_bucket=ro["length_bucket"])

@@ -128,8 +128,8 @@ def check_fields(obj: Any, owner: str, *, ints: Mapping[str, int] | None = None,
 
   The ``__post_init__`` block every config repeats, written once::
 
-    check_fields(self, "OPDConfig", ints={"group_size": 1, "length_bucket": 0},
-                 positive=("temperature",), bools=("verify",),
+    check_fields(self, "TeacherWeightingConfig", ints={"anneal_steps": 0},
+                 positive=("confidence_temperature",), bools=("confidence_per_token",),
                  choices={"schedule": SCHEDULES})
 
   Args:

@@ -66,8 +66,8 @@ __all__ = ["FORMS", "FORM_DEFAULTS", "advantage_loss", "check_form_fields",
            "discounted_future_sum", "policy_gradient_loss", "teacher_token_logprobs"]
 
 FORMS = ("exact", "advantage")
-# The advantage form's fields and their defaults (OPDLossConfig and OPDConfig
-# carry them under these names).
+# The advantage form's fields and their defaults (OPDLossConfig carries them
+# under these names; OPDConfig in its ``loss``).
 FORM_DEFAULTS = {"adv_gamma": 0.0, "adv_beta": 1.0, "adv_alpha": 0.0, "is_cap": 0.0}
 
 

@@ -104,8 +104,8 @@ class OPDConfig:
   Attributes:
     rollout: the student's rollouts (``opd.rollout.batches.RolloutConfig``:
       P prompts, G samples each at ``temperature``, ``top_k`` / ``top_p``,
-      N new tokens, rows of at most L tokens in buckets, ``domain_balance``).
-      The loss's GRPO term and advantage form take their log-probs at
+      N new tokens, rows of at most L tokens in buckets, ``domain_balance``;
+      default G = 4). The loss's GRPO term and advantage form take their log-probs at
       ``rollout.temperature``.
     weighting: how the teachers are weighed per token
       (``opd.distill.teacher_weighting.TeacherWeightingConfig``: routing,

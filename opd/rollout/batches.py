@@ -6,10 +6,10 @@ batches from the same pieces, which live here, below all of them:
 
 * ``RolloutConfig``: the rollout settings they share (P prompts per step, G
   samples per prompt, sampling, the training row length L and its bucket).
-  ``GRPOConfig`` and ``OPDConfig`` keep these fields flat (so config files
-  and ``--config.opd.seq_len=...`` overrides stay as they are) and expose
-  them as one typed ``RolloutConfig`` through their ``rollout`` property;
-  ``check_rollout_fields`` is the one validator of those fields;
+  ``GRPOConfig`` keeps these fields flat and exposes them as one typed
+  ``RolloutConfig`` through its ``rollout`` property; ``OPDConfig`` holds a
+  ``RolloutConfig`` (``config.opd.rollout.*``); ``check_rollout_fields`` is
+  the one validator of those fields;
 * ``PromptStream`` (an endless, resumable prompt iterator),
   ``DomainBalancedStream`` (the same, drawing the domains in turn, so every
   batch holds each domain equally; ``RolloutConfig.domain_balance``),
@@ -50,7 +50,7 @@ def check_rollout_fields(cfg: Any, owner: str, *, min_group_size: int = 1) -> No
 
   ``cfg`` is a (frozen) dataclass holding ``prompts_per_step``,
   ``group_size``, ``temperature``, ``max_new_tokens``, ``seq_len`` and
-  ``length_bucket``: a ``RolloutConfig``, ``GRPOConfig`` or ``OPDConfig``.
+  ``length_bucket``: a ``RolloutConfig`` or ``GRPOConfig``.
 
   Raises:
     ValueError: ``"{owner}.{field} must be ..., got value"``, or a ``seq_len``
