@@ -36,12 +36,15 @@ from opd.distill.cache import HiddenStateCache, loss_batch
 from opd.distill.faults import TeacherAnswers
 from opd.distill.loss import OPDLossConfig, make_opd_loss
 from opd.models import ModelConfig, forward, head_matrix, init_kind, init_params
+from opd.models.decoder import param_logical_axes
 from opd.models.layers import INIT_STD
+from opd.models.lora import LoRAConfig, lora_init, lora_loss
 from opd.parallel import memory
-from opd.parallel.sharding import DEFAULT_RULES, make_mesh
+from opd.parallel.sharding import DEFAULT_RULES, make_mesh, tree_shardings
 from opd.rollout.sampler import SamplingConfig, generate
 from opd.training.optim import OptimConfig, make_optimizer
-from opd.training.train_step import abstract_train_state, init_train_state, make_train_step
+from opd.training.train_step import (LossWithFrozen, abstract_train_state, init_train_state,
+                                    make_train_step)
 
 _QWEN3 = dict(vocab_size=151936, n_heads=16, n_kv_heads=8, head_dim=128, qk_norm=True,
               tie_embeddings=True, rope_theta=1_000_000.0, norm_eps=1e-6)
@@ -222,8 +225,24 @@ def _xla_bytes(compiled, constant_bytes: int = 0) -> dict[str, int]:
   return out
 
 
+def _lora_step(student: ModelConfig, loss_fn, optimizer, mesh, rank: int):
+  """``(step, abstract state, abstract bf16 base, LoRAMemory)`` of a LoRA
+  student of rank ``rank`` (alpha 2·rank, all seven projections), abstract:
+  the step ``opd.training.lora_state`` builds, nothing created."""
+  lora = LoRAConfig(rank=rank, alpha=2.0 * rank)
+  state, shardings = abstract_train_state(lambda r: lora_init(student, lora, r, boxed=True),
+                                          optimizer, mesh, master_dtype=None)
+  base_cfg = student.replace(param_dtype="bfloat16")
+  shapes = jax.eval_shape(lambda: init_params(base_cfg, jax.random.key(0)))
+  base = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes,
+                      tree_shardings(param_logical_axes(base_cfg), shapes, mesh, DEFAULT_RULES))
+  step = make_train_step(LossWithFrozen(lora_loss(loss_fn, lora, dtype=student.compute_dtype),
+                                        base), optimizer, mesh, shardings)
+  return step, state, base, memory.LoRAMemory(lora, base_bytes=2)
+
+
 def compiled_memory(*, full: bool = False, batch: int = 4, prompt_len: int = 16,
-                    new_tokens: int = 16, dtype: str = "bfloat16") -> dict:
+                    new_tokens: int = 16, dtype: str = "bfloat16", lora_rank: int = 0) -> dict:
   """XLA's compiled memory of the rehearsal's programs against the memory model.
 
   Compile only, one device, nothing but the teachers' heads created: the OPD
@@ -233,6 +252,8 @@ def compiled_memory(*, full: bool = False, batch: int = 4, prompt_len: int = 16,
   (``constant``). Predicted: ``estimate_memory``'s total for the step
   (minus ``teacher_params``, 0 here), and for a teacher forward
   ``forward_memory``'s weights + hidden states + one layer's transient.
+  ``lora_rank`` > 0 adds ``opd_step_lora``: the same step for a LoRA student
+  of that rank on a bf16 base (``LoRAMemory``).
   """
   cfgs = _configs(full, dtype)
   student = cfgs.pop("student")
@@ -244,6 +265,11 @@ def compiled_memory(*, full: bool = False, batch: int = 4, prompt_len: int = 16,
   loss_fn = make_opd_loss(student, heads, OPDLossConfig(estimator="full"),
                           teacher_names=tuple(cfgs))
   step = make_train_step(loss_fn, optimizer, mesh, shardings)
+  steps = {"opd_step": (step, (state,), None)}
+  if lora_rank:
+    lora_step, lora_state, base, lora_mem = _lora_step(student, loss_fn, optimizer, mesh,
+                                                       lora_rank)
+    steps["opd_step_lora"] = (lora_step, (lora_state, base), lora_mem)
   shape = (batch, seq_len)
   opd_batch = {"tokens": np.zeros(shape, np.int32), "targets": np.zeros(shape, np.int32),
                "mask": np.ones(shape, bool), "loss_mask": np.ones(shape, np.float32),
@@ -251,18 +277,19 @@ def compiled_memory(*, full: bool = False, batch: int = 4, prompt_len: int = 16,
                                        for c in cfgs.values()),
                "teacher_weights": np.full(shape + (len(cfgs),), 1 / len(cfgs), np.float32)}
   out = {}
-  t0 = time.perf_counter()
-  with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
-    compiled = step.jitted_for(opd_batch).lower(state, opd_batch).compile()
-  est = memory.estimate_memory(student, (1, 1, 1), batch, seq_len, fused_loss=True,
-                               teachers=memory.TeacherMemory(dims=tuple(c.d_model
-                                                                        for c in cfgs.values())))
-  measured = _xla_bytes(compiled, sum(h.size * h.dtype.itemsize for h in heads))
-  predicted = est.total + measured["constant"]
-  out["opd_step"] = {"xla": measured, "predicted": predicted,
-                     "terms": est.terms(), "ratio": predicted / measured["peak"],
-                     "compile_s": time.perf_counter() - t0}
-  del heads, loss_fn, step, compiled
+  for name, (fn, (train_state, *frozen), lora_mem) in steps.items():
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
+      compiled = fn.jitted_for(opd_batch).lower(train_state, opd_batch, *frozen).compile()
+    est = memory.estimate_memory(student, (1, 1, 1), batch, seq_len, fused_loss=True,
+                                 teachers=memory.TeacherMemory(dims=tuple(
+                                     c.d_model for c in cfgs.values())), lora=lora_mem)
+    measured = _xla_bytes(compiled, sum(h.size * h.dtype.itemsize for h in heads))
+    predicted = est.total + measured["constant"]
+    out[name] = {"xla": measured, "predicted": predicted,
+                 "terms": est.terms(), "ratio": predicted / measured["peak"],
+                 "compile_s": time.perf_counter() - t0}
+  del heads, loss_fn, step, steps, compiled
   for name, cfg in cfgs.items():
     t0 = time.perf_counter()
     params = jax.eval_shape(lambda c=cfg: init_params(c, jax.random.key(0)))
@@ -309,11 +336,14 @@ def main(argv=None):
                       help="the student's stored weights and AdamW moments")
   parser.add_argument("--compile_only", action="store_true",
                       help="XLA's compiled memory of the step and teacher forwards vs the model")
+  parser.add_argument("--lora_rank", type=int, default=0,
+                      help="with --compile_only: also the step of a LoRA student of this rank")
   args = parser.parse_args(argv)
   _set_cpu_scheduler_flag()
   if args.compile_only:
     table = compiled_memory(full=args.full, batch=args.batch, prompt_len=args.prompt_len,
-                            new_tokens=args.new_tokens, dtype=args.dtype)
+                            new_tokens=args.new_tokens, dtype=args.dtype,
+                            lora_rank=args.lora_rank)
     print(json.dumps(table, indent=1))
     return table
   table = run(full=args.full, batch=args.batch, prompt_len=args.prompt_len,

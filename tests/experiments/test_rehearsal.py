@@ -60,3 +60,26 @@ def test_bad_arguments():
     rehearsal.run(master_dtype="float16")
   with pytest.raises(ValueError, match="batch=3 is not divisible by the 2 devices"):
     rehearsal.run(batch=3, devices=jax.devices()[:2])
+
+
+def test_compiled_memory_of_the_lora_step_reads_the_base_as_an_argument():
+  """``--compile_only --lora_rank``: the LoRA student's compiled step takes the
+  bf16 base as an argument beside the adapters' state and the batch (bytes
+  counted here from the shapes) and returns only that state, no base."""
+  from opd.models.lora import LoRAConfig, lora_param_count  # noqa: PLC0415
+  out = rehearsal.compiled_memory(batch=2, prompt_len=4, new_tokens=4, lora_rank=2)
+  cfgs = rehearsal._configs(False, "bfloat16")
+  student = cfgs.pop("student")
+  n_lora = lora_param_count(student, LoRAConfig(rank=2))
+  N, dims = 2 * 7, [c.d_model for c in cfgs.values()]
+  # tokens, targets (int32), mask (bool), loss_mask (f32), bf16 hidden states, f32 weights.
+  batch = N * (4 + 4 + 1 + 4 + 2 * sum(dims) + 4 * len(dims))
+  xla = out["opd_step_lora"]["xla"]
+  # The donated state, returned in place: the adapters, mu and nu (fp32) and a few scalars
+  # (step, rng, counts, learning rate).
+  assert 3 * n_lora * 4 < xla["alias"] < 3 * n_lora * 4 + 64
+  # Besides it, the arguments are the bf16 base and the batch (jit drops an unused batch
+  # array: at most the batch's bytes).
+  assert 0 <= xla["argument"] - student.num_params() * 2 - xla["alias"] <= batch
+  assert xla["output"] - xla["alias"] < 1024  # the metrics: the base is not returned
+  assert out["opd_step_lora"]["terms"]["grads"] == n_lora * 4
