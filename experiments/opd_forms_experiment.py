@@ -105,10 +105,10 @@ def arm_stage_config(config, arm: str, domain: str, seed: int, teacher_dir: path
                                     v4.student_stage_config)
   c.seed = seed
   if arm in ADVANTAGE_ARMS:
-    c.opd.update(loss_form="advantage", **config.advantage.to_dict())
-    c.opd.adv_alpha = alpha if arm == "advantage_outcome" else 0.0
+    c.opd.loss.update(form="advantage", **config.advantage.to_dict())
+    c.opd.loss.adv_alpha = alpha if arm == "advantage_outcome" else 0.0
     if arm in GAMMA1_ARMS:
-      c.opd.adv_gamma = 1.0
+      c.opd.loss.adv_gamma = 1.0
   if arm in CROSS_ARMS:
     if teacher_model is None:
       raise ValueError(f"arm {arm!r} needs teacher_model (the other tokenizer's model)")

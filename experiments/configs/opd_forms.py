@@ -12,7 +12,7 @@ specialist on its own domain (the positive control's setting,
 by construction), in these arms:
 
   exact              the full-vocabulary reverse KL (the positive control itself)
-  advantage          the sampled-token advantage form (``loss_form="advantage"``)
+  advantage          the sampled-token advantage form (``opd.loss.form="advantage"``)
   advantage_outcome  advantage + α · GRPO's outcome advantage, α from ``alpha_sweep``
                      (run on the first of ``domains``, its α used on every domain)
   cross_tokenizer    the advantage form towards a specialist of the same

@@ -41,8 +41,8 @@ def test_exact_arm_is_the_positive_control_stage_and_the_others_change_only_thei
                                  teacher_model=xmodel).to_dict()
     want = copy.deepcopy(control)
     want["seed"] = 2
-    want["opd"].update(loss_form="advantage", adv_gamma=gamma, adv_beta=1.0, is_cap=0.0,
-                       adv_alpha=alpha)
+    want["opd"]["loss"].update(form="advantage", adv_gamma=gamma, adv_beta=1.0, is_cap=0.0,
+                               adv_alpha=alpha)
     if arm.startswith("cross_tokenizer"):
       want["teachers"]["code"]["model"].update(tokenizer="bpe:512", vocab_size=512)
     assert got == want, arm
@@ -57,7 +57,7 @@ def test_the_sweep_stage_is_short_with_its_own_schedule():
   config = _config()
   c = forms.arm_stage_config(config, "advantage_outcome", "code", 0, TEACHER, COLD, alpha=1.0,
                              steps=80)
-  assert (c.train.steps, c.train.save_every, c.opd.adv_alpha) == (80, 80, 1.0)
+  assert (c.train.steps, c.train.save_every, c.opd.loss.adv_alpha) == (80, 80, 1.0)
   assert c.optim.decay_steps == 80 - c.optim.warmup_steps
   assert config.world.positive_control.steps == 160  # the world's own group is untouched
 
@@ -201,5 +201,5 @@ def test_opd_forms_tiny_runs_every_arm_through_the_cli(tmp_path):
   cfg = json.loads((workdir / "opd_forms/math/cross_tokenizer/seed0/opd/config.json").read_text())
   assert cfg["teachers"]["math"]["model"]["tokenizer"] == "byte"
   assert cfg["student"]["model"]["tokenizer"] != "byte"
-  assert cfg["opd"]["loss_form"] == "advantage"
+  assert cfg["opd"]["loss"]["form"] == "advantage"
   assert "| cross_tokenizer − advantage |" in (workdir / "opd_forms" / "report.md").read_text()
