@@ -34,7 +34,8 @@ layer's backward recomputes it. The loss head keeps ``4·(4V + 6D)`` bytes per
 token materialised (fp32 logits, log-softmax, softmax, the logits'
 cotangent; embedding output, final-norm input/output and their cotangents);
 the fused kernel replaces the ``4V`` part by its ``2·C·V·4`` chunk buffers
-(``pallas_kernels.train_loss.default_block_t``).
+(``pallas_kernels.train_loss.default_block_t``) and adds its float32
+``dW_s [D, V]`` (the student head's gradient, accumulated over the chunks).
 
 The optimizer update (``update``): ``make_train_step``'s finite guard selects
 ``where(finite, new, old)`` over the whole state, so the new parameters and
@@ -245,7 +246,8 @@ def estimate_memory(cfg: ModelConfig, mesh_shape, batch: int, seq: int, *,
     remat: rematerialise blocks; None takes ``cfg.remat``.
     master_bytes: bytes of a master parameter and of each Adam moment (4: fp32).
     fused_loss: the loss head is the fused kernel (its ``2·C·V·4`` buffers
-      with ``C = min(default_block_t(max(K, 1), V), N)``, K teachers) instead
+      with ``C = min(default_block_t(max(K, 1), V), N)``, K teachers, and its
+      fp32 head gradient ``D·V·4``) instead
       of materialised logits.
     teachers: the OPD teachers' hidden-state cache and resident weights
       (None: no teachers).
@@ -292,7 +294,8 @@ def estimate_memory(cfg: ModelConfig, mesh_shape, batch: int, seq: int, *,
   vocab = _ceil_div(cfg.vocab_size, tensor)
   if fused_loss:
     chunk = min(default_block_t(max(len(teachers.dims), 1), cfg.vocab_size), tokens)
-    loss_head = 2 * chunk * vocab * 4 + tokens * 4 * 6 * cfg.d_model
+    # + the kernel's float32 student-head gradient dW_s [D, V/t], accumulated over chunks.
+    loss_head = 2 * chunk * vocab * 4 + cfg.d_model * vocab * 4 + tokens * 4 * 6 * cfg.d_model
   else:
     loss_head = tokens * 4 * (4 * vocab + 6 * cfg.d_model)
   kv_cache = 0
