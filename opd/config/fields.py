@@ -276,11 +276,12 @@ def to_group(cls: type, *, omit: Sequence[str] = (), **values: Any) -> ml_collec
     raise ValueError(f"to_group({cls.__name__}): unknown or omitted field(s) {unknown}; "
                      f"fields: {names}")
   nested = _nested(cls)
-  defaults = cls()
   built = dict(values)
-  for name in nested:
-    if isinstance(values.get(name), Mapping):
-      built[name] = dataclasses.replace(getattr(defaults, name), **values[name])
+  for f in dataclasses.fields(cls):
+    if f.name in nested and isinstance(values.get(f.name), Mapping):
+      default = (f.default_factory() if f.default_factory is not dataclasses.MISSING
+                 else f.default)
+      built[f.name] = dataclasses.replace(default, **values[f.name])
   instance = cls(**built)
   merged = dataclasses.asdict(instance)
   hints = typing.get_type_hints(cls)
