@@ -27,6 +27,12 @@ always predict the train split's most common rating).
 Control (``content_blind``): the same groups, queries and ratings, every
 response text swapped for one from another group, by a seeded derangement;
 a GRM reading the responses falls to chance there.
+
+``pair_agreement``: whether a valid judgement's scores order the responses as
+the ratings do, over every pair of differently rated responses (1 agree,
+1/2 equal scores, 0 reversed; 50 = scores independent of which response is
+better). Each sample counts, not only the vote, so its SE is far smaller
+than the accuracy's at the same groups.
 """
 from __future__ import annotations
 
@@ -139,6 +145,40 @@ def recompute(records: Sequence[Mapping], ks: Sequence[int], *, num_resamples: i
   ns = [int(r["n"]) for r in records]
   return {name: summarize(d, ns, num_resamples=num_resamples, seed=seed)
           for name, d in record_decisions(records, ks).items()}
+
+
+def pair_agreement(records: Sequence[Mapping], k: int, *, num_resamples: int = 1000,
+                   seed: int = 0) -> dict:
+  """Score-order agreement with the ratings (module docstring) of the valid samples
+  among the first ``k`` of each n >= 2 record.
+
+  Each group's value is the mean over its valid samples and its pairs of
+  differently rated responses; groups with no valid sample (or all ratings
+  equal) are left out; the estimate is over groups (0-100, bootstrap SE).
+
+  Returns:
+    ``{"value", "se", "groups"}``; value and se None when no group counts.
+  """
+  if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+    raise ValueError(f"k={k!r} must be an int >= 1")
+  per_group = []
+  for r in records:
+    n = int(r["n"])
+    if n < 2:
+      continue
+    ratings = np.asarray(r["ratings"], np.float64)
+    scores = np.asarray(r["samples"]["scores"], np.int64).reshape(-1, n)[:k]
+    valid = np.asarray(r["samples"]["valid"], bool)[:k]
+    hi, lo = np.nonzero(ratings[:, None] > ratings[None, :])  # every differently rated pair
+    if not valid.any() or hi.size == 0:
+      continue
+    s = scores[valid]  # [v, n]
+    agree = np.where(s[:, hi] > s[:, lo], 1.0, np.where(s[:, hi] == s[:, lo], 0.5, 0.0))
+    per_group.append(float(agree.mean()))
+  if not per_group:
+    return {"value": None, "se": None, "groups": 0}
+  est = estimate(np.asarray(per_group), num_resamples, (int(seed), 3))
+  return {"value": est.value, "se": est.se, "groups": len(per_group)}
 
 
 def chance(ns: Sequence[int]) -> dict[str, dict]:
