@@ -66,9 +66,9 @@ COMPARISONS = (("advantage", "exact"), ("advantage_outcome", "exact"),
                ("cross_tokenizer", "cold_start"), ("cross_tokenizer_g1", "cold_start"),
                ("exact", "cold_start"), ("advantage", "cold_start"),
                ("advantage_g1", "cold_start"))
-# Differences of two comparisons, paired over examples: the tokenizer control
-# (the cross-tokenizer deficit at γ = 1, where a span's credit placement does
-# not matter, minus the deficit at γ = 0).
+# Differences of two comparisons, paired over examples: the cross-tokenizer
+# deficit at γ = 1 (where a span's credit placement does not matter) minus
+# the deficit at γ = 0.
 INTERACTIONS = ((("cross_tokenizer_g1", "advantage_g1"), ("cross_tokenizer", "advantage")),)
 
 

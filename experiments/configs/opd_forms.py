@@ -28,16 +28,20 @@ Two more arms take γ = 1 (the unbiased sequence-level form) instead of
   advantage_g1        the advantage form with γ = 1
   cross_tokenizer_g1  the cross-tokenizer arm with γ = 1
 
-With γ = 1 the return of every token of an aligned span holds that span's
-log-ratio wherever in the span it sits, so {advantage, cross_tokenizer} ×
-{γ = 0, γ = 1} separates the span alignment's credit placement (γ = 0 puts a
-span's signal on its last student token only) from the other tokenizer's
-teacher itself: the tokenizer control of the cross-tokenizer arm.
+{advantage, cross_tokenizer} × {γ = 0, γ = 1} asks whether the other
+tokenizer's deficit depends on the form. It was meant to separate the span
+alignment's credit placement (γ = 0 puts a span's signal on its last student
+token only; γ = 1 spreads it over the span) from the teacher itself, but in
+the strong world every bpe:1024 token ends at a bpe:512 boundary (no span
+holds two student tokens in 64k tokens of code and math text), so
+placement plays no part there.
 
 The math domain reuses every finished stage and the code sweep's α:
   python -m experiments.launch --config=experiments/configs/opd_forms.py \\
-      --workdir=workdirs/opd_forms_h4 --config.domains="('code','math')" --config.cross.seeds='(0,1,2)' \\
+      --workdir=workdirs/opd_forms_h4 --config.domains="('code','math')" \\
       --config.reuse_from=workdirs/opd_forms_A,workdirs/opd_forms_B,workdirs/v4_strong,workdirs/strong
+(run so in workdirs/opd_forms_h4a (code), opd_forms_h4b (math, seed 0, every
+arm) and opd_forms_h4 (math seeds 1 and 2 without the cross arms).)
 """
 import ml_collections
 
