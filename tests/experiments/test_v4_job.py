@@ -152,7 +152,7 @@ def test_v4_tiny_strong_world_runs_with_bpe_shared_sft_and_the_positive_control(
                         cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert json.loads((arm / "positive_control" / "math" / "opd" / "config.json").read_text())[
-      "opd"]["estimator"] == "token"
+      "opd"]["loss"]["estimator"] == "token"
   assert not (arm / "student" / "seed0" / "cold_start").exists()  # reused from the first run
   assert not (arm / "student" / "seed0" / "opd").exists() and not (arm / "baselines").exists()
   assert sorted(json.loads((arm / "v4" / "positive_control.json").read_text())) == ["math"]
