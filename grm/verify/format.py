@@ -169,8 +169,17 @@ def write_generation(proof: str, analysis: str) -> str:
 
 
 # ----------------------------------------------------------------------------- parsers
+class _Verdict:
+  """What a parsed analysis and a meta-judgement share: ``valid`` iff no ``reason``."""
+  reason: str | None
+
+  @property
+  def valid(self) -> bool:
+    return self.reason is None
+
+
 @dataclasses.dataclass(frozen=True)
-class Analysis:
+class Analysis(_Verdict):
   """A parsed verifier analysis (or self-evaluation).
 
   Attributes:
@@ -183,24 +192,16 @@ class Analysis:
   reason: str | None
 
   @property
-  def valid(self) -> bool:
-    return self.reason is None
-
-  @property
   def reports_issues(self) -> bool:
     return self.valid and bool(self.issues)
 
 
 @dataclasses.dataclass(frozen=True)
-class MetaJudgement:
+class MetaJudgement(_Verdict):
   """A parsed meta-verification: ``verdicts[i]`` True when stated issue i+1 is judged real."""
   verdicts: tuple[bool, ...]
   score: float | None
   reason: str | None
-
-  @property
-  def valid(self) -> bool:
-    return self.reason is None
 
   @property
   def confirms(self) -> bool:
