@@ -23,6 +23,15 @@ OPD − cold start (1.0 on the full sets) grows by about sqrt(4) to ~1.9, so its
 measured +8.5 is still ~4.4 SE from 0 (a 95% interval excluding 0 in ~99%
 of runs with that effect); the negative control's −30.4 ± 1.4 becomes
 ± ~2.7. Everything the cut leaves out is in ``python -m experiments.replicate``.
+
+Time (docs/LOG.md, 2026-12-03; empty compilation cache, a machine loaded by
+other jobs): 1,120 CPU-s (user + sys; the main run 809, the negative control
+305) in 52.6 min wall. At the idle 2-core machine's CPU/wall ratio of 1.37
+(the byte-world specialists' cold run: 20 min user in 14.6 min wall) that is
+~14 min cold (bounds: CPU / 2 = 9 min, CPU / 1 = 19 min). That run printed:
+OPD − cold start +9.7 ± 2.0, the negative control −29.3 ± 2.5, OPD +
+annealing − weight average +19.6 ± 2.6, − task arithmetic +34.0 ± 2.5: all
+four shown.
 """
 from __future__ import annotations
 
@@ -127,6 +136,10 @@ def claims_report(workdirs: dict[str, str | pathlib.Path], claims=CLAIMS) -> str
     run, name = ref
     return paired_diff.row(f"{workdirs[run]}:{name}")
 
+  def label(ref):
+    run, name = ref
+    return name if run == "main" else f"{name} ({run.replace('_', ' ')})"
+
   lines = ["", "Claims this demo shows (greedy reward@1, average over the test sets, "
            "paired over test examples; 95% interval = ± 1.96 SE):"]
   for i, claim in enumerate(claims, 1):
@@ -134,7 +147,7 @@ def claims_report(workdirs: dict[str, str | pathlib.Path], claims=CLAIMS) -> str
     out = judge(claim, diff, se)
     lines += [f"{i}. {claim.name}: {'SHOWN' if out['shown'] else 'NOT SHOWN'}",
               f"   prediction: {claim.prediction}",
-              f"   outcome:    {claim.a[1]} − {claim.b[1]} = {diff:+.1f} ± {se:.1f} "
+              f"   outcome:    {label(claim.a)} − {label(claim.b)} = {diff:+.1f} ± {se:.1f} "
               f"(95% [{out['ci'][0]:+.1f}, {out['ci'][1]:+.1f}])",
               f"   chance:     {out['chance']:.1g} (two-sided, no difference)",
               f"   control:    {claim.control}"]

@@ -112,6 +112,7 @@ def test_claims_report_prints_the_per_example_differences(tmp_path):
     assert f"= {diff:+.1f} ± " in text.split(f"\n{i}. ")[1].split("\n")[2]
   assert text.count("   prediction: ") == text.count("   control: ") == len(demo.CLAIMS) == 4
   assert "Not in this cut" in text
+  assert "student: OPD#0 (negative control) − student: cold start#0 = " in text
   # SE: the quadrature mean of the domains' bootstrap SEs, each near the plug-in std/sqrt(n)
   a, b = greedy["student: OPD#0"], cold
   plug_in = math.sqrt(sum((100 * np.std(a[d] - b[d]) / math.sqrt(60)) ** 2 for d in DOMAINS)) / 2
