@@ -9,12 +9,27 @@ Each run is one ``python -m experiments.launch`` in its own process (its
 progress bars and stage lines go to the terminal); a finished stage is read,
 not rerun, so an interrupted replication continues where it stopped. Later
 runs read the finished stages of earlier ones (``--config.reuse_from``).
-Measured stage times on the 2-core reference machine (docs/LOG.md, tenth
-session; other jobs running): specialists 29 min, the V4 run's first seed
-and the positive control 35 min, seeds 1-2 with sequential RL and
-off-policy KD 18 min, the negative control 12 min, each mixed-RL learning
-rate ~26 min, annealing to confidence ~3 min a seed, each estimator arm
-(single-domain control) ~10-15 min.
+Budget (``BUDGET_MIN``; ``--dry_run`` prints it): each run's wall time alone
+on the 2-core reference machine with nothing else running, estimated as its
+CPU time (user + sys) / 1.37, the CPU/wall ratio of the byte-world
+specialists' cold run on the idle machine (docs/LOG.md, 2026-11-30: 20 min
+user in 14.6 min). The CPU times are those ``make demo``'s cut measured for
+the same stages (docs/LOG.md, 2026-12-03; on a loaded machine, wall ~4x
+these): specialists 443 s, the cold start 45 s, OPD (400 steps) 258 s,
+annealing 20 s, a merge 2 s, an evaluation row 3.5 s at 50 examples a domain
+(at 200: 4x, an upper bound). Stages the cut does not run are scaled from
+OPD by their wall-time ratio to the OPD stage run beside them (docs/LOG.md,
+tenth session): the positive control 1.24x, mixed RL 1.20x, sequential RL
+0.57x, off-policy KD 0.35x, a seed's second cold start 0.13x its first, an
+estimator arm 0.19x. Each launch adds ~10 CPU-s of start-up.
+
+  specialists 5.5 min, v4_strong 25.8, negative_control 3.8,
+  anneal_confidence 1.4, mixed_rl_lr* 3 x 4.1, estimator_* 11 x 0.9 (+ full_s0,
+  read from v4_strong, 0.1): total ~59 min.
+
+Bounds: CPU / 2 (both cores always busy) ~40 min, CPU / 1 (no overlap) ~81
+min. So nothing needs cutting for the issue's 3 hours; the 3.5 h the tenth
+session's loaded wall times summed to were the load (17-26 on 2 cores).
 """
 from __future__ import annotations
 
@@ -54,9 +69,20 @@ RUNS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
 )
 NAMES = tuple(name for name, *_ in RUNS)
 
+# Estimated wall minutes of each run alone on the 2-core reference machine
+# with nothing else running (how: the module docstring).
+BUDGET_MIN: dict[str, float] = {
+    "specialists": 5.5, "v4_strong": 25.8, "negative_control": 3.8, "anneal_confidence": 1.4,
+    **{f"mixed_rl_lr{lr}": 4.1 for lr in ("2e-5", "6e-5", "6e-4")},
+    # full_s0 is the positive control's code run, read from v4_strong
+    **{f"estimator_{arm}_s{seed}": 0.1 if (arm, seed) == ("full", 0) else 0.9
+       for seed in (0, 1, 2) for arm in ("full", "top10", "top32", "token")},
+}
+BUDGET_LIMIT_MIN = 180  # issue #26: the full replication within 3 h
+
 _ROOT = flags.DEFINE_string("root", "workdirs", "Directory holding every run's workdir.")
 _ONLY = flags.DEFINE_list("only", [], f"Run only these (names: {', '.join(NAMES)}).")
-_DRY = flags.DEFINE_bool("dry_run", False, "Print the commands, run nothing.")
+_DRY = flags.DEFINE_bool("dry_run", False, "Print the commands and the budget, run nothing.")
 
 
 def commands(root: str, only: Sequence[str] = ()) -> list[tuple[str, list[str]]]:
@@ -73,13 +99,28 @@ def commands(root: str, only: Sequence[str] = ()) -> list[tuple[str, list[str]]]
   return out
 
 
+def budget_table(names: Sequence[str]) -> str:
+  """Each run's budget (``BUDGET_MIN``) and their total, one line each."""
+  lines = [f"  {name:<22} {BUDGET_MIN[name]:6.1f} min" for name in names]
+  total = sum(BUDGET_MIN[name] for name in names)
+  return "\n".join([*lines, f"  {'total':<22} {total:6.1f} min "
+                             f"(idle 2-core estimate; the bar is {BUDGET_LIMIT_MIN} min)"])
+
+
+def run(root: str, only: Sequence[str] = (), dry_run: bool = False) -> None:
+  """Prints the budget, then launches each run in turn (``dry_run``: prints only)."""
+  todo = commands(root, only)
+  print("[replicate] budget:\n" + budget_table([name for name, _ in todo]), flush=True)
+  for i, (name, cmd) in enumerate(todo, 1):
+    print(f"[replicate {i}/{len(todo)}] {name} (~{BUDGET_MIN[name]:.0f} min): "
+          f"{' '.join(cmd[1:])}", flush=True)
+    if not dry_run:
+      subprocess.run(cmd, check=True)
+
+
 def main(argv: Sequence[str]) -> None:
   del argv
-  todo = commands(_ROOT.value, _ONLY.value)
-  for i, (name, cmd) in enumerate(todo, 1):
-    print(f"[replicate {i}/{len(todo)}] {name}: {' '.join(cmd[1:])}", flush=True)
-    if not _DRY.value:
-      subprocess.run(cmd, check=True)
+  run(_ROOT.value, _ONLY.value, _DRY.value)
 
 
 if __name__ == "__main__":
