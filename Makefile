@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine:
-#   make demo   creates .venv if missing, installs, runs the main job on the
-#               CPU-sized default config and prints/plots its results
+#   make demo   creates .venv if missing, installs, runs a one-seed cut of the
+#               strong toy world (experiments/demo.py), prints/plots its results
+#               and the claims it shows
 #   make test   creates .venv if missing, installs, runs every test
 PYTHON ?= python3
 VENV := .venv
