@@ -3,15 +3,20 @@ the job-start checks, its claims are judged as a normal-approximation
 interval says, and the printed differences are the per-example ones."""
 import json
 import math
+import pathlib
 import statistics
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 
 from experiments import common, demo, jobs, paired_diff
+from opd.eval.report import load_results
 from opd.eval.results import DomainResult, EvalConfig, EvalResult, Estimate
 from opd.parallel import sharding
+from subprocess_env import one_device_env  # tests/ (on sys.path via conftest.py)
 
 
 @pytest.fixture
@@ -30,14 +35,15 @@ def test_the_cut_builds_and_passes_the_job_start_checks(one_device):
   full = demo.load_demo_config(cut=False)
   # what the cut changes, against the strong config it starts from
   assert full.positive_control.steps > 0 and config.positive_control.steps == 0
-  assert full.eval.n_per_domain == 200 and config.eval.n_per_domain == 50
-  assert config.specialists.eval.n_per_domain == 50
-  assert tuple(config.baselines.baselines) == ("merge", "task_arithmetic")
+  assert tuple(config.baselines.baselines) == ("merge", "task_arithmetic", "mixed_rl")
+  assert full.baselines.rl_optim.lr == 2e-4 and config.baselines.rl_optim.lr == 6e-5
   assert tuple(config.student_seeds) == (0,) and config.teacher_shift == 0
   # the rest is the strong world's: its specialists, OPD and cold start
   assert config.specialists.model.tokenizer == full.specialists.model.tokenizer == "bpe:1024"
   assert config.opd_train.steps == full.opd_train.steps == 400
   assert config.cold_start.to_dict() == full.cold_start.to_dict()
+  assert config.eval.to_dict() == full.eval.to_dict()  # the full test sets
+  assert config.baselines.rl_train.steps == full.baselines.rl_train.steps == 420
   jobs.validate(config)
   control = demo.load_demo_config(extra=demo.negative_control_overrides("workdirs/demo"))
   assert control.teacher_shift == 1 and control.reuse_from == "workdirs/demo"
@@ -100,7 +106,8 @@ def test_claims_report_prints_the_per_example_differences(tmp_path):
   rng = np.random.default_rng(0)
   greedy = {row: {d: rng.integers(0, 2, 60).astype(float) for d in DOMAINS}
             for row in ("student: OPD#0", "student: cold start#0", "student: OPD + annealing#0",
-                        "baseline: weight average", "baseline: task arithmetic", "shifted")}
+                        "baseline: mixed RL", "baseline: weight average",
+                        "baseline: task arithmetic", "shifted")}
   _save(tmp_path / "main", [_result(r, g) for r, g in greedy.items() if r != "shifted"])
   _save(tmp_path / "neg", [_result("student: OPD#0", greedy["shifted"])])
   paired_diff._rows.cache_clear()
@@ -110,7 +117,7 @@ def test_claims_report_prints_the_per_example_differences(tmp_path):
     # the average over domains of the mean per-example difference (numpy)
     diff = np.mean([100 * np.mean(a[d] - b[d]) for d in DOMAINS])
     assert f"= {diff:+.1f} ± " in text.split(f"\n{i}. ")[1].split("\n")[2]
-  assert text.count("   prediction: ") == text.count("   control: ") == len(demo.CLAIMS) == 4
+  assert text.count("   prediction: ") == text.count("   control: ") == len(demo.CLAIMS) == 5
   assert "Not in this cut" in text
   assert "student: OPD#0 (negative control) − student: cold start#0 = " in text
   # SE: the quadrature mean of the domains' bootstrap SEs, each near the plug-in std/sqrt(n)
@@ -118,3 +125,36 @@ def test_claims_report_prints_the_per_example_differences(tmp_path):
   plug_in = math.sqrt(sum((100 * np.std(a[d] - b[d]) / math.sqrt(60)) ** 2 for d in DOMAINS)) / 2
   se = float(text.split("\n1. ")[1].split("\n")[2].split(" ± ")[1].split(" ")[0])
   assert se == pytest.approx(plug_in, rel=0.15, abs=0.05)
+
+
+def test_make_demo_tiny_path_runs_the_negative_control_and_prints_the_claims(tmp_path):
+  """``python -m experiments.demo`` end to end on ``v4.py:tiny`` (``--nocut``):
+  the main run, the negative control in its own workdir reading the main run's
+  finished stages, and the claims block, whose differences match numpy on the
+  two runs' results.json."""
+  root = pathlib.Path(__file__).resolve().parents[2]
+  workdir = tmp_path / "demo"
+  cmd = [sys.executable, "-m", "experiments.demo", "--config=experiments/configs/v4.py:tiny",
+         "--nocut", f"--workdir={workdir}"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=one_device_env(), timeout=1200,
+                        cwd=root)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  control = workdir / demo.NEGATIVE_CONTROL_DIR
+  # the control trains its own OPD and annealing; the cold start is the main run's
+  assert (control / "student" / "seed0" / "opd" / "checkpoints").is_dir()
+  assert not (control / "student" / "seed0" / "cold_start").exists()
+  assert json.loads((control / "config.json").read_text())["teacher_shift"] == 1
+  out = proc.stdout
+  assert out.count("   prediction: ") == len(demo.CLAIMS)
+  main_rows = {r.name: r for r in load_results(str(workdir / "v4" / "results.json"))}
+  control_rows = {r.name: r for r in load_results(str(control / "v4" / "results.json"))}
+  runs = {"main": main_rows, "negative_control": control_rows}
+  block = out.split("Claims this demo shows")[1]
+  for i, claim in enumerate(demo.CLAIMS, 1):
+    a, b = runs[claim.a[0]][claim.a[1]], runs[claim.b[0]][claim.b[1]]
+    diff = np.mean([100 * np.mean(np.subtract(a.domains[d].greedy_rewards,
+                                              b.domains[d].greedy_rewards))
+                    for d in a.domains])
+    outcome = block.split(f"\n{i}. ")[1].split("\n")[2]
+    # printed to one decimal: within 0.05 of numpy's
+    assert float(outcome.split(" = ")[1].split(" ± ")[0]) == pytest.approx(diff, abs=0.051)
