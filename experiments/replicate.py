@@ -15,19 +15,19 @@ CPU time (user + sys) / 1.37, the CPU/wall ratio of the byte-world
 specialists' cold run on the idle machine (docs/LOG.md, 2026-11-30: 20 min
 user in 14.6 min). The CPU times are those ``make demo``'s cut measured for
 the same stages (docs/LOG.md, 2026-12-03; on a loaded machine, wall ~4x
-these): specialists 443 s, the cold start 45 s, OPD (400 steps) 258 s,
-annealing 20 s, a merge 2 s, an evaluation row 3.5 s at 50 examples a domain
-(at 200: 4x, an upper bound). Stages the cut does not run are scaled from
+these): specialists 436 s, the cold start 45 s, OPD (400 steps) 258 s,
+annealing 20 s, mixed RL (420 steps) 227 s, a merge 2 s, an evaluation row
+(200 examples a domain) 10 s. Stages the cut does not run are scaled from
 OPD by their wall-time ratio to the OPD stage run beside them (docs/LOG.md,
-tenth session): the positive control 1.24x, mixed RL 1.20x, sequential RL
-0.57x, off-policy KD 0.35x, a seed's second cold start 0.13x its first, an
-estimator arm 0.19x. Each launch adds ~10 CPU-s of start-up.
+tenth session): the positive control 1.24x, sequential RL 0.57x, off-policy
+KD 0.35x, a seed's second cold start 0.13x its first, an estimator arm
+0.19x. Each launch adds ~10 CPU-s of start-up.
 
-  specialists 5.5 min, v4_strong 25.8, negative_control 3.8,
-  anneal_confidence 1.4, mixed_rl_lr* 3 x 4.1, estimator_* 11 x 0.9 (+ full_s0,
-  read from v4_strong, 0.1): total ~59 min.
+  specialists 5.4 min, v4_strong 23.6, negative_control 3.7,
+  anneal_confidence 1.2, mixed_rl_lr* 3 x 3.0, estimator_* 11 x 0.9 (+ full_s0,
+  read from v4_strong, 0.1): total ~53 min.
 
-Bounds: CPU / 2 (both cores always busy) ~40 min, CPU / 1 (no overlap) ~81
+Bounds: CPU / 2 (both cores always busy) ~36 min, CPU / 1 (no overlap) ~72
 min. So nothing needs cutting for the issue's 3 hours; the 3.5 h the tenth
 session's loaded wall times summed to were the load (17-26 on 2 cores).
 """
@@ -72,8 +72,8 @@ NAMES = tuple(name for name, *_ in RUNS)
 # Estimated wall minutes of each run alone on the 2-core reference machine
 # with nothing else running (how: the module docstring).
 BUDGET_MIN: dict[str, float] = {
-    "specialists": 5.5, "v4_strong": 25.8, "negative_control": 3.8, "anneal_confidence": 1.4,
-    **{f"mixed_rl_lr{lr}": 4.1 for lr in ("2e-5", "6e-5", "6e-4")},
+    "specialists": 5.4, "v4_strong": 23.6, "negative_control": 3.7, "anneal_confidence": 1.2,
+    **{f"mixed_rl_lr{lr}": 3.0 for lr in ("2e-5", "6e-5", "6e-4")},
     # full_s0 is the positive control's code run, read from v4_strong
     **{f"estimator_{arm}_s{seed}": 0.1 if (arm, seed) == ("full", 0) else 0.9
        for seed in (0, 1, 2) for arm in ("full", "top10", "top32", "token")},
