@@ -7,10 +7,11 @@ float32) on the model, teachers, batch and hidden-state cache of
 ``FaultTolerantTeachers`` → ``HiddenStateCache`` → ``cache.loss_batch``,
 uniform weights), at its vocabulary sizes. Forms (docs/DESIGN.md §3):
 
-* ``exact``: ``OPDConfig().loss_config()``, the full-vocabulary reverse KL
+* ``exact``: ``OPDConfig().loss``, the full-vocabulary reverse KL
   through ``pallas_kernels.fused_reverse_kl_train``.
-* ``advantage``: ``OPDConfig(loss_form="advantage", adv_gamma=1,
-  adv_alpha=1, is_cap=2).loss_config()`` (``opd.distill.advantage``): the
+* ``advantage``: ``OPDLossConfig(form="advantage", adv_gamma=1,
+  adv_alpha=1, is_cap=2)`` (``opd.distill.advantage``; log-probs at OPD's
+  default sampling temperature ``OPDConfig().rollout.temperature``): the
   student's sampled-token log-prob (``fused_cross_entropy``), each teacher's
   from the cache (one head column per token plus its logsumexp pass, forward
   only), the discounted sum and the truncated-IS policy gradient.
@@ -37,7 +38,9 @@ the same teacher (same params) reading the student's tokens (``same``), at
 each V, K = 1, on real text (:func:`text_host`), for two pairings: a byte
 student with a task-BPE teacher (``--bpe``, built by
 ``opd.tasks.tokenizer.task_tokenizer``) and that BPE student with a byte
-teacher. Each row also times the host side separately from the device
+teacher; with ``--teacher_bpe`` (e.g. ``bpe:512``: the strong world's
+cross-tokenizer teacher) a third, that BPE student with a teacher of the
+second BPE. Each row also times the host side separately from the device
 step: ``transcode_align_s`` (``CrossTokenizerPool.rows``: transcoding and
 alignment; 0 for ``same``) and ``teacher_forward_s`` (the teacher's hidden
 states: the cache's for ``same``, ``CrossTokenizerPool.ask`` on the
@@ -54,6 +57,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import os
 import sys
 import tempfile
 import time
@@ -69,7 +73,7 @@ from opd.distill import advantage as advantage_lib
 from opd.distill.cache import HiddenStateCache, loss_batch
 from opd.distill.crosstok_pool import CrossTokenizerPool, EmptyTeachers, from_teacher
 from opd.distill.faults import FaultTolerantTeachers
-from opd.distill.loss import make_opd_loss, token_coefficients
+from opd.distill.loss import OPDLossConfig, make_opd_loss, token_coefficients
 from opd.distill.source import OPDConfig
 from opd.distill.teachers import Teacher, TeacherPool
 from opd.models import ModelConfig, forward, head_matrix
@@ -80,7 +84,9 @@ from opd.text.tokenizers import ByteTokenizer
 from pallas_kernels.inputs import normalized_weights
 
 FORMS = ("exact", "advantage", "advantage_logits")
-ADVANTAGE = dict(loss_form="advantage", adv_gamma=1.0, adv_alpha=1.0, is_cap=2.0)
+ADVANTAGE = dict(form="advantage", adv_gamma=1.0, adv_alpha=1.0, is_cap=2.0)
+# The sampling temperature T of the advantage form's log-probs: OPD's default rollout's.
+TEMPERATURE = OPDConfig().rollout.temperature
 
 
 def logits_loss(cfg: ModelConfig, loss_config):
@@ -89,7 +95,7 @@ def logits_loss(cfg: ModelConfig, loss_config):
   Batch: the advantage form's, with ``teacher_logits`` (K arrays [B, T, V]
   float32) in place of ``teacher_hidden``.
   """
-  tau = float(loss_config.grpo_temperature)
+  tau = float(TEMPERATURE)
 
   def loss_fn(params, batch, rng):
     del rng
@@ -121,7 +127,7 @@ def on_policy(cfg: ModelConfig, student, host, batch, loss_config) -> dict:
               return_logits=False, return_hidden=True).hidden.reshape(b * t, -1)
   old = -pallas_kernels.fused_cross_entropy(h, head_matrix(cfg, student),
                                             jnp.asarray(host["targets"]).reshape(-1),
-                                            temperature=loss_config.grpo_temperature)
+                                            temperature=TEMPERATURE)
   rng = np.random.default_rng(0)
   return {**batch, "old_logprobs": np.asarray(old).reshape(b, t),
           "advantages": rng.standard_normal(b).astype(np.float32)}
@@ -135,13 +141,14 @@ def worker(form: str, su: dict, iters: int) -> dict:
   heads = pool.heads
   head_bytes = sum(int(w.size) * w.dtype.itemsize for w in heads)
   if form == "exact":
-    loss_fn = make_opd_loss(cfg, heads, OPDConfig().loss_config(), teacher_names=pool.names)
+    loss_fn = make_opd_loss(cfg, heads, OPDConfig().loss, teacher_names=pool.names)
     constant_bytes = head_bytes
   else:
-    loss_config = OPDConfig(**ADVANTAGE).loss_config()
+    loss_config = OPDLossConfig(**ADVANTAGE)
     batch = on_policy(cfg, su["student"], su["host"], su["batch"], loss_config)
     if form == "advantage":
-      loss_fn = make_opd_loss(cfg, heads, loss_config, teacher_names=pool.names)
+      loss_fn = make_opd_loss(cfg, heads, loss_config, teacher_names=pool.names,
+                              sampling_temperature=TEMPERATURE)
       constant_bytes = head_bytes
     else:
       logits_of = jax.jit(lambda h, w: jnp.einsum("BTD,DV->BTV", h.astype(jnp.float32), w))
@@ -244,7 +251,7 @@ def xtok_rows(sizes: dict, v: int, student_tok, teacher_tok, cache_dtype: str) -
   t_params = opd_step.host_params(s_cfg, seed=1, base=student)
   host = text_host(student_tok, sizes)
   b, t = host["tokens"].shape
-  loss_config = OPDConfig(**ADVANTAGE).loss_config()
+  loss_config = OPDLossConfig(**ADVANTAGE)
   deadline = OPDConfig.deadline_s
   ones, iters = np.ones((b, t, 1), np.float32), sizes["iters"]
   rows = []
@@ -278,11 +285,12 @@ def xtok_rows(sizes: dict, v: int, student_tok, teacher_tok, cache_dtype: str) -
                "spans": r.spans, "partial_tokens": r.partial_tokens,
                "transcode_align_s": transcode_s}
     loss_fn = make_opd_loss(s_cfg, [teacher.head], loss_config, teacher_names=("t0",),
-                            cross_tokenizer=(path == "cross",))
+                            cross_tokenizer=(path == "cross",), sampling_temperature=TEMPERATURE)
     batch = on_policy(s_cfg, student, host, batch, loss_config)
     head_bytes = int(teacher.head.size) * teacher.head.dtype.itemsize
     timed, _ = time_step(s_cfg, mesh, student, loss_fn, batch, head_bytes, iters)
-    rows.append({"path": path, "student_tokenizer": _spec(student_tok),
+    rows.append({"path": path, "pairing": f"{_spec(student_tok)}->{_spec(teacher_tok)}",
+                 "student_tokenizer": _spec(student_tok),
                  "teacher_tokenizer": _spec(student_tok if path == "same" else teacher_tok),
                  "V": v, "K": 1, "student_tokens": int(host["mask"].sum()),
                  "response_tokens": int((host["loss_mask"] > 0).sum()),
@@ -294,14 +302,16 @@ def xtok_rows(sizes: dict, v: int, student_tok, teacher_tok, cache_dtype: str) -
 
 
 def _xtok_ratios(rows: list[dict]) -> list[dict]:
-  """Per (student tokenizer, teacher tokenizer, V): ``cross`` over ``same``."""
+  """Per (student tokenizer, teacher tokenizer, V): ``cross`` over the
+  ``same`` row of its own pairing (a student tokenizer in two pairings has a
+  ``same`` row in each)."""
   out = []
   for s_tok, x_tok, v in sorted({(r["student_tokenizer"], r["teacher_tokenizer"], r["V"])
                                  for r in rows if r["path"] == "cross"}):
     cross = next(r for r in rows if (r["path"], r["student_tokenizer"], r["teacher_tokenizer"],
                                      r["V"]) == ("cross", s_tok, x_tok, v))
-    same = next(r for r in rows if (r["path"], r["student_tokenizer"], r["V"])
-                == ("same", s_tok, v))
+    same = next(r for r in rows if (r["path"], r["pairing"], r["V"])
+                == ("same", cross["pairing"], v))
     out.append({"student_tokenizer": s_tok, "teacher_tokenizer": x_tok, "V": v,
                 "step_time_ratio": cross["step_median_s"] / same["step_median_s"],
                 "peak_mem_ratio": cross["xla_peak_bytes"] / same["xla_peak_bytes"],
@@ -348,6 +358,8 @@ def _parse(argv):
   p.add_argument("--bpe", default="bpe:1024",
                  help="the task BPE (opd.tasks.tokenizer.task_tokenizer) of the cross-tokenizer "
                       "rows: byte student + this teacher, and this student + a byte teacher")
+  p.add_argument("--teacher_bpe", default=None,
+                 help="a second task BPE: adds the pairing --bpe student + this teacher")
   p.add_argument("--bpe_dir", default=None,
                  help="where the BPE is built or reused (default: a temporary directory)")
   p.add_argument("--out", default="benchmark_results")
@@ -360,16 +372,20 @@ def cross_tokenizer_payload(args) -> dict:
     t0 = time.perf_counter()
     bpe = task_tokenizer(args.bpe, args.bpe_dir or tmp, field="--bpe")
     build_s = time.perf_counter() - t0
+    second = (task_tokenizer(args.teacher_bpe, os.path.join(
+        args.bpe_dir or tmp, args.teacher_bpe.replace(":", "_")), field="--teacher_bpe")
+              if args.teacher_bpe else None)
   byte = ByteTokenizer()
+  pairs = ((byte, bpe), (bpe, byte)) + (((bpe, second),) if second is not None else ())
   rows = []
   for v in args.sizes["vocab"]:
-    for s_tok, x_tok in ((byte, bpe), (bpe, byte)):
+    for s_tok, x_tok in pairs:
       rows += xtok_rows(args.sizes, v, s_tok, x_tok, args.cache_dtype)
       for r in rows[-2:]:
         print(f"  xtok {r['path']} {r['student_tokenizer']}->{r['teacher_tokenizer']} V={v}: "
               f"{r['step_median_s']:.3f} s/step, transcode {r['transcode_align_s']:.4f} s",
               flush=True)
-  return {"bpe": args.bpe, "bpe_build_s": build_s, "rows": rows, "ratios": _xtok_ratios(rows),
+  return {"bpe": args.bpe, "teacher_bpe": args.teacher_bpe, "bpe_build_s": build_s, "rows": rows, "ratios": _xtok_ratios(rows),
           "batch": "text_host: the task corpus (seed 1) in the student's tokenizer"}
 
 

@@ -78,32 +78,14 @@ import numpy as np
 
 import pallas_kernels
 from opd.distill import advantage as advantage_lib
+from opd.text.bytelevel import byte_decoder as _byte_decoder
+from opd.text.bytelevel import is_byte_level as _is_byte_level
 from opd.text.tokenizers import ByteTokenizer
 from pallas_kernels.inputs import normalized_weights
 
 __all__ = ["CrossTokenizerRows", "advantage_loss", "align_spans", "batch_entries", "check_batch",
            "check_tokenizer", "cross_tokenizer_rows", "same_tokenizer", "span_log_ratio",
            "token_bytes", "transcode"]
-
-
-@functools.lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-  """GPT-2's byte-level alphabet, inverted: the character a byte-level BPE
-  token string uses for each byte -> that byte."""
-  printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-               + list(range(ord("®"), ord("ÿ") + 1)))
-  chars, extra = list(printable), 0
-  for b in range(256):
-    if b not in printable:
-      printable.append(b)
-      chars.append(256 + extra)
-      extra += 1
-  return {chr(c): b for b, c in zip(printable, chars)}
-
-
-def _is_byte_level(tokenizer) -> bool:
-  inner = getattr(tokenizer, "_tok", None)
-  return inner is not None and type(inner.decoder).__name__ == "ByteLevel"
 
 
 def same_tokenizer(a, b) -> bool:
@@ -404,12 +386,12 @@ def span_log_ratio(logp: jax.Array, teacher_logp: jax.Array, student_span: jax.A
 
 
 def advantage_loss(config: Any, h_s: jax.Array, w_s: jax.Array, teacher_hidden, heads, batch,
-                   keep: jax.Array, coef: jax.Array, cross: Sequence[int]
-                   ) -> tuple[jax.Array, dict]:
+                   keep: jax.Array, coef: jax.Array, cross: Sequence[int], *,
+                   temperature: float) -> tuple[jax.Array, dict]:
   """The advantage form with cross-tokenizer teachers ``cross`` (module docstring).
 
   Args:
-    config, h_s, w_s, batch, keep, coef: as
+    config, h_s, w_s, batch, keep, coef, temperature: as
       ``opd.distill.advantage.advantage_loss``.
     teacher_hidden: K arrays: ``[B·T, D_k]`` for a same-tokenizer teacher,
       ``[B·T'_k, D_k]`` (its own rows) for a cross-tokenizer one; divided
@@ -418,7 +400,7 @@ def advantage_loss(config: Any, h_s: jax.Array, w_s: jax.Array, teacher_hidden, 
     cross: the indices of the cross-tokenizer teachers.
   """
   b, t = keep.shape
-  tau, impl = float(config.grpo_temperature), config.impl
+  tau, impl = float(temperature), config.impl
   targets = batch["targets"].reshape(b * t)
   logp = -pallas_kernels.fused_cross_entropy(
       h_s, w_s, targets, mask=keep.reshape(b * t), temperature=tau, impl=impl).reshape(b, t)

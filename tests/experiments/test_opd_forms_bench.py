@@ -24,7 +24,7 @@ EPS = 2.0 ** -23  # float32
 @pytest.fixture(scope="module")
 def record(tmp_path_factory):
   out = tmp_path_factory.mktemp("opd_forms")
-  payload = bench.main(["--quick", "--out", str(out)])
+  payload = bench.main(["--quick", "--teacher_bpe", "bpe:512", "--out", str(out)])
   saved = json.loads((out / "opd_forms_quick.json").read_text())
   assert saved["rows"] == json.loads(json.dumps(payload["rows"]))
   return saved
@@ -83,8 +83,8 @@ def test_both_advantage_rows_compute_the_same_loss(record):
 def test_cross_tokenizer_rows_fields_and_ratios(record):
   s, x = record["sizes"], record["cross_tokenizer"]
   v, d = s["vocab"][0], s["d_model"]
-  assert x["bpe"] == "bpe:1024" and x["bpe_build_s"] > 0
-  rows = x["rows"]
+  assert x["bpe"] == "bpe:1024" and x["bpe_build_s"] > 0 and x["teacher_bpe"] == "bpe:512"
+  rows = x["rows"][:4]  # the fixed pairings; --teacher_bpe's: the test below
   assert [(r["path"], r["student_tokenizer"], r["teacher_tokenizer"]) for r in rows] == [
       ("same", "byte", "byte"), ("cross", "byte", "bpe:1024"),
       ("same", "bpe:1024", "bpe:1024"), ("cross", "bpe:1024", "byte")]
@@ -121,10 +121,10 @@ def test_cross_tokenizer_rows_fields_and_ratios(record):
   # a span: one span per trained student token, more teacher tokens.
   assert cross_bpe["teacher_tokens"] > cross_bpe["student_tokens"]
   assert cross_bpe["spans"] == cross_bpe["opd_tokens"]
-  assert [(q["student_tokenizer"], q["teacher_tokenizer"]) for q in x["ratios"]] == [
+  ratios = [q for q in x["ratios"] if q["teacher_tokenizer"] != "bpe:512"]
+  assert [(q["student_tokenizer"], q["teacher_tokenizer"]) for q in ratios] == [
       ("bpe:1024", "byte"), ("byte", "bpe:1024")]
-  for q, same, cross in ((x["ratios"][0], same_bpe, cross_bpe),
-                         (x["ratios"][1], same_byte, cross_byte)):
+  for q, same, cross in ((ratios[0], same_bpe, cross_bpe), (ratios[1], same_byte, cross_byte)):
     assert q["V"] == v
     for key, field in (("step_time_ratio", "step_median_s"), ("peak_mem_ratio", "xla_peak_bytes"),
                        ("teacher_forward_ratio", "teacher_forward_s"),
@@ -133,3 +133,25 @@ def test_cross_tokenizer_rows_fields_and_ratios(record):
       assert q[key] == pytest.approx(cross[field] / same[field]), key
     assert q["transcode_over_step"] == pytest.approx(
         cross["transcode_align_s"] / cross["step_median_s"])
+
+
+def test_the_second_bpe_pairing(record):
+  """``--teacher_bpe bpe:512``: the strong world's bpe:1024 student with a
+  bpe:512 teacher, against the same teacher on the student's tokens."""
+  s, x = record["sizes"], record["cross_tokenizer"]
+  same, cross = x["rows"][4:]
+  assert [(r["path"], r["student_tokenizer"], r["teacher_tokenizer"]) for r in (same, cross)] == [
+      ("same", "bpe:1024", "bpe:1024"), ("cross", "bpe:1024", "bpe:512")]
+  assert same["student_tokens"] == cross["student_tokens"]
+  assert same["pairing"] == cross["pairing"] == "bpe:1024->bpe:512"
+  assert math.isfinite(cross["grad_norm"]) and cross["grad_norm"] > 0
+  assert cross["opd_tokens"] == cross["response_tokens"] - cross["partial_tokens"] > 0
+  # The smaller BPE spells the same text in more tokens; a span holds one or
+  # more student tokens, so there are no more spans than trained tokens.
+  assert cross["teacher_tokens"] > cross["student_tokens"]
+  assert 0 < cross["spans"] <= cross["opd_tokens"]
+  (q,) = [q for q in x["ratios"] if q["teacher_tokenizer"] == "bpe:512"]
+  assert q["V"] == s["vocab"][0] and q["student_tokenizer"] == "bpe:1024"
+  # Over this pairing's own same row, not the bpe:1024 -> byte pairing's.
+  assert q["step_time_ratio"] == pytest.approx(cross["step_median_s"] / same["step_median_s"])
+  assert q["teacher_tokens_ratio"] == pytest.approx(cross["teacher_tokens"] / same["teacher_tokens"])
