@@ -46,7 +46,8 @@ from opd.parallel import sharding as sharding_lib
 from opd.training.integrity import tree_checksums
 from opd.training.loop_config import Runtime
 from opd.training.optim import OptimConfig, make_optimizer
-from opd.training.train_step import LossWithFrozen, TrainState, init_train_state
+from opd.training.train_step import (LossWithFrozen, TrainState, check_same_tree,
+                                     init_train_state)
 
 PyTree = Any
 
@@ -73,17 +74,7 @@ def place_base(model_cfg: ModelConfig, base_params: PyTree, mesh,
   """
   base_cfg = model_cfg.replace(param_dtype=base_dtype)  # validates base_dtype
   abstract = jax.eval_shape(lambda k: init_params(base_cfg, k), jax.random.key(0))
-  given = {jax.tree_util.keystr(p): x
-           for p, x in jax.tree_util.tree_flatten_with_path({"base": base_params})[0]}
-  wanted = {jax.tree_util.keystr(p): x
-            for p, x in jax.tree_util.tree_flatten_with_path({"base": abstract})[0]}
-  missing, extra = sorted(set(wanted) - set(given)), sorted(set(given) - set(wanted))
-  if missing or extra:
-    raise ValueError(f"params do not match the model: missing {missing}, unexpected {extra}")
-  for name, want in wanted.items():
-    if tuple(np.shape(given[name])) != tuple(want.shape):
-      raise ValueError(f"params{name} has shape {tuple(np.shape(given[name]))}, the model "
-                       f"expects {tuple(want.shape)}")
+  check_same_tree({"base": base_params}, {"base": abstract})
   shardings = sharding_lib.tree_shardings(param_logical_axes(base_cfg), abstract, mesh, rules)
   base = jax.jit(lambda p: _cast(p, base_cfg.storage_dtype), out_shardings=shardings)(base_params)
   if check_min_size is not None:

@@ -249,7 +249,7 @@ def init_train_state(model: ModelConfig | Callable[[Array], PyTree],
     state = create(key_data)
   else:
     params = nn.meta.unbox(params)
-    _check_same_tree(params, abstract.params)
+    check_same_tree(params, abstract.params)
     placed = jax.tree.map(_to_global, params, abstract.params, shardings.params)
     state = jax.jit(make_state, in_shardings=(shardings.params, rep), out_shardings=shardings,
                     compiler_options=compiler_options)(placed, key_data)
@@ -258,7 +258,9 @@ def init_train_state(model: ModelConfig | Callable[[Array], PyTree],
   return state, shardings
 
 
-def _check_same_tree(given, expected):
+def check_same_tree(given, expected) -> None:
+  """ValueError naming the paths of ``expected`` missing from ``given`` and those
+  it does not expect, or the first array of another shape (arrays or abstract values)."""
   def by_path(tree):
     return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
