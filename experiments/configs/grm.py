@@ -230,7 +230,12 @@ def _strong(c) -> None:
   the judgement cut to its score line (``--config.sft.principles=0
   --config.sft.critique=False``, budgets ``rft/grpo/benchmark.max_new_tokens=64``):
   valid 0.98-1.00, greedy ties 0.49-0.82; strict greedy / vote@4 7.7 / 32.1, 13.2 /
-  31.2, 20.9 / 35.5, credit 36.9-41.8: at chance, format no longer the cause."""
+  31.2, 20.9 / 35.5, credit 36.9-41.8: at chance, format no longer the cause.
+  Eleventh session (docs/RESULTS.md, "The GRM on the strong base, with the
+  yardstick"): vote@16 35.5 / 37.6 / 39.3, rule RL vote@32 36.8 ± 3.2 (control
+  33.8), with and without BPE constrained decoding; pair agreement 50.3 ± 0.5 (50:
+  the scores ignore which response is better), while a BT scalar RM on the same
+  base and groups picks the best in 67.1 ± 3.1% of the n >= 2 groups."""
   c.model.update(tokenizer="bpe:1024", vocab_size=1024)  # as specialists.strengthen
   c.models = ml_collections.ConfigDict(STRONG_MODELS)
   c.data.update(max_new_tokens=64, num_train=96, num_test=40, keep_rating1_n1=0.25)
