@@ -47,6 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import reference
+
 ESTIMATORS = ("full", "top_k", "token")
 
 
@@ -66,27 +68,25 @@ def estimator_terms(z, x, y, estimator: str, top_k: int = 8):
   """
   if estimator not in ESTIMATORS:
     raise ValueError(f"estimator={estimator!r} must be one of {ESTIMATORS}")
-  lp, lq = _log_softmax(z), _log_softmax(x)
-  p = jnp.exp(lp)
-  if estimator == "full":
-    loss = jnp.sum(p * (lp - lq), axis=-1)
-    return loss, p * (lp - lq - loss[:, None])
+  z, x = z.astype(jnp.float32), x.astype(jnp.float32)
   if estimator == "token":
+    lp, lq = _log_softmax(z), _log_softmax(x)
     pick = lambda a: jnp.take_along_axis(a, y[:, None], axis=1)[:, 0]
     adv = pick(lp) - pick(lq)
     onehot = jax.nn.one_hot(y, z.shape[-1], dtype=jnp.float32)
-    return adv, adv[:, None] * (onehot - p)
-  if not 1 <= top_k <= z.shape[-1]:
+    return adv, adv[:, None] * (onehot - jnp.exp(lp))
+  if estimator == "top_k" and not 1 <= top_k <= z.shape[-1]:
     raise ValueError(f"top_k={top_k} must be in [1, V={z.shape[-1]}]")
-  _, idx = jax.lax.top_k(x.astype(jnp.float32), top_k)
-  zs = jnp.take_along_axis(z.astype(jnp.float32), idx, axis=1)
-  xs = jnp.take_along_axis(x.astype(jnp.float32), idx, axis=1)
-  lps, lqs = _log_softmax(zs), _log_softmax(xs)
-  ps = jnp.exp(lps)
-  loss = jnp.sum(ps * (lps - lqs), axis=-1)
-  g = ps * (lps - lqs - loss[:, None])
-  rows = jnp.arange(z.shape[0])[:, None]
-  return loss, jnp.zeros(z.shape, jnp.float32).at[rows, idx].set(g)
+  # The kernels' materialised references over logits (hidden = logits, head = I);
+  # each row's loss depends on its own logits only, so the gradient of the sum
+  # is every token's own gradient.
+  eye, w_hat = jnp.eye(z.shape[-1], dtype=jnp.float32), jnp.ones((z.shape[0], 1), jnp.float32)
+  if estimator == "full":
+    per_token = lambda zz: reference.reverse_kl_reference(zz, eye, [x], [eye], w_hat, None, 1.0)[0]
+  else:
+    per_token = lambda zz: reference.topk_kl_reference(zz, eye, [x], [eye], w_hat, top_k, 1.0)
+  loss, vjp = jax.vjp(per_token, z)
+  return loss, vjp(jnp.ones_like(loss))[0]
 
 
 def batch_comparison(z, x, y, *, top_ks: Sequence[int]) -> dict[str, dict[str, float]]:
