@@ -59,6 +59,18 @@ RUNS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     *((f"mixed_rl_lr{lr}", V4, f"v4_strong_rl{lr}",
        (f"--config.reuse_from={REUSE}", f"--config.baselines.rl_optim.lr={lr}",
         "--config.positive_control.steps=0")) for lr in ("2e-5", "6e-5", "6e-4")),
+    # Seeds 1 and 2's baselines from their own cold starts (seed 0's are in
+    # v4_strong and v4_strong_rl6e-5): the student-side baselines (mixed and
+    # sequential RL) start from the seed's cold start, and every baseline
+    # samples with the seed (``baselines.seed``), so each seed compares like with like.
+    *(run for seed in (1, 2) for run in (
+        (f"baselines_s{seed}", f"{V4},all_baselines", f"v4_strong_s{seed}",
+         (f"--config.reuse_from={REUSE}", f"--config.student_seeds=({seed},)",
+          f"--config.baselines.seed={seed}", "--config.positive_control.steps=0")),
+        (f"mixed_rl_lr6e-5_s{seed}", V4, f"v4_strong_rl6e-5_s{seed}",
+         (f"--config.reuse_from={{root}}/v4_strong_s{seed},{REUSE}",
+          f"--config.student_seeds=({seed},)", f"--config.baselines.seed={seed}",
+          "--config.baselines.rl_optim.lr=6e-5", "--config.positive_control.steps=0")))),
     *((f"estimator_{arm}_s{seed}", V4, f"est_code/{arm}_s{seed}",
        (f"--config.reuse_from={REUSE}", "--config.positive_control.only=True",
         "--config.positive_control.domains=('code',)", f"--config.student_seeds=({seed},)", *flags_))
@@ -77,6 +89,10 @@ NAMES = tuple(name for name, *_ in RUNS)
 BUDGET_MIN: dict[str, float] = {
     "specialists": 5.4, "v4_strong": 23.6, "negative_control": 3.7, "anneal_confidence": 1.2,
     **{f"mixed_rl_lr{lr}": 3.0 for lr in ("2e-5", "6e-5", "6e-4")},
+    # mixed RL 3.0 + sequential RL 1.7 + off-policy KD 1.0 + merges and five
+    # evaluations ~1.3 (the scaling above); mixed RL at 6e-5 with its evaluation 3.2
+    **{f"baselines_s{seed}": 7.0 for seed in (1, 2)},
+    **{f"mixed_rl_lr6e-5_s{seed}": 3.2 for seed in (1, 2)},
     # full_s0 is the positive control's code run, read from v4_strong
     **{f"estimator_{arm}_s{seed}": 0.1 if (arm, seed) == ("full", 0) else 0.9
        for seed in (0, 1, 2) for arm in ("full", "top10", "top32", "token")},
