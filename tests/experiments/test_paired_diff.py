@@ -64,3 +64,42 @@ def test_bad_arguments_name_what_is_missing(tmp_path):
   _save(tmp_path / "w", [_result("a", np.random.default_rng(1))])
   with pytest.raises(ValueError, match=r"no row 'b' in .*rows: \['a'\]"):
     paired_diff.row(f"{tmp_path / 'w'}:b")
+
+
+def test_pooled_pairs_average_each_examples_differences_over_the_pairs(tmp_path):
+  """``--mean``: per example the mean over the pairs of A − B, its bootstrap SE
+  over the examples, and the pairs' own averages' spread, against numpy."""
+  rng = np.random.default_rng(3)
+  pairs = [(_result(f"student: OPD#{s}", rng), _result("baseline: mixed RL", rng))
+           for s in range(3)]
+  for s, (a, b) in enumerate(pairs):
+    _save(tmp_path / f"a{s}", [a])
+    _save(tmp_path / f"b{s}", [b])
+  paired_diff._rows.cache_clear()
+  specs = [x for s in range(3) for x in (f"{tmp_path / f'a{s}'}:student: OPD#{s}",
+                                          f"{tmp_path / f'b{s}'}:baseline: mixed RL")]
+  got = paired_diff.compare_pooled(
+      [(paired_diff.row(a), paired_diff.row(b)) for a, b in zip(specs[::2], specs[1::2])],
+      "reward@1")
+  sampled = paired_diff.compare_pooled(pairs, "mean@4")
+  for d in DOMAINS:
+    per_example = np.mean([np.subtract(a.domains[d].greedy_rewards, b.domains[d].greedy_rewards)
+                           for a, b in pairs], axis=0)
+    assert got["domains"][d][0] == pytest.approx(100 * per_example.mean(), abs=1e-9)
+    assert got["domains"][d][1] == pytest.approx(
+        100 * per_example.std() / math.sqrt(len(per_example)), rel=0.15)
+    per_sampled = np.mean([np.subtract(a.domains[d].sampled_rewards,
+                                       b.domains[d].sampled_rewards).mean(1) for a, b in pairs],
+                          axis=0)
+    assert sampled["domains"][d][0] == pytest.approx(100 * per_sampled.mean(), abs=1e-9)
+  own = [np.mean([100 * np.mean(np.subtract(a.domains[d].greedy_rewards,
+                                            b.domains[d].greedy_rewards)) for d in DOMAINS])
+         for a, b in pairs]
+  assert got["average"][0] == pytest.approx(np.mean(own), abs=1e-9)
+  assert got["spread"] == pytest.approx(np.std(own, ddof=1), abs=1e-9)
+  text = paired_diff.main(["--mean", *specs])
+  assert f"mean of the 3 pairs: greedy {got['average'][0]:+.1f} ± {got['average'][1]:.1f}" in text
+  # a pair on other examples is refused
+  other = _result("x", rng, n=41)
+  with pytest.raises(ValueError, match="other math examples"):
+    paired_diff.compare_pooled([pairs[0], (other, pairs[0][1])], "reward@1")
