@@ -13,6 +13,9 @@ shows as a rise in its own reward without a rise in the rubric score.
       --config.bt_init=workdirs/grm/<BT stage>/checkpoints
   python -m experiments.launch --config=experiments/configs/grm_reward.py:tiny \
       --workdir=workdirs/grm_reward_tiny      # CI smoke test: tiny random models
+  # the strong world (bpe:1024): its writing SFT, the GRM and BT RM of grm.py:strong
+  python -m experiments.launch --config=experiments/configs/grm_reward.py:strong \
+      --workdir=workdirs/grm_reward_strong
 
 ``grm_init`` / ``bt_init`` are checkpoints of the ``grm`` job (same
 architecture as ``model``; the BT RM with its scalar head). The tiny variant
@@ -34,7 +37,7 @@ from opd.training.optim import OptimConfig
 
 
 def get_config(arg=None):
-  arg = config_utils.parse_arg(arg, tiny=False)
+  arg = config_utils.parse_arg(arg, tiny=False, strong=False)
   base = pretrain.get_config("tiny" if arg["tiny"] else None)
   c = ml_collections.ConfigDict()
   c.job = "grm_reward"
@@ -68,6 +71,8 @@ def get_config(arg=None):
   c.eval = ml_collections.ConfigDict(dict(num_samples=4))
   # Difficulty 1: the writing specialist's and the GRM's training distribution.
   c.data = ml_collections.ConfigDict(dict(num_prompts=256, num_test=64, difficulties=(1,)))
+  if arg["strong"]:
+    _strong(c)
   if arg["tiny"]:
     c.tiny_models = True
     c.grm.update(k=2, max_new_tokens=8, batch_size=4)  # 8 samples a step: two chunks
@@ -77,3 +82,18 @@ def get_config(arg=None):
     c.eval.update(num_samples=2)
     c.data.update(num_prompts=4, num_test=2, difficulties=(1,))
   return c
+
+
+def _strong(c) -> None:
+  """The strong toy world's models (experiments/configs/specialists.py:strong,
+  BPE ``bpe:1024``): its writing SFT as the policy, the rule-RL GRM and the
+  BT RM of ``grm.py:strong`` (workdirs/grm_strong, stages ``rule_rl`` and
+  ``bt_rm``) as the learned rewards; the lengths the strong world's GRPO and
+  GRM benchmark use (48 answer tokens, judgements of <= 192, BT rows of 128)."""
+  c.model.update(tokenizer="bpe:1024", vocab_size=1024)  # as specialists.strengthen
+  c.init = "workdirs/strong/writing/sft/checkpoints"
+  c.grm_init = "workdirs/grm_strong/rule_rl/checkpoints"
+  c.bt_init = "workdirs/grm_strong/bt_rm/checkpoints"
+  c.grm.update(max_new_tokens=192)
+  c.bt.update(seq_len=128)
+  c.grpo.update(max_new_tokens=48, seq_len=128)

@@ -103,3 +103,20 @@ def test_saved_run_context_overrides_constrained_only_when_asked(tmp_path):
   for want in (True, False):
     ctx = grm_job.saved_run_context(tmp_path, (1, 4), constrained=want)
     assert ctx.config.benchmark.constrained is want and tuple(ctx.config.benchmark.ks) == (1, 4)
+
+
+def test_grm_reward_strong_variant_uses_the_strong_worlds_model_and_grm_strong_stages():
+  """grm_reward.py:strong: the strong world's model (BPE), its writing SFT as the
+  policy, grm_strong's rule-RL GRM and BT RM as the rewards; it passes the job checks."""
+  from experiments import jobs  # noqa: PLC0415
+  from experiments.configs import grm_reward as grm_reward_config  # noqa: PLC0415
+  c = grm_reward_config.get_config("strong")
+  assert c.model.to_dict() == specialists_config.get_config("strong").model.to_dict()
+  assert (c.init, c.grm_init, c.bt_init) == (
+      "workdirs/strong/writing/sft/checkpoints", "workdirs/grm_strong/rule_rl/checkpoints",
+      "workdirs/grm_strong/bt_rm/checkpoints")
+  strong_grm = grm_config.get_config("strong")
+  assert c.grm.max_new_tokens == strong_grm.benchmark.max_new_tokens
+  assert c.bt.seq_len == strong_grm.rm.bt_seq_len
+  assert c.grpo.max_new_tokens == specialists_config.get_config("strong").grpo.max_new_tokens
+  jobs.validate(c)
