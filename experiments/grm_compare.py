@@ -19,6 +19,12 @@ with k_meta = ceil(k / 2), the first k of ``max(ks)`` samples, each run's own
 ``results_<arm>_<run>_k<ks>.json`` (cached: a rerun resumes), ``compare.json`` (accuracy
 ± bootstrap SE per arm, shared − separate paired over the test groups,
 parameter counts), ``compare.md`` and ``compare.png``.
+
+``compare.json["yardstick"]`` (``yardstick``) reads the same results with
+the GRM yardstick (``grm.yardstick``): n >= 2 strict accuracy per arm and
+method, shared − separate paired over the n >= 2 groups, chance (mean 1/n),
+each arm's content-blind control when its run judged the control groups,
+and pair agreement at the largest k.
 """
 from __future__ import annotations
 
@@ -102,6 +108,59 @@ def summarize(parts: dict, ks, num_resamples: int, seed: int) -> dict:
   return out
 
 
+def yardstick(parts: dict, ks, num_resamples: int, seed: int) -> dict:
+  """The GRM yardstick of both arms from their results' per-group records:
+  ``{"chance", "rows": {method: {arm: n>=2 strict, arm_control: the control's,
+  "shared_minus_separate": paired over the n >= 2 groups}}, "pair": {arm: pair
+  agreement at max(ks)}}`` (0-100; absent arms' records: an empty dict)."""
+  from grm import yardstick as ys  # noqa: PLC0415
+  from opd.eval.stats import paired_difference  # noqa: PLC0415
+  if not all("records" in parts[a] for a in ARMS):
+    return {}
+  boot = dict(num_resamples=num_resamples, seed=seed)
+  records = {a: parts[a]["records"] for a in ARMS}
+  ns = [int(r["n"]) for r in records["shared"]]
+  if ns != [int(r["n"]) for r in records["separate"]]:
+    raise ValueError("grm_compare: the two arms' records hold different test groups")
+  multi = [i for i, n in enumerate(ns) if n >= 2]
+  decisions = {a: ys.record_decisions(records[a], ks) for a in ARMS}
+  tables = {a: ys.recompute(records[a], ks, **boot) for a in ARMS}
+  controls = {a: ys.recompute(parts[a]["control_records"], ks, **boot)
+              for a in ARMS if "control_records" in parts[a]}
+  rows = {}
+  for name in decisions["shared"]:
+    row = {a: tables[a][name].get(ys.MULTI, {}).get("strict") for a in ARMS}
+    for a, t in controls.items():
+      row[f"{a}_control"] = t[name].get(ys.MULTI, {}).get("strict")
+    if multi:
+      x, y = (np.asarray([decisions[a][name][i]["strict"] for i in multi], np.float64) * 100
+              for a in ARMS)
+      d, se = paired_difference(x, y, num_resamples, (seed, 98))
+      row["shared_minus_separate"] = {"value": d, "se": se}
+    rows[name] = row
+  return {"chance": ys.chance(ns), "rows": rows,
+          "pair": {a: ys.pair_agreement(records[a], max(ks), **boot) for a in ARMS}}
+
+
+def render_yardstick(ys_table: dict) -> str:
+  """``yardstick``'s table as markdown (empty when the records are missing)."""
+  if not ys_table:
+    return ""
+  cell = lambda e: "–" if not e else f"{e['value']:.1f} ± {e['se']:.1f}"
+  chance = ys_table["chance"].get("n>=2")
+  lines = ["", "Yardstick, n >= 2 groups (strict accuracy %; the content-blind control in "
+           f"brackets; chance {cell(chance) if chance else '–'}):", "",
+           "| method | shared | separate | shared − separate (paired) |", "|---|---:|---:|---:|"]
+  for name, row in ys_table["rows"].items():
+    arms = [cell(row[a]) + (f" ({row[f'{a}_control']['value']:.1f})"
+                            if row.get(f"{a}_control") else "") for a in ARMS]
+    lines.append(f"| {name} | {arms[0]} | {arms[1]} | {cell(row.get('shared_minus_separate'))} |")
+  pair = ys_table["pair"]
+  lines += ["", "Pair agreement (50 = scores blind to which response is better): " + ", ".join(
+      f"{a} {cell(pair[a]) if pair[a]['value'] is not None else '–'}" for a in ARMS) + "."]
+  return "\n".join(lines) + "\n"
+
+
 def render(table: dict, counts: dict, invalid: dict) -> str:
   lines = ["| method | shared backbone (1 decoder, D = %d) | separate GRM + meta-RM "
            "(2 decoders, D = %d) | shared − separate (paired) |"
@@ -166,11 +225,13 @@ def compare(shared_dir, separate_dir, out_dir, ks=(1, 2, 4, 8),
   table = summarize(parts, ks, bootstrap_samples, int(ctxs["shared"].config.seed))
   counts = param_counts(ctxs["shared"], ctxs["separate"])
   invalid = {a: parts[a]["invalid"]["sampled"]["invalid_rate"] for a in ARMS}
-  result = {"accuracy": table, "params": counts, "invalid_sampled": invalid, "ks": list(ks),
+  ys_table = yardstick(parts, ks, bootstrap_samples, int(ctxs["shared"].config.seed))
+  result = {"accuracy": table, "yardstick": ys_table, "params": counts,
+            "invalid_sampled": invalid, "ks": list(ks),
             "test_groups": sum(len(v) for v in subsets.values()),
             "shared_dir": str(shared_dir), "separate_dir": str(separate_dir)}
   common.write_json(out / "compare.json", result)
-  (out / "compare.md").write_text(render(table, counts, invalid))
+  (out / "compare.md").write_text(render(table, counts, invalid) + render_yardstick(ys_table))
   plot(table, ks, counts, out / "compare.png")
   return result
 

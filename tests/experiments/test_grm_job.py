@@ -241,7 +241,9 @@ def test_a_grm_of_another_width_has_its_own_base_and_compares_with_the_shared_on
 
   assert result["params"]["shared"] == count(wide.replace(scalar_head=True))
   assert result["params"]["separate"] == count(narrow) + count(narrow.replace(scalar_head=True))
-  assert (out / "compare.md").read_text().count("\n| ") == len(result["accuracy"])
+  first_table = (out / "compare.md").read_text().split("Yardstick")[0]
+  assert first_table.count("\n| ") == len(result["accuracy"])
+  assert set(result["yardstick"]["rows"]) == set(result["accuracy"])
   assert (out / "compare.png").stat().st_size > 0
 
 
@@ -379,3 +381,60 @@ def test_grm_yardstick_bad_arguments_name_the_flag(tmp_path):
   (tmp_path / "rft" / "final_metrics.json").write_text("{}")
   with pytest.raises(FileNotFoundError, match=r"stages \['meta_rm'\] have not finished"):
     grm_yardstick.measure(tmp_path, ("rft",), (1,), tmp_path / "out", meta_rm=True)
+
+
+def _records(rng, ns, k):
+  """Constructed per-group records (``grm.yardstick.group_record``'s layout): ratings with
+  a unique best for n >= 2, random 1..10 scores and validity."""
+  out = []
+  for n in ns:
+    ratings = rng.permutation(n).astype(float).tolist() if n >= 2 else [float(rng.integers(1, 11))]
+    out.append({"subset": "s", "n": n, "ratings": ratings,
+                "greedy": {"scores": rng.integers(1, 11, (1, n)).tolist(),
+                           "valid": (rng.random(1) < 0.8).tolist()},
+                "samples": {"scores": rng.integers(1, 11, (k, n)).tolist(),
+                            "valid": (rng.random(k) < 0.8).tolist(),
+                            "meta": rng.random(k).tolist()}})
+  return out
+
+
+def _strict(scores, valid, ratings):
+  """numpy: a vote's strict correctness (summed valid scores; a unique top at the best)."""
+  s, v = np.asarray(scores, float), np.asarray(valid, bool)
+  if not v.any():
+    return 0.0
+  totals = s[v].sum(0)
+  top = np.flatnonzero(totals == totals.max())
+  return float(top.size == 1 and top[0] == int(np.argmax(ratings)))
+
+
+def test_compare_yardstick_against_numpy():
+  """grm_compare.yardstick on constructed records: n >= 2 strict accuracy per arm,
+  the paired difference, chance mean(1/n), and the control rows."""
+  import numpy as np
+
+  from experiments import grm_compare
+  rng = np.random.default_rng(5)
+  ns = [1, 2, 3, 4, 2, 3] * 10
+  parts = {arm: {"records": _records(rng, ns, 4), "control_records": _records(rng, ns, 4)}
+           for arm in grm_compare.ARMS}
+  got = grm_compare.yardstick(parts, (1, 4), num_resamples=200, seed=0)
+  multi = [i for i, n in enumerate(ns) if n >= 2]
+  assert got["chance"]["n>=2"]["value"] == pytest.approx(100 * np.mean([1 / ns[i] for i in multi]))
+  for name, pick in (("greedy", lambda r: (r["greedy"]["scores"], r["greedy"]["valid"])),
+                     ("vote@1", lambda r: (r["samples"]["scores"][:1], r["samples"]["valid"][:1])),
+                     ("vote@4", lambda r: (r["samples"]["scores"], r["samples"]["valid"]))):
+    strict = {a: np.asarray([_strict(*pick(parts[a]["records"][i]),
+                                     parts[a]["records"][i]["ratings"]) for i in multi])
+              for a in grm_compare.ARMS}
+    row = got["rows"][name]
+    for a in grm_compare.ARMS:
+      assert row[a]["value"] == pytest.approx(100 * strict[a].mean(), abs=1e-9)
+      control = np.mean([_strict(*pick(parts[a]["control_records"][i]),
+                                 parts[a]["control_records"][i]["ratings"]) for i in multi])
+      assert row[f"{a}_control"]["value"] == pytest.approx(100 * control, abs=1e-9)
+    assert row["shared_minus_separate"]["value"] == pytest.approx(
+        100 * (strict["shared"] - strict["separate"]).mean(), abs=1e-9)
+  assert set(got["pair"]) == set(grm_compare.ARMS)
+  assert "| vote@4 |" in grm_compare.render_yardstick(got)
+  assert grm_compare.yardstick({a: {} for a in grm_compare.ARMS}, (1,), 10, 0) == {}
