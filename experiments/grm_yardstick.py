@@ -15,6 +15,12 @@ positive-control run, ``experiments/configs/grm.py:control``) is measured too.
 the benchmark stage does and keeps the meta-RM voting rows (k_meta over the
 valid judgements; results files ``..._meta.json``, never mixed with the
 meta-less ones).
+``--split`` judges each n >= 2 test group one response at a time (``grm.yardstick.
+split_groups`` / ``join_split``: judgement j of a group is its n single judgements j
+side by side), and its control likewise (the content-blind groups, then split);
+results ``..._split.json`` and the n >= 2 rows only. Every run also writes
+``pair.json`` and a pair-agreement line per stage (``grm.yardstick.pair_agreement``
+at the largest k, and on the control).
 ``--constrained`` overrides the run's ``benchmark.constrained`` (the score line
 decoded under its grammar, so no judgement has the wrong count of scores;
 default: the run's setting); give such a measurement its own ``--out``.
@@ -48,6 +54,7 @@ def define_flags() -> None:
                     "decode the score line under its grammar (default: the run's setting)")
   flags.DEFINE_bool("meta_rm", False, "score the samples with the run's meta_rm stage and keep "
                     "the meta-RM voting rows")
+  flags.DEFINE_bool("split", False, "judge each n >= 2 group one response at a time")
 
 
 def parse_ks(text: str) -> tuple[int, ...]:
@@ -61,11 +68,56 @@ def parse_ks(text: str) -> tuple[int, ...]:
   return ks
 
 
+def split_results(ctx, stage: str, subsets, meta) -> dict:
+  """``grm_results``' records for the n >= 2 groups of ``subsets`` judged one
+  response at a time (``--split``), and for their content-blind control split
+  the same way: ``{"records", "control_records"}``."""
+  from experiments.grm_benchmark import grm_results  # noqa: PLC0415
+  from grm import yardstick as ys  # noqa: PLC0415
+  multi = {s: [g for g in gs if g.n >= 2] for s, gs in subsets.items()}
+  flat = [g for gs in multi.values() for g in gs]
+  names = [s for s, gs in multi.items() for _ in gs]
+  blind = ys.content_blind(flat, ctx.config.seed + 19)  # built as grm_results builds its control
+  saved = ctx.config.benchmark.content_blind
+  ctx.config.benchmark.content_blind = False  # the control is split here, not there
+  try:
+    out = {}
+    for key, groups in (("records", flat), ("control_records", blind)):
+      singles, owners = ys.split_groups(groups)
+      res = grm_results(ctx, stage, {"split": singles}, meta)
+      subset = {id(g): names[e] for e, g in enumerate(groups)}
+      out[key] = ys.join_split(groups, res["records"], subset_of=lambda g: subset[id(g)])
+    return out
+  finally:
+    ctx.config.benchmark.content_blind = saved
+
+
+def pair_lines(parts, ks, c) -> tuple[dict, list[str]]:
+  """Pair agreement at ``max(ks)`` of each stage's records and control records:
+  ``({stage: {"grm", "control"}}, markdown lines)``."""
+  from grm import yardstick as ys  # noqa: PLC0415
+  boot = dict(num_resamples=c.benchmark.bootstrap_samples, seed=c.seed)
+  out, lines = {}, ["", f"Pair agreement at k = {max(ks)} (50: scores blind to which response "
+                        "is better; ± bootstrap SE over groups):", ""]
+  for stage, res in parts.items():
+    if "records" not in res:
+      continue
+    row = {"grm": ys.pair_agreement(res["records"], max(ks), **boot)}
+    if "control_records" in res:
+      row["control"] = ys.pair_agreement(res["control_records"], max(ks), **boot)
+    out[stage] = row
+    cell = lambda e: "–" if e.get("value") is None else f"{e['value']:.1f} ± {e['se']:.1f}"
+    lines.append(f"- {stage}: {cell(row['grm'])}"
+                 + (f" (control {cell(row['control'])})" if "control" in row else ""))
+  return out, lines
+
+
 def measure(run_dir, stages, ks, out, constrained: bool | None = None,
-            meta_rm: bool = False) -> dict:
+            meta_rm: bool = False, split: bool = False) -> dict:
   """The yardstick table of ``stages`` of ``run_dir`` (module docstring); writes ``out``
   (``constrained``: the run's ``benchmark.constrained`` overridden when not None;
-  ``meta_rm``: the samples scored by the run's meta-RM, its voting rows kept)."""
+  ``meta_rm``: the samples scored by the run's meta-RM, its voting rows kept;
+  ``split``: each n >= 2 group judged one response at a time)."""
   from experiments.grm_benchmark import grm_results, yardstick_table  # noqa: PLC0415
   from experiments import grm as grm_job  # noqa: PLC0415
   from experiments.grm_common import (GRM_STAGES, load_groups, load_test_subsets,  # noqa: PLC0415
@@ -89,17 +141,21 @@ def measure(run_dir, stages, ks, out, constrained: bool | None = None,
     meta_cfg = ctx.model_cfg.replace(scalar_head=True)
     meta = (meta_cfg, stage_params(ctx, "meta_rm", meta_cfg))
   out.mkdir(parents=True, exist_ok=True)
-  tag = "-".join(map(str, ks)) + ("_meta" if meta_rm else "")
+  tag = "-".join(map(str, ks)) + ("_meta" if meta_rm else "") + ("_split" if split else "")
+  judge = split_results if split else grm_results
   parts = {stage: common.cached_json(out / f"results_{stage}_k{tag}.json",
-                                     lambda stage=stage: grm_results(ctx, stage, subsets, meta))
+                                     lambda stage=stage: judge(ctx, stage, subsets, meta))
            for stage in stages}
   table = yardstick_table(parts, load_groups(ctx).get("train", []), ctx.config)
   if not meta_rm:
     table = {name: row for name, row in table.items() if "/meta@" not in name}
+  pair, lines = pair_lines(parts, ks, ctx.config)
   common.write_json(out / "yardstick.json", table)
+  common.write_json(out / "pair.json", pair)
   (out / "yardstick.md").write_text("\n".join(
-      [f"# GRM yardstick of {run_dir} ({'meta-RM' if meta_rm else 'no meta-RM'})"]
-      + render_yardstick(table)) + "\n")
+      [f"# GRM yardstick of {run_dir} ({'meta-RM' if meta_rm else 'no meta-RM'}"
+       + (", each response judged alone" if split else "") + ")"]
+      + render_yardstick(table) + lines) + "\n")
   return table
 
 
@@ -110,7 +166,8 @@ def main(argv):
   run_dir = pathlib.Path(FLAGS.workdir)
   measure(run_dir, tuple(s for s in FLAGS.stages.split(",") if s), parse_ks(FLAGS.ks),
           FLAGS.out or run_dir / "yardstick",
-          None if FLAGS.constrained is None else FLAGS.constrained == "true", FLAGS.meta_rm)
+          None if FLAGS.constrained is None else FLAGS.constrained == "true", FLAGS.meta_rm,
+          FLAGS.split)
   sys.stdout.write((pathlib.Path(FLAGS.out or run_dir / "yardstick") / "yardstick.md")
                    .read_text())
 

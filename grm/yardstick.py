@@ -28,6 +28,12 @@ Control (``content_blind``): the same groups, queries and ratings, every
 response text swapped for one from another group, by a seeded derangement;
 a GRM reading the responses falls to chance there.
 
+Split judging (``split_groups`` / ``join_split``): each n >= 2 group judged
+as n single-response groups, one response at a time, and its judgement j
+the n singles' judgements j side by side. A GRM that reads a response when
+it sees it alone, but cannot bind n scores to n responses in one context,
+agrees with the ratings here and not in the joint judgement.
+
 ``pair_agreement``: whether a valid judgement's scores order the responses as
 the ratings do, over every pair of differently rated responses (1 agree,
 1/2 equal scores, 0 reversed; 50 = scores independent of which response is
@@ -240,3 +246,59 @@ def content_blind(groups: Sequence[PreferenceGroup], seed: int) -> list[Preferen
   for p, (e, i) in enumerate(slots):
     new[e][i] = texts[slots[(p + m) % len(slots)]]
   return [dataclasses.replace(g, responses=tuple(r)) for g, r in zip(groups, new)]
+
+
+def split_groups(groups: Sequence[PreferenceGroup]) -> tuple[list[PreferenceGroup], list[int]]:
+  """Each n >= 2 group of ``groups`` as n single-response groups, in order (n == 1
+  groups are dropped); a single's rating is its reward as a 1..10 rating
+  (``grm.data.rating_from_reward``), so it is a well-formed n = 1 group.
+
+  Returns:
+    ``(singles, owners)``: ``owners[j]`` the index in ``groups`` of single j's group.
+  """
+  from grm.data import rating_from_reward  # noqa: PLC0415
+  singles, owners = [], []
+  for e, g in enumerate(groups):
+    if g.n < 2:
+      continue
+    for i in range(g.n):
+      singles.append(dataclasses.replace(
+          g, responses=(g.responses[i],), ratings=(float(rating_from_reward(g.ratings[i])),),
+          reasons=(g.reasons[i],)))
+      owners.append(e)
+  return singles, owners
+
+
+def join_split(groups: Sequence[PreferenceGroup], single_records: Sequence[Mapping],
+               subset_of=None) -> list[dict]:
+  """The records (``group_record``'s layout) of the n >= 2 ``groups`` from their
+  singles' records (``split_groups``' order): judgement j of a group is its singles'
+  judgements j side by side (scores ``[n]``), valid when every single's is; the
+  meta score is the singles' mean. ``subset_of``: a group's subset name (default
+  each single record's)."""
+  multi = [g for g in groups if g.n >= 2]
+  if len(single_records) != sum(g.n for g in multi):
+    raise ValueError(f"{len(single_records)} single records for {len(multi)} groups holding "
+                     f"{sum(g.n for g in multi)} responses")
+  out, pos = [], 0
+  for g in multi:
+    parts = single_records[pos:pos + g.n]
+    pos += g.n
+    k = {len(r["samples"]["valid"]) for r in parts}
+    if len(k) != 1:
+      raise ValueError(f"group {g.example_id!r}: its singles hold {sorted(k)} samples")
+    k = k.pop()
+
+    def side(key, field, parts=parts):
+      return np.asarray([np.asarray(r[key][field], np.float64).reshape(-1) for r in parts])
+
+    gs, gv = side("greedy", "scores")[:, :1], side("greedy", "valid")[:, :1]
+    ss, sv, sm = side("samples", "scores"), side("samples", "valid"), side("samples", "meta")
+    out.append({"subset": subset_of(g) if subset_of else parts[0]["subset"], "n": g.n,
+                "ratings": [float(x) for x in g.ratings],
+                "greedy": {"scores": gs.T.astype(np.int64).tolist(),
+                           "valid": [bool(gv.all())]},
+                "samples": {"scores": ss.T.astype(np.int64).reshape(k, g.n).tolist(),
+                            "valid": sv.astype(bool).all(axis=0).tolist(),
+                            "meta": sm.mean(axis=0).tolist()}})
+  return out

@@ -366,6 +366,35 @@ def test_grm_yardstick_cli_with_the_meta_rm_gives_the_benchmarks_meta_scores(run
   assert "(meta-RM)" in proc.stdout
 
 
+def test_grm_yardstick_split_judges_each_response_alone_and_joins_them(run, tmp_path):
+  """``--split`` (in process): one record per n >= 2 test group, for the groups and for
+  their control, each sample's n scores from n single judgements; the table holds only
+  n >= 2 rows and equals recompute() of those records; pair.json is written."""
+  from experiments import grm_yardstick
+  from experiments.grm_common import load_test_subsets
+  workdir, _ = run
+  out = tmp_path / "yard_split"
+  table = grm_yardstick.measure(workdir, ("cold_start",), (1, 2), out, split=True)
+  mine = json.loads((out / "results_cold_start_k1-2_split.json").read_text())
+  ctx = grm_job.saved_run_context(workdir, (1, 2))
+  groups = [g for gs in load_test_subsets(ctx).values() for g in gs if g.n >= 2]
+  for key in ("records", "control_records"):
+    assert [r["n"] for r in mine[key]] == [g.n for g in groups]
+    assert [r["ratings"] for r in mine[key]] == [list(g.ratings) for g in groups]
+    for r in mine[key]:
+      assert np.shape(r["samples"]["scores"]) == (2, r["n"])
+  config = grm_config.get_config("tiny")
+  again = yardstick.recompute(mine["records"], (1, 2),
+                              num_resamples=config.benchmark.bootstrap_samples, seed=config.seed)
+  for name in ("greedy", "vote@1", "vote@2"):
+    got = table[f"cold_start/{name}"]
+    assert set(again[name]) == {yardstick.MULTI}
+    assert got[yardstick.MULTI] == again[name][yardstick.MULTI]
+  pair = json.loads((out / "pair.json").read_text())
+  assert set(pair["cold_start"]) == {"grm", "control"}
+  assert "each response judged alone" in (out / "yardstick.md").read_text()
+
+
 def test_grm_yardstick_bad_arguments_name_the_flag(tmp_path):
   from experiments import grm_compare  # noqa: F401  (defines its own --ks at import)
   from experiments import grm_yardstick
