@@ -154,7 +154,9 @@ def render_yardstick(ys_table: dict) -> str:
   for name, row in ys_table["rows"].items():
     arms = [cell(row[a]) + (f" ({row[f'{a}_control']['value']:.1f})"
                             if row.get(f"{a}_control") else "") for a in ARMS]
-    lines.append(f"| {name} | {arms[0]} | {arms[1]} | {cell(row.get('shared_minus_separate'))} |")
+    d = row.get("shared_minus_separate")
+    diff = "–" if not d else f"{d['value']:+.1f} ± {d['se']:.1f}"
+    lines.append(f"| {name} | {arms[0]} | {arms[1]} | {diff} |")
   pair = ys_table["pair"]
   lines += ["", "Pair agreement (50 = scores blind to which response is better): " + ", ".join(
       f"{a} {cell(pair[a]) if pair[a]['value'] is not None else '–'}" for a in ARMS) + "."]
