@@ -350,7 +350,7 @@ def _stage_rank(ctx: _Ctx, workdir: pathlib.Path) -> dict:
       out[p.id][v] = orders
   common.write_json(workdir / "rankings.json", out)
   common.write_json(workdir / "judge_samples.json", texts[:20])
-  bias = tournament_lib.position_bias(all_matches, texts)
+  bias = tournament_lib.position_bias(all_matches, texts, owners=owner)
   return {"matches": judged, "valid_judgements": valid,
           **{f"judge_{k}": v for k, v in bias.items()},
           "judge_valid_rate": valid / judged if judged else float("nan"),

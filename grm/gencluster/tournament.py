@@ -84,16 +84,36 @@ def _verdicts(games: Sequence[Match], texts: Sequence[str]):
   return first, share
 
 
-def position_bias(games: Sequence[Match], texts: Sequence[str]) -> dict[str, float]:
-  """``pairwise.position_stats`` of a tournament's judgements: the "A" rate of the
+def position_bias(games: Sequence[Match], texts: Sequence[str],
+                  owners: Sequence | None = None) -> dict[str, float]:
+  """``pairwise.position_stats`` of tournaments' judgements: the "A" rate of the
   single judgements, and the credit the combined verdict gives each game's
-  first-shown A (1/2 after swap-averaging a judge that reads positions only)."""
-  first, share = _verdicts(games, texts)
-  mirrored = [m for m in games if m.mirror]
-  if mirrored and len(mirrored) != len(first):
-    raise ValueError("games mix mirrored and single-order matches")
-  swapped = [m.prompt.swapped for m in first]
-  return pairwise.position_stats([pairwise.parse_pairwise(t) for t in texts], swapped, share)
+  first-shown A (1/2 after swap-averaging a judge that reads positions only).
+
+  ``owners``: per match, the tournament it belongs to (e.g. its subtask), when
+  ``games`` pools several: a game is ``(owner, i, j, game)``, so two subtasks'
+  matches of clusters (0, 1) stay two games. None: one tournament.
+  """
+  if owners is None:
+    owners = [None] * len(games)
+  if len(owners) != len(games) or len(games) != len(texts):
+    raise ValueError(f"{len(games)} matches, {len(texts)} judge texts and {len(owners)} "
+                     "owners must be equal")
+  by_owner: dict = {}
+  for m, t, o in zip(games, texts, owners):
+    ms, ts = by_owner.setdefault(o, ([], []))
+    ms.append(m)
+    ts.append(t)
+  swapped, share = [], []
+  for ms, ts in by_owner.values():
+    first, sh = _verdicts(ms, ts)
+    mirrored = [m for m in ms if m.mirror]
+    if mirrored and len(mirrored) != len(first):
+      raise ValueError("games mix mirrored and single-order matches")
+    swapped += [m.prompt.swapped for m in first]
+    share += list(sh)
+  return pairwise.position_stats([pairwise.parse_pairwise(t) for t in texts],
+                                 np.asarray(swapped, bool), np.asarray(share, np.float64))
 
 
 @dataclasses.dataclass(frozen=True)

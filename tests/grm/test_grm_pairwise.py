@@ -95,6 +95,18 @@ def test_tournament_both_orders_hand_computed():
   want_after = (float(not sw[0, 1]) + float(not sw[0, 2]) + 0.5) / 3
   assert bias == {"a_rate_before": 4 / 6, "a_rate_after": pytest.approx(want_after),
                   "split_rate": 1 / 3}
+  # Two tournaments (e.g. two subtasks) with the same cluster indices: with owners
+  # each keeps its own games, and the pooled stats are over both; without owners
+  # their games would share keys, which is refused rather than miscounted.
+  ms2 = tn.matches("q2", reps, seed=6, both_orders=True)
+  texts2 = ["Better: A"] * len(ms2)
+  pooled = tn.position_bias(ms + ms2, texts + texts2, owners=[0] * len(ms) + [1] * len(ms2))
+  sw2 = [m.prompt.swapped for m in ms2 if not m.mirror]
+  after = ([float(not sw[0, 1]), float(not sw[0, 2]), 0.5] + [0.5] * len(sw2))
+  assert pooled == {"a_rate_before": (4 + len(ms2)) / 12,
+                    "a_rate_after": pytest.approx(np.mean(after)), "split_rate": 4 / 6}
+  with pytest.raises(ValueError, match="mix mirrored"):
+    tn.position_bias(ms + ms2, texts + texts2)
   # A pure "A" judge: every game splits and size alone orders the clusters.
   always_a = tn.rank(sizes, ms, ["Better: A"] * len(ms))
   assert always_a.wins == (1.0, 1.0, 1.0) and always_a.order == (1, 2, 0)
