@@ -18,7 +18,9 @@ meta-less ones).
 ``--split`` judges each n >= 2 test group one response at a time (``grm.yardstick.
 split_groups`` / ``join_split``: judgement j of a group is its n single judgements j
 side by side), and its control likewise (the content-blind groups, then split);
-results ``..._split.json`` and the n >= 2 rows only. Every run also writes
+results ``..._split.json`` and the n >= 2 rows only. ``--on=train`` judges the
+train split's groups instead of the test split's (results ``..._train.json``):
+whether the GRM fits the groups it was trained on. Every run also writes
 ``pair.json`` and a pair-agreement line per stage (``grm.yardstick.pair_agreement``
 at the largest k, and on the control).
 ``--constrained`` overrides the run's ``benchmark.constrained`` (the score line
@@ -55,6 +57,9 @@ def define_flags() -> None:
   flags.DEFINE_bool("meta_rm", False, "score the samples with the run's meta_rm stage and keep "
                     "the meta-RM voting rows")
   flags.DEFINE_bool("split", False, "judge each n >= 2 group one response at a time")
+  flags.DEFINE_enum("on", "test", ["test", "train"],
+                    "the groups judged: the test split, or the train split the GRM was "
+                    "trained on (does it fit what it saw?)")
 
 
 def parse_ks(text: str) -> tuple[int, ...]:
@@ -113,11 +118,14 @@ def pair_lines(parts, ks, c) -> tuple[dict, list[str]]:
 
 
 def measure(run_dir, stages, ks, out, constrained: bool | None = None,
-            meta_rm: bool = False, split: bool = False) -> dict:
+            meta_rm: bool = False, split: bool = False, on: str = "test") -> dict:
   """The yardstick table of ``stages`` of ``run_dir`` (module docstring); writes ``out``
   (``constrained``: the run's ``benchmark.constrained`` overridden when not None;
   ``meta_rm``: the samples scored by the run's meta-RM, its voting rows kept;
-  ``split``: each n >= 2 group judged one response at a time)."""
+  ``split``: each n >= 2 group judged one response at a time; ``on``: "test" or
+  "train", the split whose groups are judged)."""
+  if on not in ("test", "train"):
+    raise ValueError(f"--on={on!r}: expected 'test' or 'train'")
   from experiments.grm_benchmark import grm_results, yardstick_table  # noqa: PLC0415
   from experiments import grm as grm_job  # noqa: PLC0415
   from experiments.grm_common import (GRM_STAGES, load_groups, load_test_subsets,  # noqa: PLC0415
@@ -135,13 +143,14 @@ def measure(run_dir, stages, ks, out, constrained: bool | None = None,
                             f"{common.FINAL})")
   ctx = grm_job.saved_run_context(run_dir, ks, content_blind=True,  # the control on
                                   constrained=constrained)
-  subsets = load_test_subsets(ctx)
+  subsets = load_test_subsets(ctx) if on == "test" else {"train": load_groups(ctx)["train"]}
   meta = None
   if meta_rm:
     meta_cfg = ctx.model_cfg.replace(scalar_head=True)
     meta = (meta_cfg, stage_params(ctx, "meta_rm", meta_cfg))
   out.mkdir(parents=True, exist_ok=True)
-  tag = "-".join(map(str, ks)) + ("_meta" if meta_rm else "") + ("_split" if split else "")
+  tag = ("-".join(map(str, ks)) + ("_meta" if meta_rm else "") + ("_split" if split else "")
+         + ("_train" if on == "train" else ""))
   judge = split_results if split else grm_results
   parts = {stage: common.cached_json(out / f"results_{stage}_k{tag}.json",
                                      lambda stage=stage: judge(ctx, stage, subsets, meta))
@@ -154,7 +163,8 @@ def measure(run_dir, stages, ks, out, constrained: bool | None = None,
   common.write_json(out / "pair.json", pair)
   (out / "yardstick.md").write_text("\n".join(
       [f"# GRM yardstick of {run_dir} ({'meta-RM' if meta_rm else 'no meta-RM'}"
-       + (", each response judged alone" if split else "") + ")"]
+       + (", each response judged alone" if split else "")
+       + (", on the train split" if on == "train" else "") + ")"]
       + render_yardstick(table) + lines) + "\n")
   return table
 
@@ -167,7 +177,7 @@ def main(argv):
   measure(run_dir, tuple(s for s in FLAGS.stages.split(",") if s), parse_ks(FLAGS.ks),
           FLAGS.out or run_dir / "yardstick",
           None if FLAGS.constrained is None else FLAGS.constrained == "true", FLAGS.meta_rm,
-          FLAGS.split)
+          FLAGS.split, FLAGS.on)
   sys.stdout.write((pathlib.Path(FLAGS.out or run_dir / "yardstick") / "yardstick.md")
                    .read_text())
 

@@ -395,6 +395,26 @@ def test_grm_yardstick_split_judges_each_response_alone_and_joins_them(run, tmp_
   assert "each response judged alone" in (out / "yardstick.md").read_text()
 
 
+def test_grm_yardstick_on_the_train_split_judges_the_train_groups(run, tmp_path):
+  """``--on=train``: one record per train group, in the data stage's order, with its
+  ratings; the table is recompute() of them."""
+  from experiments import grm_yardstick
+  from experiments.grm_common import load_groups
+  workdir, _ = run
+  out = tmp_path / "yard_train"
+  table = grm_yardstick.measure(workdir, ("cold_start",), (1,), out, on="train")
+  mine = json.loads((out / "results_cold_start_k1_train.json").read_text())
+  train = load_groups(grm_job.saved_run_context(workdir, (1,)))["train"]
+  assert [r["ratings"] for r in mine["records"]] == [list(g.ratings) for g in train]
+  config = grm_config.get_config("tiny")
+  again = yardstick.recompute(mine["records"], (1,),
+                              num_resamples=config.benchmark.bootstrap_samples, seed=config.seed)
+  assert {k: table["cold_start/vote@1"][k] for k in again["vote@1"]} == again["vote@1"]
+  assert "on the train split" in (out / "yardstick.md").read_text()
+  with pytest.raises(ValueError, match="--on='dev'"):
+    grm_yardstick.measure(workdir, ("cold_start",), (1,), out, on="dev")
+
+
 def test_grm_yardstick_bad_arguments_name_the_flag(tmp_path):
   from experiments import grm_compare  # noqa: F401  (defines its own --ks at import)
   from experiments import grm_yardstick
