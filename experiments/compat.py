@@ -150,20 +150,27 @@ def paired_diff(a, b, domain: str, metric: str, num_resamples: int,
   """``a − b`` of two models' ``metric`` on the same test examples, with the
   bootstrap SE of the per-example differences (``opd.eval.stats.paired_difference``),
   on the 0-100 scale. ``metric``: ``reward@1`` (greedy) or ``mean@N`` (sampled)."""
-  da, db = a.domains[domain], b.domains[domain]
-  if da.example_ids != db.example_ids:
+  if a.domains[domain].example_ids != b.domains[domain].example_ids:
     raise ValueError(f"paired_diff: {a.name!r} and {b.name!r} were evaluated on different "
                      f"{domain} examples")
-  if metric == "reward@1":
-    x, y = da.greedy_rewards, db.greedy_rewards
-  elif metric.startswith("mean@"):
-    x, y = da.sampled_rewards, db.sampled_rewards
-  else:
-    raise ValueError(f"paired_diff: metric={metric!r}, expected 'reward@1' or 'mean@N'")
-  if x is None or y is None:
-    raise ValueError(f"paired_diff: {metric} has no per-example rewards in {a.name!r} or {b.name!r}")
+  x, y = example_rewards(a, domain, metric), example_rewards(b, domain, metric)
   value, se = stats_lib.paired_difference(x, y, num_resamples, seed)
   return 100.0 * value, 100.0 * se
+
+
+def example_rewards(result, domain: str, metric: str):
+  """One model's per-example rewards of ``metric`` on ``domain``: greedy ``[n]``
+  (``reward@1``) or sampled ``[n, N]`` (``mean@N``)."""
+  d = result.domains[domain]
+  if metric == "reward@1":
+    x = d.greedy_rewards
+  elif metric.startswith("mean@"):
+    x = d.sampled_rewards
+  else:
+    raise ValueError(f"paired_diff: metric={metric!r}, expected 'reward@1' or 'mean@N'")
+  if x is None:
+    raise ValueError(f"paired_diff: {metric} has no per-example rewards in {result.name!r}")
+  return x
 
 
 def _heldout_rkl(run_dir: pathlib.Path, teacher: str) -> dict[str, float]:

@@ -124,12 +124,13 @@ def yardstick(parts: dict, ks, num_resamples: int, seed: int) -> dict:
     raise ValueError("grm_compare: the two arms' records hold different test groups")
   multi = [i for i, n in enumerate(ns) if n >= 2]
   decisions = {a: ys.record_decisions(records[a], ks) for a in ARMS}
-  tables = {a: ys.recompute(records[a], ks, **boot) for a in ARMS}
   controls = {a: ys.recompute(parts[a]["control_records"], ks, **boot)
               for a in ARMS if "control_records" in parts[a]}
   rows = {}
   for name in decisions["shared"]:
-    row = {a: tables[a][name].get(ys.MULTI, {}).get("strict") for a in ARMS}
+    # recompute() of the records, from the decisions already made
+    row = {a: ys.summarize(decisions[a][name], ns, **boot).get(ys.MULTI, {}).get("strict")
+           for a in ARMS}
     for a, t in controls.items():
       row[f"{a}_control"] = t[name].get(ys.MULTI, {}).get("strict")
     if multi:

@@ -16,7 +16,7 @@ the benchmark stage does and keeps the meta-RM voting rows (k_meta over the
 valid judgements; results files ``..._meta.json``, never mixed with the
 meta-less ones).
 ``--split`` judges each n >= 2 test group one response at a time (``grm.yardstick.
-split_groups`` / ``join_split``: judgement j of a group is its n single judgements j
+singles_of`` / ``join_singles``: judgement j of a group is its n single judgements j
 side by side), and its control likewise (the content-blind groups, then split);
 results ``..._split.json`` and the n >= 2 rows only. ``--on=train`` judges the
 train split's groups instead of the test split's (results ``..._train.json``):
@@ -88,10 +88,8 @@ def split_results(ctx, stage: str, subsets, meta) -> dict:
   try:
     out = {}
     for key, groups in (("records", flat), ("control_records", blind)):
-      singles, owners = ys.split_groups(groups)
-      res = grm_results(ctx, stage, {"split": singles}, meta)
-      subset = {id(g): names[e] for e, g in enumerate(groups)}
-      out[key] = ys.join_split(groups, res["records"], subset_of=lambda g: subset[id(g)])
+      res = grm_results(ctx, stage, {"split": ys.singles_of(groups)}, meta)
+      out[key] = ys.join_singles(groups, res["records"], subsets=names)
     return out
   finally:
     ctx.config.benchmark.content_blind = saved

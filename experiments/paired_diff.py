@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from experiments.compat import paired_diff
+from experiments.compat import example_rewards, paired_diff
 from opd.eval import stats as stats_lib
 from opd.eval.report import load_results
 
@@ -81,15 +81,10 @@ def compare_pooled(pairs: Sequence[tuple], metric: str) -> dict:
         if r.domains[d].example_ids != ids:
           raise ValueError(f"paired_diff: {r.name!r} was evaluated on other {d} examples than "
                            f"{pairs[0][0].name!r}")
-    field = "greedy_rewards" if metric == "reward@1" else "sampled_rewards"
-    if metric != "reward@1" and not metric.startswith("mean@"):
-      raise ValueError(f"paired_diff: metric={metric!r}, expected 'reward@1' or 'mean@N'")
     # [n, pairs] (greedy) or [n, pairs * N] (sampled): paired_difference's row means
     # are the per-example means over the pairs (and samples).
-    x = np.concatenate([np.asarray(getattr(a.domains[d], field), np.float64).reshape(len(ids), -1)
-                        for a, _ in pairs], axis=1)
-    y = np.concatenate([np.asarray(getattr(b.domains[d], field), np.float64).reshape(len(ids), -1)
-                        for _, b in pairs], axis=1)
+    x, y = (np.concatenate([np.asarray(example_rewards(p[side], d, metric), np.float64)
+                            .reshape(len(ids), -1) for p in pairs], axis=1) for side in (0, 1))
     value, se = stats_lib.paired_difference(x, y, RESAMPLES, 0)
     per[d] = (100.0 * value, 100.0 * se)
   avg = sum(v for v, _ in per.values()) / len(per)

@@ -26,8 +26,8 @@ KD 0.35x, a seed's second cold start 0.13x its first, an estimator arm
   specialists 5.4 min, v4_strong 23.6, negative_control 3.7,
   anneal_confidence 1.2, mixed_rl_lr* 3 x 3.0, estimator_* 11 x 0.9 (+ full_s0,
   read from v4_strong, 0.1): total ~53 min; seeds 1 and 2's own baselines
-  (twelfth session; baselines_s* 2 x 7.0, mixed_rl_lr6e-5_s* 2 x 3.2) ~20 min more. Measured (docs/LOG.md, eleventh
-  session; fresh clone, empty compilation cache, idle 2 cores): 46 min 41 s,
+  (twelfth session; baselines_s* 2 x 7.0, mixed_rl_lr6e-5_s* 2 x 3.2) ~20 min
+  more. Measured (docs/LOG.md, eleventh session; fresh clone, empty compilation cache, idle 2 cores): 46 min 41 s,
   specialists 4.5, v4_strong 19.4, negative_control 3.8, anneal_confidence 1.4,
   mixed_rl_lr* 2.3 / 2.4 / 2.5, estimator_* 0.8-1.0 each.
 

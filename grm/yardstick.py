@@ -28,7 +28,7 @@ Control (``content_blind``): the same groups, queries and ratings, every
 response text swapped for one from another group, by a seeded derangement;
 a GRM reading the responses falls to chance there.
 
-Split judging (``split_groups`` / ``join_split``): each n >= 2 group judged
+Split judging (``singles_of`` / ``join_singles``): each n >= 2 group judged
 as n single-response groups, one response at a time, and its judgement j
 the n singles' judgements j side by side. A GRM that reads a response when
 it sees it alone, but cannot bind n scores to n responses in one context,
@@ -248,40 +248,32 @@ def content_blind(groups: Sequence[PreferenceGroup], seed: int) -> list[Preferen
   return [dataclasses.replace(g, responses=tuple(r)) for g, r in zip(groups, new)]
 
 
-def split_groups(groups: Sequence[PreferenceGroup]) -> tuple[list[PreferenceGroup], list[int]]:
-  """Each n >= 2 group of ``groups`` as n single-response groups, in order (n == 1
-  groups are dropped); a single's rating is its reward as a 1..10 rating
-  (``grm.data.rating_from_reward``), so it is a well-formed n = 1 group.
-
-  Returns:
-    ``(singles, owners)``: ``owners[j]`` the index in ``groups`` of single j's group.
-  """
+def singles_of(groups: Sequence[PreferenceGroup]) -> list[PreferenceGroup]:
+  """Each n >= 2 group of ``groups`` as n single-response groups, group after group
+  (n == 1 groups are dropped); a single's rating is its reward as a 1..10 rating
+  (``grm.data.rating_from_reward``), so it is a well-formed n = 1 group."""
   from grm.data import rating_from_reward  # noqa: PLC0415
-  singles, owners = [], []
-  for e, g in enumerate(groups):
-    if g.n < 2:
-      continue
-    for i in range(g.n):
-      singles.append(dataclasses.replace(
-          g, responses=(g.responses[i],), ratings=(float(rating_from_reward(g.ratings[i])),),
-          reasons=(g.reasons[i],)))
-      owners.append(e)
-  return singles, owners
+  return [dataclasses.replace(g, responses=(g.responses[i],),
+                              ratings=(float(rating_from_reward(g.ratings[i])),),
+                              reasons=(g.reasons[i],))
+          for g in groups if g.n >= 2 for i in range(g.n)]
 
 
-def join_split(groups: Sequence[PreferenceGroup], single_records: Sequence[Mapping],
-               subset_of=None) -> list[dict]:
+def join_singles(groups: Sequence[PreferenceGroup], single_records: Sequence[Mapping],
+                 subsets: Sequence[str] | None = None) -> list[dict]:
   """The records (``group_record``'s layout) of the n >= 2 ``groups`` from their
-  singles' records (``split_groups``' order): judgement j of a group is its singles'
+  singles' records (``singles_of``' order): judgement j of a group is its singles'
   judgements j side by side (scores ``[n]``), valid when every single's is; the
-  meta score is the singles' mean. ``subset_of``: a group's subset name (default
-  each single record's)."""
+  meta score is the singles' mean. ``subsets``: each n >= 2 group's subset name
+  (default its first single record's)."""
   multi = [g for g in groups if g.n >= 2]
   if len(single_records) != sum(g.n for g in multi):
     raise ValueError(f"{len(single_records)} single records for {len(multi)} groups holding "
                      f"{sum(g.n for g in multi)} responses")
+  if subsets is not None and len(subsets) != len(multi):
+    raise ValueError(f"{len(subsets)} subset names for {len(multi)} n >= 2 groups")
   out, pos = [], 0
-  for g in multi:
+  for e, g in enumerate(multi):
     parts = single_records[pos:pos + g.n]
     pos += g.n
     k = {len(r["samples"]["valid"]) for r in parts}
@@ -294,7 +286,7 @@ def join_split(groups: Sequence[PreferenceGroup], single_records: Sequence[Mappi
 
     gs, gv = side("greedy", "scores")[:, :1], side("greedy", "valid")[:, :1]
     ss, sv, sm = side("samples", "scores"), side("samples", "valid"), side("samples", "meta")
-    out.append({"subset": subset_of(g) if subset_of else parts[0]["subset"], "n": g.n,
+    out.append({"subset": subsets[e] if subsets is not None else parts[0]["subset"], "n": g.n,
                 "ratings": [float(x) for x in g.ratings],
                 "greedy": {"scores": gs.T.astype(np.int64).tolist(),
                            "valid": [bool(gv.all())]},

@@ -210,22 +210,22 @@ def test_pair_agreement_is_half_for_scores_drawn_without_the_responses():
   assert ys.pair_agreement(records, 50, num_resamples=200)["value"] == 100.0
 
 
-def test_split_groups_and_join_split_rebuild_each_groups_judgements_side_by_side():
+def test_singles_of_and_join_singles_rebuild_each_groups_judgements_side_by_side():
   """Split judging: n >= 2 groups become n singles (each a well-formed n = 1 group whose
   rating is its reward's 1..10 rating), and the singles' records join back into one
   record per group whose sample j holds the singles' sample j, valid when all are."""
   from grm.data import rating_from_reward
   rng = np.random.default_rng(7)
   groups = _groups(rng, 30)
-  singles, owners = ys.split_groups(groups)
+  singles = ys.singles_of(groups)
   multi = [e for e, g in enumerate(groups) if g.n >= 2]
-  assert sorted(set(owners)) == multi and len(singles) == sum(groups[e].n for e in multi)
+  assert len(singles) == sum(groups[e].n for e in multi)
   pos = 0
   for e in multi:
     g = groups[e]
     for i in range(g.n):
       s = singles[pos + i]
-      assert (s.n, s.query, s.responses, owners[pos + i]) == (1, g.query, (g.responses[i],), e)
+      assert (s.n, s.query, s.responses) == (1, g.query, (g.responses[i],))
       assert s.ratings == (float(rating_from_reward(g.ratings[i])),)
     pos += g.n
   k = 3
@@ -234,13 +234,13 @@ def test_split_groups_and_join_split_rebuild_each_groups_judgements_side_by_side
            "samples": {"scores": rng.integers(1, 11, (k, 1)).tolist(),
                        "valid": (rng.random(k) < 0.8).tolist(), "meta": rng.random(k).tolist()}}
           for s in singles]
-  joined = ys.join_split(groups, recs, subset_of=lambda g: g.domain)
+  joined = ys.join_singles(groups, recs, subsets=[f"s{e}" for e in multi])
   assert len(joined) == len(multi)
   pos = 0
   for rec, e in zip(joined, multi):
     g, part = groups[e], recs[pos:pos + groups[e].n]
     pos += g.n
-    assert (rec["n"], rec["ratings"], rec["subset"]) == (g.n, list(g.ratings), "math")
+    assert (rec["n"], rec["ratings"], rec["subset"]) == (g.n, list(g.ratings), f"s{e}")
     assert rec["greedy"]["scores"] == [[p["greedy"]["scores"][0][0] for p in part]]
     assert rec["greedy"]["valid"] == [all(p["greedy"]["valid"][0] for p in part)]
     for j in range(k):
@@ -251,4 +251,6 @@ def test_split_groups_and_join_split_rebuild_each_groups_judgements_side_by_side
   # the joined records feed the yardstick as any others do
   assert set(ys.recompute(joined, (1, k), num_resamples=50)["vote@3"]) == {ys.MULTI}
   with pytest.raises(ValueError, match="single records for"):
-    ys.join_split(groups, recs[:-1])
+    ys.join_singles(groups, recs[:-1])
+  with pytest.raises(ValueError, match="subset names for"):
+    ys.join_singles(groups, recs, subsets=["x"])
